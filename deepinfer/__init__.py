@@ -1,0 +1,5 @@
+"""DeepInfer: an LLM inference engine."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"

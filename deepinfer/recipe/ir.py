@@ -1,0 +1,135 @@
+"""The conversation IR: what every API format is parsed into and every renderer reads.
+
+Plain data only (no pydantic, no torch), so the recipe can be reused by another server.
+Tool-call arguments are kept as the raw JSON text the model produced or the client sent:
+re-encoding a dict would change bytes (key order, spacing) and break prompt reproducibility.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+@dataclass(slots=True)
+class TextPart:
+    text: str
+
+
+@dataclass(slots=True)
+class ImagePart:
+    """An image placeholder: the engine serves text models, renderers emit a marker or reject."""
+
+    url: str | None = None
+    media_type: str | None = None
+
+
+ContentPart = TextPart | ImagePart
+
+
+@dataclass(slots=True)
+class Reasoning:
+    """One reasoning item of an assistant turn (Anthropic thinking / OpenAI reasoning)."""
+
+    text: str = ""
+    signature: str | None = None
+    redacted_data: str | None = None
+
+
+@dataclass(slots=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # raw JSON text, never re-encoded
+
+
+@dataclass(slots=True)
+class Message:
+    """One turn. A `tool` message carries the result of the call named by `tool_call_id`."""
+
+    role: Role
+    content: list[ContentPart] = field(default_factory=list)
+    reasoning: list[Reasoning] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_id: str | None = None
+    name: str | None = None  # tool name for tool results, when the API gives it
+    is_error: bool = False  # tool results only
+
+    @property
+    def text(self) -> str:
+        return "".join(p.text for p in self.content if isinstance(p, TextPart))
+
+
+@dataclass(slots=True)
+class Tool:
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool = False
+
+
+@dataclass(slots=True)
+class ToolChoice:
+    mode: Literal["auto", "none", "required", "named"] = "auto"
+    name: str | None = None  # set when mode == "named"
+
+
+@dataclass(slots=True)
+class Thinking:
+    """enabled=None means the model's own default."""
+
+    enabled: bool | None = None
+    budget_tokens: int | None = None
+
+
+@dataclass(slots=True)
+class ResponseFormat:
+    """Structured output requested by the client."""
+
+    type: Literal["text", "json_object", "json_schema", "regex", "choice", "grammar"] = "text"
+    json_schema: dict[str, Any] | None = None
+    name: str | None = None
+    strict: bool = False
+    regex: str | None = None
+    choices: list[str] | None = None
+    grammar: str | None = None
+
+
+@dataclass(slots=True)
+class GenerationParams:
+    """Sampling and stopping fields, in the engine's terms (None = engine default)."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool = False
+
+
+@dataclass(slots=True)
+class Conversation:
+    messages: list[Message] = field(default_factory=list)
+    tools: list[Tool] = field(default_factory=list)
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
+    thinking: Thinking = field(default_factory=Thinking)
+    params: GenerationParams = field(default_factory=GenerationParams)
+    response_format: ResponseFormat | None = None
+    model: str | None = None
+    stream: bool = False
+    include_usage: bool = False  # OpenAI stream_options.include_usage
+    cache_salt: str | None = None
+    traffic_class: str | None = None
+    user: str | None = None
