@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.deepinfer-installed
 
-.PHONY: serve test lint format install clean
+.PHONY: serve test lint format install clean test-services
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,7 +29,11 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-test: lint
+# The KV store tests run a real redis-server; Debian's package provides it (we are root on dev machines and CI).
+test-services:
+	command -v redis-server >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
+
+test: lint test-services
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 clean:

@@ -1,0 +1,339 @@
+"""`bench peers`: DeepInfer against llama.cpp and HF transformers on one machine, one model.
+
+Each peer runs alone (never two at once: they would share the same cores) on the same GGUF
+and the same seeded random prompts, and is measured by the same code (`bench serve` for the
+servers, the same statistics for in-process transformers). A peer that cannot be started is
+reported with the reason, never left out.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from deepinfer.bench.datasets import build_dataset
+from deepinfer.bench.report import (
+    markdown_table,
+    package_versions,
+    provenance,
+    replace_marked_section,
+    write_json,
+)
+from deepinfer.bench.roofline import default_model_path
+from deepinfer.bench.serve import BenchError, summarize_run
+from deepinfer.bench.serve_command import ServeOptions, run_serve
+from deepinfer.bench.server_process import running_server
+from deepinfer.bench.stats import Slo
+
+PEER_NAMES: tuple[str, ...] = ("deepinfer", "llama.cpp", "transformers")
+DOC_SECTION = "peers"
+BUILD_HINT = "pip install 'deepinfer[peers]' (llama-cpp-python) or bench/build_llama_server.sh (llama-server)"
+
+
+@dataclass(slots=True)
+class PeersOptions:
+    peers: list[str] = field(default_factory=lambda: list(PEER_NAMES))
+    model_gguf: str | None = None
+    num_prompts: int = 16
+    max_concurrency: int = 16
+    input_len: int = 256
+    output_len: int = 128
+    seed: int = 0
+    threads: int = 2
+    port: int = 18731
+    llama_server: str | None = None
+    startup_timeout_s: float = 600.0
+    doc: str | None = "docs/benchmarks.md"
+    result_json: str | None = None
+    show_progress: bool = True
+
+
+@dataclass(slots=True)
+class PeerOutcome:
+    name: str
+    status: str  # "measured", "not available" or "failed"
+    detail: str = ""
+    version: str | None = None
+    command: str | None = None
+    summary: dict[str, Any] | None = None
+
+
+@dataclass(slots=True)
+class PeersReport:
+    outcomes: list[PeerOutcome]
+    markdown: str
+
+    @property
+    def any_measured(self) -> bool:
+        return any(outcome.status == "measured" for outcome in self.outcomes)
+
+
+def _serve_options(options: PeersOptions, base_url: str, extra_body: dict[str, Any]) -> ServeOptions:
+    return ServeOptions(
+        base_url=base_url,
+        api="chat",
+        dataset="random",
+        num_prompts=options.num_prompts,
+        input_len=options.input_len,
+        output_len=options.output_len,
+        seed=options.seed,
+        max_concurrency=options.max_concurrency,
+        extra_body=extra_body,
+        show_progress=options.show_progress,
+    )
+
+
+def _measure_server(
+    name: str, command: list[str], options: PeersOptions, extra_body: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    base_url = f"http://127.0.0.1:{options.port}"
+    with running_server(command, base_url, options.startup_timeout_s):
+        result = run_serve(_serve_options(options, base_url, extra_body or {}))
+    summary = result["runs"][0]["summary"]
+    if summary["failed"]:
+        raise BenchError(f"{name}: {summary['failed']} requests failed: {summary['errors']}")
+    return summary
+
+
+def _ours(options: PeersOptions, gguf: Path) -> PeerOutcome:
+    if importlib.util.find_spec("deepinfer.cli") is None:
+        return PeerOutcome(
+            "deepinfer", "not available", "deepinfer.cli does not exist yet (no `deepinfer serve`)"
+        )
+    probe = subprocess.run(
+        [sys.executable, "-m", "deepinfer.cli", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if probe.returncode != 0 or "usage" not in probe.stdout.lower():
+        return PeerOutcome("deepinfer", "not available", "`python -m deepinfer.cli serve` is not available yet")
+    command = [sys.executable, "-m", "deepinfer.cli", "serve", "--port", str(options.port)]
+    return PeerOutcome(
+        "deepinfer",
+        "measured",
+        "",
+        package_versions(["deepinfer"])["deepinfer"],
+        " ".join(command[1:]),
+        _measure_server("deepinfer", command, options),
+    )
+
+
+def _eos_token_ids(gguf: Path) -> list[int]:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf))
+    ids = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
+        field_ = reader.get_field(key)
+        if field_ is not None:
+            ids.append(int(field_.contents()))
+    return sorted(set(ids))
+
+
+def _find_llama_server(options: PeersOptions) -> str | None:
+    if options.llama_server:
+        return options.llama_server
+    on_path = shutil.which("llama-server")
+    if on_path:
+        return on_path
+    beside_python = Path(sys.executable).parent / "llama-server"
+    return str(beside_python) if beside_python.exists() else None
+
+
+def _llama_cpp(options: PeersOptions, gguf: Path) -> PeerOutcome:
+    binary = _find_llama_server(options)
+    # Room for every slot's prompt (about a token per word plus the chat template) and reply.
+    context = options.max_concurrency * (options.input_len + options.output_len + 64)
+    if binary:
+        version = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=60)
+        command = [
+            binary,
+            "-m", str(gguf),
+            "--host", "127.0.0.1",
+            "--port", str(options.port),
+            "-np", str(options.max_concurrency),
+            "-cb",
+            "-kvu",
+            "-c", str(context),
+            "-t", str(options.threads),
+            "-tb", str(options.threads),
+            "--no-webui",
+        ]  # fmt: skip
+        summary = _measure_server("llama.cpp", command, options)
+        text = (version.stdout + version.stderr).strip().splitlines()
+        return PeerOutcome(
+            "llama.cpp",
+            "measured",
+            f"llama-server, {options.max_concurrency} parallel slots, continuous batching",
+            next((line for line in text if "version" in line), None),
+            " ".join(command),
+            summary,
+        )
+    if importlib.util.find_spec("llama_cpp") is None:
+        return PeerOutcome(
+            "llama.cpp", "not available", f"neither llama-server nor llama-cpp-python: {BUILD_HINT}"
+        )
+    command = [
+        sys.executable, "-m", "llama_cpp.server",
+        "--model", str(gguf),
+        "--host", "127.0.0.1",
+        "--port", str(options.port),
+        "--n_ctx", str(options.input_len + options.output_len + 64),
+        "--n_threads", str(options.threads),
+        "--n_threads_batch", str(options.threads),
+    ]  # fmt: skip
+    # llama-cpp-python's server has no ignore_eos; a -100 bias keeps end tokens from ending early.
+    extra = {"logit_bias": {str(token): -100.0 for token in _eos_token_ids(gguf)}}
+    return PeerOutcome(
+        "llama.cpp",
+        "measured",
+        "llama-cpp-python server: one request at a time (no parallel slots)",
+        f"llama-cpp-python {package_versions(['llama-cpp-python'])['llama-cpp-python']}",
+        " ".join(command[1:]),
+        _measure_server("llama.cpp", command, options, extra),
+    )
+
+
+def _transformers(options: PeersOptions, gguf: Path) -> PeerOutcome:
+    from deepinfer.bench.peer_transformers import run_transformers
+
+    dataset = build_dataset(
+        "random", options.num_prompts, options.seed, options.input_len, options.output_len
+    )
+    outcome = run_transformers(gguf, dataset, options.max_concurrency, options.threads)
+    versions = package_versions(["transformers", "torch"])
+    return PeerOutcome(
+        "transformers",
+        "measured",
+        f"batched generate, batch {options.max_concurrency}, fp32, greedy",
+        f"transformers {versions['transformers']}, torch {versions['torch']}",
+        "in process: AutoModelForCausalLM.from_pretrained(gguf_file=...).generate",
+        summarize_run(outcome, Slo()),
+    )
+
+
+_RUNNERS = {"deepinfer": _ours, "llama.cpp": _llama_cpp, "transformers": _transformers}
+
+
+def _ratio(value: float | None, ours: float | None) -> str:
+    if value is None or not ours:
+        return "—"
+    return f"{value / ours:.2f}×"
+
+
+def format_peers(outcomes: list[PeerOutcome], options: PeersOptions, header: dict[str, Any]) -> str:
+    ours = next((o.summary for o in outcomes if o.name == "deepinfer" and o.summary), None)
+
+    def metric(summary: dict[str, Any] | None, key: str, stat: str) -> float | None:
+        return ((summary or {}).get(key) or {}).get(stat)
+
+    rows = []
+    for outcome in outcomes:
+        s = outcome.summary
+        throughput = s["output_throughput"] if s else None
+        ttft50, ttft99 = metric(s, "ttft_ms", "p50"), metric(s, "ttft_ms", "p99")
+        tpot50 = metric(s, "tpot_ms", "p50")
+        rows.append(
+            [
+                outcome.name,
+                outcome.status,
+                throughput,
+                _ratio(throughput, ours and ours["output_throughput"]),
+                ttft50,
+                _ratio(ttft50, metric(ours, "ttft_ms", "p50")),
+                ttft99,
+                tpot50,
+                _ratio(tpot50, metric(ours, "tpot_ms", "p50")),
+                outcome.detail,
+            ]
+        )
+    table = markdown_table(
+        [
+            "engine",
+            "status",
+            "output tok/s",
+            "vs us",
+            "TTFT p50 ms",
+            "vs us",
+            "TTFT p99 ms",
+            "TPOT p50 ms",
+            "vs us",
+            "notes",
+        ],
+        rows,
+    )
+    machine = header["machine"]
+    lines = [
+        f"Measured {header['date']} on {machine['cpu']} ({machine['usable_cores']} cores usable, "
+        f"{machine['memory_gib']} GiB), one engine at a time.",
+        "",
+        f"Command: `{header['command']}`",
+        "",
+        f"Workload: {options.num_prompts} random prompts of {options.input_len} words, "
+        f"{options.output_len} output tokens each (ignore EOS), at most {options.max_concurrency} in flight, "
+        f"seed {options.seed}, {options.threads} threads, model `{header['model']}`. "
+        "\"vs us\" is the peer's value divided by DeepInfer's.",
+        "",
+        table,
+        "",
+        "Versions and how each engine ran:",
+        "",
+    ]
+    for outcome in outcomes:
+        version = outcome.version or "—"
+        how = f"; `{outcome.command}`" if outcome.command else ""
+        lines.append(f"- {outcome.name}: {version}{how}")
+    return "\n".join(lines)
+
+
+def run_peers(options: PeersOptions) -> PeersReport:
+    unknown = [name for name in options.peers if name not in _RUNNERS]
+    if unknown:
+        raise ValueError(f"--peers: unknown {', '.join(unknown)}; choose from {', '.join(PEER_NAMES)}")
+    gguf = Path(options.model_gguf) if options.model_gguf else default_model_path()
+    if not gguf.is_file():
+        raise ValueError(f"--model-gguf: no such file {gguf}")
+    outcomes = []
+    for name in options.peers:
+        try:
+            outcomes.append(_RUNNERS[name](options, gguf))
+        except (
+            BenchError,
+            OSError,
+            subprocess.SubprocessError,
+            ImportError,
+            RuntimeError,
+            ValueError,
+        ) as exc:
+            outcomes.append(PeerOutcome(name, "failed", f"{type(exc).__name__}: {str(exc)[:300]}"))
+    header = {**provenance(), "model": gguf.name}
+    markdown = format_peers(outcomes, options, header)
+    if options.doc:
+        replace_marked_section(options.doc, DOC_SECTION, markdown)
+    if options.result_json:
+        write_json(
+            options.result_json,
+            {
+                "benchmark": "peers",
+                **header,
+                "options": {k: getattr(options, k) for k in options.__slots__},  # type: ignore[attr-defined]
+                "peers": [
+                    {
+                        "name": o.name,
+                        "status": o.status,
+                        "detail": o.detail,
+                        "version": o.version,
+                        "command": o.command,
+                        "summary": o.summary,
+                    }
+                    for o in outcomes
+                ],
+            },
+        )
+    return PeersReport(outcomes, markdown)

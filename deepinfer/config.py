@@ -1,0 +1,46 @@
+"""Engine options, shared by the offline `LLM`, `deepinfer serve` and the benchmarks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+import torch
+
+DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None  # a .gguf file or a HF directory; None = the embedded default model
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes for the KV cache (default 2 GiB on CPU, 90% free on GPU)
+    num_blocks: int | None = None  # overrides kv_cache_memory
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    prefill_chunk_size: int | None = None
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    attention_backend: Literal["auto", "torch", "cpu_paged"] = "auto"
+    num_threads: int | None = None
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(kwargs) - known
+        if unknown:
+            raise TypeError(f"unknown engine options: {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**kwargs)
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
+        return getattr(torch, self.dtype)

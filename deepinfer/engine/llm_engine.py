@@ -1,0 +1,97 @@
+"""The in-process engine: text and validation around the engine core."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from deepinfer.config import EngineConfig
+from deepinfer.engine.core import EngineCore
+from deepinfer.engine.output_processor import OutputProcessor, SequenceDelta
+from deepinfer.engine.request import EngineRequest
+from deepinfer.model.loader.load import LoadedModel
+from deepinfer.outputs import RequestOutput
+from deepinfer.sampling_params import InvalidRequestError, SamplingParams
+
+
+@dataclass(slots=True)
+class PreparedPrompt:
+    prompt: str | None
+    token_ids: list[int]
+
+
+def validate_prompt(token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
+    if not token_ids:
+        raise InvalidRequestError("prompt: must not be empty", param="prompt")
+    if len(token_ids) >= max_model_len:
+        raise InvalidRequestError(
+            f"prompt: {len(token_ids)} tokens leave no room to generate within the model's context of {max_model_len} tokens",
+            param="prompt",
+        )
+    bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(
+            f"prompt: token id {bad!r} is outside the vocabulary [0, {vocab_size})", param="prompt"
+        )
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.core = EngineCore(config, loaded)
+        self.tokenizer = self.core.loaded.tokenizer
+        self.processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.core.loaded.config.vocab_size
+
+    def prepare_prompt(self, prompt: str | list[int]) -> PreparedPrompt:
+        if isinstance(prompt, str):
+            return PreparedPrompt(prompt, self.tokenizer.encode(prompt))
+        return PreparedPrompt(None, list(prompt))
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> str:
+        """Validate and enqueue; raises InvalidRequestError before anything enters the engine."""
+        prepared = self.prepare_prompt(prompt)
+        validate_prompt(prepared.token_ids, self.vocab_size, self.core.max_model_len)
+        params.validate(self.vocab_size)
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        self.processor.add_request(request_id, prepared.prompt, prepared.token_ids, params)
+        self.core.add_request(
+            EngineRequest(
+                request_id,
+                prepared.token_ids,
+                params,
+                eos_token_ids=list(self.core.loaded.config.eos_token_ids),
+                priority=priority,
+                cache_salt=cache_salt,
+            )
+        )
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        self.core.abort(request_id)
+        self.processor.finish_aborted(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.processor.has_unfinished() or self.core.has_work()
+
+    def step_deltas(self) -> list[SequenceDelta]:
+        deltas, stopped = self.processor.process(self.core.step())
+        for request_id, index in stopped:
+            self.core.abort(request_id, index)
+        return deltas
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; returns the current output of every request that advanced."""
+        touched = dict.fromkeys(d.request_id for d in self.step_deltas())
+        return [self.processor.request_output(request_id) for request_id in touched]

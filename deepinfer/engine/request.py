@@ -1,0 +1,88 @@
+"""What the engine core knows of a request: token ids and parameters, no text.
+
+A request fans out into `n` sequences. The first sequence prefills the prompt; when its prefill
+completes the others are forked from it and share the prompt's KV blocks (copy-on-write for the
+partial last block).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from deepinfer.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS, a stop token id, or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """The unit the engine core accepts: token ids only (text lives on the API side)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: list[int] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # lower value = scheduled earlier (vLLM convention)
+    cache_salt: str | None = None
+    traffic_class: str | None = None
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    seq_id: int
+    request: EngineRequest
+    index: int  # choice index within the request
+    token_ids: list[int]
+    num_prompt_tokens: int
+    prefix_root: bytes
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0  # leading blocks already indexed in the prefix cache
+    num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    pending_forks: int = 0  # siblings to fork when this sequence's prefill completes
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def sort_key(self) -> tuple[int, float, int]:
+        """Scheduling order: priority, then arrival, then choice index."""
+        return (self.request.priority, self.request.arrival_time, self.seq_id)

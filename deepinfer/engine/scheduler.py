@@ -1,0 +1,276 @@
+"""Continuous batching with chunked prefill, prefix hits and preemption by recompute.
+
+The scheduler's one verb: "sequence S gets N new tokens this step". A prefill chunk, a decode, a
+prefix-cache hit (which simply advances S's computed tokens) and speculative tokens are all that.
+Running sequences are served first (decodes and unfinished prefills, in priority/arrival order),
+then waiting sequences are admitted while the token budget, `max_num_seqs` and the KV pool allow,
+which gives mixed steps. When blocks run out, the lowest-priority, latest-arrived running sequence
+is preempted: its blocks are freed and it later recomputes its tokens (often from prefix hits).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass, field
+from typing import Literal
+
+from deepinfer.engine.kv_cache.manager import KVCacheManager
+from deepinfer.engine.request import EngineRequest, FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048  # the token budget of one step
+    prefill_chunk_size: int | None = None  # cap on one sequence's prefill chunk (None: budget)
+    max_model_len: int = 8192
+    policy: Literal["fcfs", "priority"] = "fcfs"
+
+
+@dataclass(slots=True)
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int
+    start: int  # position of the first new token (tokens computed before this step)
+    sample: bool  # this step ends at the sequence's last token, so it yields a new token
+    forks: list[Sequence] = field(default_factory=list)  # siblings sampled from the same logits
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence]
+    block_copies: list[tuple[int, int]]
+    preempted: list[Sequence]
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class SequenceUpdate:
+    """What one step changed for one sequence: the engine's per-step output unit."""
+
+    seq: Sequence
+    new_token_ids: list[int]
+    finished: bool
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: list[Sequence] = []  # sorted by _key
+        self.running: list[Sequence] = []
+        self._by_request: dict[str, list[Sequence]] = {}
+        self._seq_ids = itertools.count()
+
+    # -- requests in and out -------------------------------------------------------------------
+
+    def add_request(self, request: EngineRequest, prefix_root: bytes) -> Sequence:
+        seq = Sequence(
+            seq_id=next(self._seq_ids),
+            request=request,
+            index=0,
+            token_ids=list(request.prompt_token_ids),
+            num_prompt_tokens=len(request.prompt_token_ids),
+            prefix_root=prefix_root,
+            pending_forks=request.params.n - 1,
+        )
+        self._by_request[request.request_id] = [seq]
+        self._enqueue(seq)
+        return seq
+
+    def abort_request(self, request_id: str, index: int | None = None) -> list[Sequence]:
+        """Finish a request's sequences now (all, or the one with choice `index`) and free their
+        blocks. Unknown ids are ignored. Returns the sequences that were still unfinished."""
+        seqs = self._by_request.get(request_id, [])
+        if index is not None:
+            seqs = [s for s in seqs if s.index == index]
+        aborted = []
+        for seq in seqs:
+            seq.pending_forks = 0  # siblings not yet forked never will be
+            if seq.is_finished:
+                continue
+            if seq.status == SequenceStatus.WAITING:
+                self.waiting.remove(seq)
+            else:
+                self.running.remove(seq)
+                self.kv.free(seq)
+            self._mark_finished(seq, FinishReason.ABORT, None)
+            aborted.append(seq)
+        self._forget_if_done(request_id)
+        return aborted
+
+    def sequences_of(self, request_id: str) -> list[Sequence]:
+        return self._by_request.get(request_id, [])
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._by_request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def _key(self, seq: Sequence) -> tuple[int, float, int]:
+        priority, arrival, seq_id = seq.sort_key()
+        return (priority if self.config.policy == "priority" else 0, arrival, seq_id)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=self._key)
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        if seq.num_computed_tokens < seq.num_prompt_tokens and self.config.prefill_chunk_size:
+            remaining = min(remaining, self.config.prefill_chunk_size)
+        return min(remaining, budget)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq)
+        seq.num_preemptions += 1
+        self._enqueue(seq)
+
+    def _scheduled(self, seq: Sequence, num_new: int, forks_out: list[Sequence]) -> ScheduledSequence:
+        start = seq.num_computed_tokens
+        seq.num_computed_tokens += num_new
+        sample = seq.num_computed_tokens == seq.num_tokens
+        item = ScheduledSequence(seq, num_new, start, sample)
+        if sample and seq.pending_forks:
+            item.forks = self._fork(seq)
+            forks_out.extend(item.forks)
+        return item
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        children = []
+        for index in range(1, parent.pending_forks + 1):
+            child = Sequence(
+                seq_id=next(self._seq_ids),
+                request=parent.request,
+                index=index,
+                token_ids=list(parent.token_ids),
+                num_prompt_tokens=parent.num_prompt_tokens,
+                prefix_root=parent.prefix_root,
+                status=SequenceStatus.RUNNING,
+                num_cached_tokens=parent.num_cached_tokens,
+            )
+            self.kv.fork(parent, child)
+            children.append(child)
+        parent.pending_forks = 0
+        self._by_request[parent.request_id].extend(children)
+        return children
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSequence] = []
+        preempted: list[Sequence] = []
+        forks: list[Sequence] = []
+
+        # Decodes before unfinished prefills, so a long prompt never stalls running generations.
+        order = sorted(self.running, key=lambda s: (s.num_tokens - s.num_computed_tokens > 1, self._key(s)))
+        done: set[int] = set()
+        for seq in order:
+            if budget <= 0:
+                break
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # preempted earlier in this step
+            num_new = self._chunk(seq, budget)
+            while not self.kv.can_allocate(seq, num_new):
+                victim = max((s for s in self.running if s.seq_id not in done), key=self._key)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING:
+                continue
+            self.kv.allocate(seq, num_new)
+            scheduled.append(self._scheduled(seq, num_new, forks))
+            done.add(seq.seq_id)
+            budget -= num_new
+
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            hits = self.kv.find_cached_prefix(seq)
+            num_hit_tokens = len(hits) * self.kv.block_size
+            remaining = seq.num_tokens - num_hit_tokens
+            if seq.num_computed_tokens < seq.num_prompt_tokens and self.config.prefill_chunk_size:
+                remaining = min(remaining, self.config.prefill_chunk_size)
+            num_new = min(remaining, budget)
+            if not self.kv.can_allocate(seq, num_new, hits):
+                break
+            self.waiting.pop(0)
+            self.kv.allocate(seq, num_new, hits)
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = num_hit_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(self._scheduled(seq, num_new, forks))
+            budget -= num_new
+
+        self.running.extend(forks)
+        return SchedulerOutput(scheduled, self.kv.take_copies(), preempted)
+
+    # -- after the forward ---------------------------------------------------------------------
+
+    def update(self, output: SchedulerOutput, sampled: dict[int, list[int]]) -> list[SequenceUpdate]:
+        """Append sampled tokens (seq_id -> tokens), apply stop rules, free finished sequences."""
+        updates: list[SequenceUpdate] = []
+        for item in output.scheduled:
+            for seq in (item.seq, *item.forks):
+                if seq.is_finished:  # aborted while the step ran
+                    continue
+                new_tokens = sampled.get(seq.seq_id, []) if item.sample else []
+                accepted = self._append(seq, new_tokens)
+                self.kv.cache_computed_blocks(seq)
+                if accepted or seq.is_finished:
+                    updates.append(SequenceUpdate(seq, accepted, seq.is_finished))
+                if seq.is_finished:
+                    self._finish(seq)
+        return updates
+
+    def _append(self, seq: Sequence, new_tokens: list[int]) -> list[int]:
+        params = seq.params
+        accepted: list[int] = []
+        for token in new_tokens:
+            seq.token_ids.append(token)
+            accepted.append(token)
+            num_out = seq.num_output_tokens
+            # min_tokens: the sampler masks stop tokens until this many have been generated.
+            may_stop = num_out > params.min_tokens
+            if may_stop and not params.ignore_eos and token in seq.request.eos_token_ids:
+                self._mark_finished(seq, FinishReason.STOP, None)
+                break
+            if may_stop and token in params.stop_token_ids:
+                self._mark_finished(seq, FinishReason.STOP, token)
+                break
+            if (params.max_tokens is not None and num_out >= params.max_tokens) or (
+                seq.num_tokens >= self.config.max_model_len
+            ):
+                self._mark_finished(seq, FinishReason.LENGTH, None)
+                break
+        return accepted
+
+    @staticmethod
+    def _mark_finished(seq: Sequence, reason: FinishReason, stop_reason: int | str | None) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+
+    def _finish(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        self.kv.free(seq)
+        self._forget_if_done(seq.request_id)
+
+    def _forget_if_done(self, request_id: str) -> None:
+        seqs = self._by_request.get(request_id)
+        if seqs is not None and all(s.is_finished and not s.pending_forks for s in seqs):
+            del self._by_request[request_id]

@@ -1,0 +1,96 @@
+"""The offline API, with the same surface as vLLM's `LLM`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from deepinfer.config import EngineConfig
+from deepinfer.engine.llm_engine import LLMEngine
+from deepinfer.model.loader.load import LoadedModel
+from deepinfer.outputs import RequestOutput
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.tokenizer import Tokenizer
+
+PromptInput = str | list[int] | dict[str, Any]
+
+
+def _normalize_prompt(prompt: PromptInput) -> str | list[int]:
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        return prompt["prompt"]
+    return prompt
+
+
+class LLM:
+    """`LLM()` serves the embedded default model (SmolLM2-135M-Instruct).
+
+    `loaded` reuses weights already in memory (another engine's `engine.core.loaded`), so several
+    engines with different options can share one copy of the model in a process.
+    """
+
+    def __init__(self, model: str | None = None, *, loaded: LoadedModel | None = None, **engine_args: Any) -> None:
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args), loaded)
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.core.reset_prefix_cache()
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+        cache_salt: str | list[str | None] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts (strings, token-id lists or {"prompt_token_ids": ...} dicts) to completion.
+
+        Every prompt is validated before any enters the engine, so a bad one fails the call
+        without leaving half a batch running.
+        """
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # a single prompt
+        prompts = [_normalize_prompt(p) for p in prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (
+            list(sampling_params)
+            if isinstance(sampling_params, Sequence)
+            else [sampling_params] * len(prompts)
+        )
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        salts = cache_salt if isinstance(cache_salt, list) else [cache_salt] * len(prompts)
+        prepared = [self.engine.prepare_prompt(p) for p in prompts]
+        from deepinfer.engine.llm_engine import validate_prompt
+
+        for p, sp in zip(prepared, params):
+            validate_prompt(p.token_ids, self.engine.vocab_size, self.engine.core.max_model_len)
+            sp.validate(self.engine.vocab_size)
+
+        ids = [
+            self.engine.add_request(
+                p.token_ids if p.prompt is None else p.prompt,
+                sp,
+                priority=priority[i] if priority else 0,
+                cache_salt=salts[i],
+            )
+            for i, (p, sp) in enumerate(zip(prepared, params))
+        ]
+        return self._run(ids, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm, unit="req") as bar:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [finished[i] for i in request_ids]

@@ -1,0 +1,64 @@
+"""A model's architecture, normalized from a HF config.json or GGUF metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    model_type: str  # registry key: "llama", "qwen2", "qwen3", "deepseek_v3", ...
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q, k, v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    raw: dict[str, Any] = field(default_factory=dict)  # the full source config, for model-specific keys
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        model_type = cfg.get("model_type", "llama")
+        num_heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        rope_theta = cfg.get("rope_theta")
+        rope_scaling = cfg.get("rope_scaling")
+        params = cfg.get("rope_parameters")  # transformers >= 5 folds theta and scaling together
+        if isinstance(params, dict):
+            rope_theta = rope_theta or params.get("rope_theta")
+            if rope_scaling is None and params.get("rope_type", "default") != "default":
+                rope_scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        if rope_scaling is not None and "rope_type" not in rope_scaling and "type" in rope_scaling:
+            rope_scaling = {**rope_scaling, "rope_type": rope_scaling["type"]}
+        eos = cfg.get("eos_token_id")
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg.get("intermediate_size", 4 * hidden),
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or hidden // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta or 10000.0),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            qk_norm=model_type == "qwen3",
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+            raw=dict(cfg),
+        )

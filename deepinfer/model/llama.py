@@ -1,0 +1,177 @@
+"""The Llama family in plain PyTorch: Llama 2/3, SmolLM2, Qwen2 (QKV bias), Qwen3 (QK-norm).
+
+Weights use HF names; q/k/v and gate/up are fused into one matmul each at load time, because on
+a CPU one wide GEMM is markedly faster than three narrow ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer.model.base import CausalLM, KVCacheSpec
+from deepinfer.model.config import ModelConfig
+from deepinfer.model.layers.norm import RMSNorm
+from deepinfer.model.layers.rotary import RotaryEmbedding
+from deepinfer.model.registry import register_model
+from deepinfer.runner.attention.backend import AttentionBackend
+from deepinfer.runner.attention.metadata import AttentionMetadata
+
+
+def _linear(rows: int, cols: int, bias: bool = False) -> torch.nn.Linear:
+    layer = torch.nn.Linear(cols, rows, bias=bias)
+    layer.requires_grad_(False)
+    return layer
+
+
+class LlamaAttention(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = _linear(self.q_size + 2 * self.kv_size, cfg.hidden_size, bias=cfg.attention_bias)
+        self.o_proj = _linear(cfg.hidden_size, self.q_size)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, q + 2 kv]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = backend.forward(q, k, v.contiguous(), cache, meta, self.scale)  # [T, H, D]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = _linear(2 * cfg.intermediate_size, cfg.hidden_size)
+        self.down_proj = _linear(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, positions, cache, meta, backend)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
+
+
+@register_model("llama", "qwen2", "qwen3", "mistral", "smollm")
+class LlamaForCausalLM(CausalLM):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.requires_grad_(False)
+        self.layers = torch.nn.ModuleList(LlamaDecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.vocab_size, cfg.hidden_size)
+
+    @classmethod
+    def from_config(cls, config: ModelConfig) -> LlamaForCausalLM:
+        return cls(config)
+
+    def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
+        cfg = self.config
+        return KVCacheSpec(cfg.num_layers, (2, cfg.num_kv_heads, cfg.head_dim), dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)  # [T, hidden]
+        residual = None
+        for layer, cache in zip(self.layers, kv_caches):
+            h, residual = layer(h, residual, positions, cache, meta, backend)
+        h, _ = self.norm.add_forward(h, residual)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named weights, fusing q/k/v and gate/up into their combined matrices."""
+        params = dict(self.named_parameters())
+        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
+        fused |= {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        cfg = self.config
+        q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+        offsets = {"qkv_proj": [0, q, q + kv, q + 2 * kv], "gate_up_proj": [0, inter, 2 * inter]}
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the checkpoint repeats the embedding
+            if "rotary_emb" in name:
+                continue
+            target = name
+            for part, (fused_name, index) in fused.items():
+                if f".{part}." in name:
+                    target = name.replace(part, fused_name)
+                    lo, hi = offsets[fused_name][index], offsets[fused_name][index + 1]
+                    params[target].data[lo:hi].copy_(tensor)
+                    loaded.add(f"{target}[{index}]")
+                    break
+            else:
+                if target not in params:
+                    raise KeyError(f"unexpected weight {name!r} for {type(self).__name__}")
+                params[target].data.copy_(tensor)
+                loaded.add(target)
+        expected = set()
+        for pname, _ in self.named_parameters():
+            base = pname.rsplit(".", 2)
+            if len(base) == 3 and base[1] in offsets:
+                expected |= {f"{pname}[{i}]" for i in range(len(offsets[base[1]]) - 1)}
+            else:
+                expected.add(pname)
+        missing = expected - loaded
+        if missing:
+            raise KeyError(f"missing weights: {sorted(missing)[:8]}{'...' if len(missing) > 8 else ''}")

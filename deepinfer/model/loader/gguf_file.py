@@ -1,0 +1,119 @@
+"""Read a GGUF file: HF-style config, dequantized HF-named weights, tokenizer metadata.
+
+Weights are dequantized to fp32 with the `gguf` package. llama.cpp stores the Q and K projections
+of the `llama` architecture permuted for its interleaved RoPE; they are permuted back to the HF
+"rotate half" layout here, so one model implementation serves both sources.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+_ARCH_TO_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama"}
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def read_config(reader: Any) -> dict[str, Any]:
+    arch = _field(reader, "general.architecture")
+    if arch not in _ARCH_TO_MODEL_TYPE:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {sorted(_ARCH_TO_MODEL_TYPE)}")
+
+    def a(key: str, default: Any = None) -> Any:
+        return _field(reader, f"{arch}.{key}", default)
+
+    hidden = int(a("embedding_length"))
+    heads = int(a("attention.head_count"))
+    tensor_names = {t.name for t in reader.tensors}
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    config: dict[str, Any] = {
+        "model_type": _ARCH_TO_MODEL_TYPE[arch],
+        "vocab_size": int(a("vocab_size", len(tokens.data) if tokens else 0)),
+        "hidden_size": hidden,
+        "intermediate_size": int(a("feed_forward_length")),
+        "num_hidden_layers": int(a("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(a("attention.head_count_kv", heads)),
+        "head_dim": int(a("attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(a("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(a("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(a("context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+    }
+    scaling_type = a("rope.scaling.type")
+    if scaling_type and scaling_type != "none":
+        config["rope_scaling"] = {
+            "rope_type": scaling_type,
+            "factor": float(a("rope.scaling.factor", 1.0)),
+            "original_max_position_embeddings": int(a("rope.scaling.original_context_length", 0)),
+        }
+    return config
+
+
+def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (interleaved pairs back to rotate-half halves)."""
+    rows = w.shape[0]
+    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def iter_weights(reader: Any, config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, fp32 tensor) for every tensor of the file."""
+    from gguf import quants
+
+    permute = config["model_type"] == "llama"
+    for tensor in reader.tensors:
+        array = np.asarray(quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        if tensor.name in _GLOBAL_NAMES:
+            yield _GLOBAL_NAMES[tensor.name], torch.from_numpy(array.copy())
+            continue
+        match = _BLOCK.fullmatch(tensor.name)
+        if match is None or match.group(2) not in _LAYER_NAMES:
+            raise KeyError(f"unknown GGUF tensor {tensor.name!r}")
+        layer, kind, suffix = match.groups()
+        if permute and kind == "attn_q":
+            array = _unpermute(array, config["num_attention_heads"])
+        elif permute and kind == "attn_k":
+            array = _unpermute(array, config["num_key_value_heads"])
+        yield f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}", torch.from_numpy(array.copy())
+
+
+def read_tokenizer_metadata(reader: Any) -> dict[str, Any]:
+    return {
+        "chat_template": _field(reader, "tokenizer.chat_template"),
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+    }

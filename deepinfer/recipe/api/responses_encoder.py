@@ -1,0 +1,307 @@
+"""Responses output: canonical events -> the `response` object and its stream events."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from deepinfer.recipe.api._output import (
+    FAILED,
+    GenerationError,
+    ToolCallTrack,
+    failure_message,
+    logprob_entries,
+)
+from deepinfer.recipe.api.sse import sse_frame
+from deepinfer.recipe.events import (
+    Event,
+    Finish,
+    Logprobs,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallArgsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+    Usage,
+)
+
+
+def default_echo() -> dict[str, Any]:
+    """The request settings a `response` repeats, for a request that set none of them.
+
+    The server passes `response_echo(request)` instead (same keys, the request's values).
+    """
+    return {
+        "instructions": None,
+        "max_output_tokens": None,
+        "metadata": {},
+        "parallel_tool_calls": True,
+        "previous_response_id": None,
+        "reasoning": {"effort": None, "summary": None},
+        "store": False,
+        "temperature": None,
+        "text": {"format": {"type": "text"}},
+        "tool_choice": "auto",
+        "tools": [],
+        "top_logprobs": None,
+        "top_p": None,
+        "truncation": "disabled",
+        "user": None,
+    }
+
+
+@dataclass(slots=True)
+class _OpenItem:
+    kind: Literal["reasoning", "message", "function_call"]
+    output_index: int
+    item: dict[str, Any]
+    text: list[str] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    unsent_logprobs: list[dict[str, Any]] = field(default_factory=list)
+    call: ToolCallTrack | None = None
+
+
+def _usage_json(usage: Usage) -> dict[str, Any]:
+    return {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
+        "total_tokens": usage.total_tokens,
+    }
+
+
+class ResponsesEncoder:
+    """Turns one choice's events into Responses stream events (and the final `response`).
+
+    Output items are strictly sequential: a reasoning item, a message or a function call is
+    closed (`.done` events) before the next one is added. `close()` emits `response.completed`,
+    `response.incomplete` (token limit) or `response.failed`.
+    """
+
+    def __init__(
+        self,
+        *,
+        response_id: str,
+        model: str,
+        created_at: int,
+        echo: dict[str, Any] | None = None,
+        stream: bool = True,
+    ) -> None:
+        self.response_id = response_id
+        self.model = model
+        self.created_at = created_at
+        self._echo = echo if echo is not None else default_echo()
+        self._stream = stream
+        self._id_stem = response_id.removeprefix("resp_")
+        self._output: list[dict[str, Any]] = []
+        self._open: _OpenItem | None = None
+        self._calls: dict[int, _OpenItem] = {}
+        self._held_logprobs: list[dict[str, Any]] = []
+        self._sequence = 0
+        self._frames: list[str] = []
+        self._finish: Finish | None = None
+        self._usage: Usage | None = None
+        self._started = False
+        self._closed = False
+
+    # -- frames
+
+    def _emit(self, kind: str, **fields: Any) -> None:
+        if self._stream:
+            payload = {"type": kind, "sequence_number": self._sequence, **fields}
+            self._frames.append(sse_frame(payload, event=kind))
+        self._sequence += 1
+
+    def _take(self) -> list[str]:
+        frames, self._frames = self._frames, []
+        return frames
+
+    def _snapshot(self, status: str) -> dict[str, Any]:
+        return {
+            "id": self.response_id,
+            "object": "response",
+            "created_at": self.created_at,
+            "model": self.model,
+            "status": status,
+            "error": None,
+            "incomplete_details": None,
+            "output": copy.deepcopy(self._output) if status != "in_progress" else [],
+            "usage": _usage_json(self._usage) if self._usage and status != "in_progress" else None,
+            **self._echo,
+        }
+
+    # -- items
+
+    def _add_item(
+        self, kind: Literal["reasoning", "message", "function_call"], item: dict[str, Any]
+    ) -> _OpenItem:
+        self._close_open("completed")
+        index = len(self._output)
+        prefix = {"reasoning": "rs", "message": "msg", "function_call": "fc"}[kind]
+        item = {"id": f"{prefix}_{self._id_stem}_{index}", **item}
+        self._output.append(item)
+        opened = _OpenItem(kind=kind, output_index=index, item=item)
+        self._open = opened
+        self._emit("response.output_item.added", output_index=index, item=copy.deepcopy(item))
+        if kind == "message":
+            opened.logprobs, opened.unsent_logprobs = list(self._held_logprobs), list(self._held_logprobs)
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            self._emit_part("response.content_part.added", opened, part)
+        elif kind == "reasoning":
+            self._emit_part("response.content_part.added", opened, {"type": "reasoning_text", "text": ""})
+        self._held_logprobs = []
+        return opened
+
+    def _emit_part(self, kind: str, item: _OpenItem, part: dict[str, Any]) -> None:
+        self._emit(kind, item_id=item.item["id"], output_index=item.output_index, content_index=0, part=part)
+
+    def _close_open(self, status: str) -> None:
+        item, self._open = self._open, None
+        if item is None:
+            return
+        ids = {"item_id": item.item["id"], "output_index": item.output_index}
+        text = "".join(item.text)
+        if item.kind == "message":
+            self._emit("response.output_text.done", **ids, content_index=0, text=text, logprobs=item.logprobs)
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": item.logprobs}
+            self._emit_part("response.content_part.done", item, part)
+            item.item["content"] = [part]
+        elif item.kind == "reasoning":
+            self._emit("response.reasoning_text.done", **ids, content_index=0, text=text)
+            part = {"type": "reasoning_text", "text": text}
+            self._emit_part("response.content_part.done", item, part)
+            item.item["content"] = [part]
+        elif item.call is not None:
+            item.item["arguments"] = item.call.arguments
+            if item.call.done:
+                self._emit("response.function_call_arguments.done", **ids, arguments=item.call.arguments)
+            else:
+                status = "incomplete"  # cut by the token limit: not a valid call
+        item.item["status"] = status
+        self._emit("response.output_item.done", output_index=item.output_index, item=copy.deepcopy(item.item))
+
+    def _open_of(self, kind: Literal["reasoning", "message"]) -> _OpenItem:
+        if self._open is not None and self._open.kind == kind:
+            return self._open
+        if kind == "reasoning":
+            return self._add_item("reasoning", {"type": "reasoning", "summary": [], "status": "in_progress"})
+        return self._add_item(
+            "message", {"type": "message", "role": "assistant", "status": "in_progress", "content": []}
+        )
+
+    # -- public
+
+    def start(self) -> list[str]:
+        self._ensure_started()
+        return self._take()
+
+    def _ensure_started(self) -> None:
+        if not self._started:
+            self._started = True
+            self._emit("response.created", response=self._snapshot("in_progress"))
+            self._emit("response.in_progress", response=self._snapshot("in_progress"))
+
+    def feed(self, event: Event) -> list[str]:
+        self._ensure_started()
+        if self._finish is not None and not isinstance(event, Usage):
+            return self._take()
+        if isinstance(event, ReasoningDelta) and event.text:
+            item = self._open_of("reasoning")
+            item.text.append(event.text)
+            ids = {"item_id": item.item["id"], "output_index": item.output_index}
+            self._emit("response.reasoning_text.delta", **ids, content_index=0, delta=event.text)
+        elif isinstance(event, TextDelta) and event.text:
+            item = self._open_of("message")
+            item.text.append(event.text)
+            sent, item.unsent_logprobs = item.unsent_logprobs, []
+            ids = {"item_id": item.item["id"], "output_index": item.output_index}
+            self._emit("response.output_text.delta", **ids, content_index=0, delta=event.text, logprobs=sent)
+        elif isinstance(event, ToolCallStart):
+            base = {"type": "function_call", "call_id": event.id, "name": event.name, "arguments": ""}
+            item = self._add_item("function_call", {**base, "status": "in_progress"})
+            item.call = ToolCallTrack(id=event.id, name=event.name)
+            self._calls[event.index] = item
+        elif isinstance(event, ToolCallArgsDelta):
+            self._call_delta(event.index, event.delta, final=None)
+        elif isinstance(event, ToolCallEnd):
+            self._call_delta(event.index, "", final=event.arguments)
+        elif isinstance(event, Logprobs):
+            self._logprobs(logprob_entries(event))
+        elif isinstance(event, Finish):
+            self._finish = event
+            self._close_open("incomplete" if event.reason == "length" else "completed")
+        elif isinstance(event, Usage):
+            self._usage = event
+        return self._take()
+
+    def _call_delta(self, index: int, delta: str, final: str | None) -> None:
+        item = self._calls[index]
+        if item is not self._open or item.call is None:
+            return  # a later item already closed this call; its text can no longer be streamed
+        sent = item.call.append(delta) if final is None else item.call.finish(final)
+        if sent:
+            ids = {"item_id": item.item["id"], "output_index": item.output_index}
+            self._emit("response.function_call_arguments.delta", **ids, delta=sent)
+        if final is not None:
+            self._close_open("completed")
+
+    def _logprobs(self, entries: list[dict[str, Any]]) -> None:
+        # Logprobs belong to the message being written; those of reasoning or call tokens are
+        # dropped (Responses has no place for them) and those before any item wait for the next.
+        if self._open is None:
+            self._held_logprobs.extend(entries)
+        elif self._open.kind == "message":
+            self._open.logprobs.extend(entries)
+            self._open.unsent_logprobs.extend(entries)
+
+    def close(self) -> list[str]:
+        self._ensure_started()
+        if self._closed:
+            return []
+        self._closed = True
+        self._close_open("incomplete")
+        finish = self._finish
+        if finish is None or finish.reason in FAILED:
+            failed = self._snapshot("failed")
+            failed["error"] = {"code": "server_error", "message": failure_message(finish)}
+            self._emit("response.failed", response=failed)
+        elif finish.reason == "length":
+            self._emit("response.incomplete", response=self._final())
+        else:
+            self._emit("response.completed", response=self._final())
+        return self._take()
+
+    def _final(self) -> dict[str, Any]:
+        assert self._finish is not None
+        if self._finish.reason == "length":
+            body = self._snapshot("incomplete")
+            body["incomplete_details"] = {"reason": "max_output_tokens"}
+            return body
+        return self._snapshot("completed")
+
+    def body(self) -> dict[str, Any]:
+        """The non-streamed `response` object; raises GenerationError when generation failed."""
+        if self._finish is None or self._finish.reason in FAILED:
+            raise GenerationError(failure_message(self._finish))
+        return self._final()
+
+
+def build_response(
+    events: Iterable[Event],
+    *,
+    response_id: str,
+    model: str,
+    created_at: int,
+    echo: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The `response` object for a non-streamed request whose events are all known."""
+    encoder = ResponsesEncoder(
+        response_id=response_id, model=model, created_at=created_at, echo=echo, stream=False
+    )
+    for event in events:
+        encoder.feed(event)
+    encoder.close()
+    return encoder.body()

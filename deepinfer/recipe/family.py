@@ -1,0 +1,193 @@
+"""The pairing facade: a model's metadata in, a Recipe that renders prompts and makes the
+parser that matches each prompt out.
+
+Families:
+- deepseek_v32: DeepSeek-V3.2's native encoding (DSML tool calls);
+- deepseek_v31: DeepSeek-V3.1 (hybrid thinking, special-token tool calls);
+- deepseek_r1: DeepSeek-R1 (always thinks, fenced JSON tool calls);
+- chat_template: the model's own Jinja template; the tool syntax is read from the template
+  (Hermes `<tool_call>` for Qwen and for templates without tool support, Llama-3.1 JSON, …).
+
+A parser is only ever made from a RenderedPrompt, which carries the family and the state its
+prompt leaves the model in (thinking or not, tools offered or not).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from deepinfer.recipe.errors import RecipeError
+from deepinfer.recipe.events import FinishReason
+from deepinfer.recipe.ir import Conversation
+from deepinfer.recipe.model_info import ModelInfo
+from deepinfer.recipe.parse.result import CompletionBuilder, ParsedCompletion
+from deepinfer.recipe.parse.stream import THINK_CLOSE, THINK_OPEN, ParserSpec, StreamParser, ToolFormat
+from deepinfer.recipe.render.chat_template import END_OF_TURN_MARKERS, ChatTemplateRenderer
+from deepinfer.recipe.render.common import active_tools
+from deepinfer.recipe.render.deepseek_v31 import EOS as DEEPSEEK_EOS
+from deepinfer.recipe.render.deepseek_v31 import DeepSeekR1Renderer, DeepSeekV31Renderer
+from deepinfer.recipe.render.deepseek_v32 import DeepSeekV32Renderer
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+FAMILIES = ("deepseek_v32", "deepseek_v31", "deepseek_r1", "chat_template")
+
+_NATIVE_TOOL_FORMAT: dict[str, ToolFormat] = {
+    "deepseek_v32": "dsml",
+    "deepseek_v31": "deepseek_v31",
+    "deepseek_r1": "deepseek_r1",
+}
+_DEEPSEEK_MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "deepseek2")
+
+
+def resolve_family(info: ModelInfo) -> str:
+    """The recipe family for a model: the explicit one, else detected from its type and template."""
+    if info.family is not None:
+        if info.family not in FAMILIES:
+            raise RecipeError(f"unknown recipe family {info.family!r}; expected one of {FAMILIES}", "family")
+        return info.family
+    model_type = (info.model_type or "").lower()
+    template = info.chat_template
+    if model_type == "deepseek_v32":
+        return "deepseek_v32"
+    if model_type in _DEEPSEEK_MODEL_TYPES:
+        if template is None:
+            raise RecipeError(
+                f"a {model_type} model without a chat template is ambiguous (V3.2? V3.1?); set the recipe family",
+                "family",
+            )
+        if "<｜tool▁sep｜>" in template and "```json" not in template and "thinking" in template:
+            return "deepseek_v31"
+        if "```json" in template and THINK_OPEN in template:
+            return "deepseek_r1"
+    if template is None:
+        raise RecipeError(
+            "the model has no chat template; set one or choose a recipe family", "chat_template"
+        )
+    return "chat_template"
+
+
+@dataclass(slots=True)
+class RenderedPrompt:
+    text: str
+    family: str
+    parser_spec: ParserSpec
+    token_ids: list[int] | None = None
+
+    def new_parser(self, *, id_factory: Callable[[], str] | None = None) -> StreamParser:
+        """A streaming parser in the state this prompt leaves the model in."""
+        return StreamParser(self.parser_spec, id_factory=id_factory)
+
+    def parse_completion(
+        self, text: str, *, finish_reason: FinishReason = "stop", id_factory: Callable[[], str] | None = None
+    ) -> ParsedCompletion:
+        """The final message for a whole completion of this prompt."""
+        parser = self.new_parser(id_factory=id_factory)
+        builder = CompletionBuilder()
+        builder.extend(parser.feed(text))
+        builder.extend(parser.finish(finish_reason))
+        return builder.result()
+
+
+def parse_completion(
+    text: str,
+    prompt: RenderedPrompt,
+    *,
+    finish_reason: FinishReason = "stop",
+    id_factory: Callable[[], str] | None = None,
+) -> ParsedCompletion:
+    return prompt.parse_completion(text, finish_reason=finish_reason, id_factory=id_factory)
+
+
+class Recipe:
+    """Renders conversations for one model and parses what it writes back."""
+
+    def __init__(
+        self,
+        family: str,
+        *,
+        chat_template: str | None = None,
+        special_tokens: Mapping[str, Any] | None = None,
+        now: Callable[[], datetime] = datetime.now,
+    ) -> None:
+        if family not in FAMILIES:
+            raise RecipeError(f"unknown recipe family {family!r}; expected one of {FAMILIES}", "family")
+        self.family = family
+        self._template: ChatTemplateRenderer | None = None
+        if family == "chat_template":
+            if not chat_template:
+                raise RecipeError("the chat_template family needs the model's chat template", "chat_template")
+            self._template = ChatTemplateRenderer(chat_template, special_tokens, now=now)
+            eos = (special_tokens or {}).get("eos_token")
+            markers = [m for m in END_OF_TURN_MARKERS if m in chat_template]
+            self._stop_markers = tuple(
+                dict.fromkeys([*([eos] if isinstance(eos, str) and eos else []), *markers])
+            )
+        else:
+            self._stop_markers = (DEEPSEEK_EOS,)
+        self._native = {
+            "deepseek_v32": DeepSeekV32Renderer,
+            "deepseek_v31": DeepSeekV31Renderer,
+            "deepseek_r1": DeepSeekR1Renderer,
+        }.get(family)
+
+    @classmethod
+    def for_model(cls, info: ModelInfo, *, now: Callable[[], datetime] = datetime.now) -> Recipe:
+        return cls(
+            resolve_family(info),
+            chat_template=info.chat_template,
+            special_tokens=info.special_tokens,
+            now=now,
+        )
+
+    def render(
+        self,
+        conv: Conversation,
+        *,
+        tokenizer: Tokenizer | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> RenderedPrompt:
+        """The prompt for the next assistant turn; token ids too when a tokenizer is given.
+
+        `template_kwargs` (chat_template_kwargs) only reach Jinja templates.
+        """
+        if self._template is not None:
+            text = self._template.render(conv, template_kwargs=template_kwargs)
+            tool_format = self._template.features.tool_format
+            can_think = self._template.features.can_think
+        else:
+            assert self._native is not None
+            text = self._native().render(conv)
+            tool_format = _NATIVE_TOOL_FORMAT[self.family]
+            can_think = True
+        tools = active_tools(conv)
+        tail = text.rstrip()
+        if tail.endswith(THINK_OPEN):
+            initial = "reasoning"
+        elif can_think and not tail.endswith(THINK_CLOSE):
+            initial = "maybe_reasoning"
+        else:
+            initial = "content"
+        spec = ParserSpec(
+            family=self.family,
+            tool_format=tool_format if tools else None,
+            initial=initial,
+            stop_markers=self._stop_markers,
+            tool_names=tuple(t.name for t in tools),
+        )
+        token_ids = tokenizer.encode(text, add_special_tokens=False).ids if tokenizer is not None else None
+        return RenderedPrompt(text=text, family=self.family, parser_spec=spec, token_ids=token_ids)
+
+    def new_parser(
+        self, prompt: RenderedPrompt, *, id_factory: Callable[[], str] | None = None
+    ) -> StreamParser:
+        """The parser for `prompt`; refuses a prompt rendered by another family."""
+        if prompt.family != self.family or prompt.parser_spec.family != self.family:
+            raise RecipeError(
+                f"a {prompt.family} prompt cannot be parsed by the {self.family} recipe", param="family"
+            )
+        return prompt.new_parser(id_factory=id_factory)

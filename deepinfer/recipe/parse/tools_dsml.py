@@ -1,0 +1,129 @@
+"""DeepSeek-V3.2 DSML tool calls, streamed as OpenAI-style JSON arguments.
+
+Output layout (after `<｜DSML｜function_calls>`):
+    <｜DSML｜invoke name="NAME">
+    <｜DSML｜parameter name="KEY" string="true|false">VALUE</｜DSML｜parameter>
+    …
+    </｜DSML｜invoke>
+    …
+    </｜DSML｜function_calls>
+
+The arguments become the JSON object DeepSeek's reference decoder builds:
+`{"KEY": VALUE, …}` with `", "` and `": "` separators, where a `string="true"` value is the
+text as a JSON string and a `string="false"` value is pasted verbatim (it is JSON already).
+A call without parameters is `{}`. Deltas are streamed as the parameters arrive: the key
+prefix when a parameter opens, the value text (escaped chunk by chunk for strings, which is
+exact because JSON escapes character by character), the closing quote, and the final `}`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from deepinfer.recipe.parse.scan import CallSink, Status, expect, scan_until
+
+DSML = "｜DSML｜"
+CALLS_OPEN = f"<{DSML}function_calls>"
+CALLS_CLOSE = f"</{DSML}function_calls>"
+INVOKE_OPEN = f'<{DSML}invoke name="'
+INVOKE_CLOSE = f"</{DSML}invoke>"
+PARAM_OPEN = f'<{DSML}parameter name="'
+PARAM_CLOSE = f"</{DSML}parameter>"
+
+_PARAM_HEAD = re.compile(r'([^"<>\n]+)" string="(true|false)">')
+_MAX_HEAD = 512  # longer than any sane tool or parameter name
+
+
+def _json_string_body(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)[1:-1]
+
+
+class DsmlBlock:
+    def __init__(self) -> None:
+        self._state = "between"
+        self._completed = 0
+        self._args: list[str] = []
+        self._keys: set[str] = set()
+        self._string_value = False
+
+    def _emit(self, sink: CallSink, piece: str) -> None:
+        if piece:
+            self._args.append(piece)
+            sink.args(piece)
+
+    def step(self, buf: str, sink: CallSink, final: bool) -> tuple[int, Status]:
+        pos = 0
+        while True:
+            rest = buf[pos:]
+            if self._state == "between":
+                literal, used, pending = expect(rest, (INVOKE_OPEN, CALLS_CLOSE))
+                if literal == CALLS_CLOSE:
+                    return pos + used, Status.BLOCK_DONE
+                if literal is None:
+                    # Output that stops between complete calls keeps them.
+                    if final and self._completed:
+                        return pos, Status.BLOCK_DONE
+                    return pos, Status.MORE if pending and not final else Status.BAD
+                pos += used
+                self._state = "name"
+            elif self._state == "name":
+                end = rest.find('">')
+                if end < 0:
+                    if final or len(rest) > _MAX_HEAD or any(c in rest for c in "<>\n"):
+                        return pos, Status.BAD
+                    return pos, Status.MORE
+                name = rest[:end]
+                if not name or any(c in name for c in '<>\n"'):
+                    return pos, Status.BAD
+                sink.start(name)
+                pos += end + 2
+                self._state, self._args, self._keys = "params", [], set()
+            elif self._state == "params":
+                literal, used, pending = expect(rest, (PARAM_OPEN, INVOKE_CLOSE))
+                if literal is None:
+                    return pos, Status.MORE if pending and not final else Status.BAD
+                pos += used
+                if literal == PARAM_OPEN:
+                    self._state = "param_head"
+                    continue
+                closing = "}" if self._keys else "{}"
+                arguments = "".join(self._args) + closing
+                try:
+                    valid = isinstance(json.loads(arguments), dict)
+                except json.JSONDecodeError:
+                    valid = False
+                if not valid:
+                    return pos, Status.BAD
+                self._emit(sink, closing)
+                sink.end(arguments)
+                self._completed += 1
+                self._state = "between"
+                return pos, Status.CALL_DONE
+            elif self._state == "param_head":
+                match = _PARAM_HEAD.match(rest)
+                if match is None:
+                    if final or ">" in rest or len(rest) > _MAX_HEAD:
+                        return pos, Status.BAD
+                    return pos, Status.MORE
+                key, string = match.group(1), match.group(2)
+                if key in self._keys:
+                    return pos, Status.BAD
+                self._string_value = string == "true"
+                opening = "{" if not self._keys else ", "
+                self._keys.add(key)
+                self._emit(
+                    sink,
+                    f"{opening}{json.dumps(key, ensure_ascii=False)}: " + ('"' if self._string_value else ""),
+                )
+                pos += match.end()
+                self._state = "value"
+            else:
+                segment = scan_until(rest, (PARAM_CLOSE,), final=final)
+                self._emit(sink, _json_string_body(segment.text) if self._string_value else segment.text)
+                pos += segment.consumed
+                if segment.marker is None:
+                    return pos, Status.BAD if final else Status.MORE
+                if self._string_value:
+                    self._emit(sink, '"')
+                self._state = "params"

@@ -1,0 +1,1 @@
+"""Renderers: the conversation IR to prompt text, one module per prompt family."""

@@ -1,0 +1,173 @@
+"""Validation and normalisation every renderer runs before it writes a prompt.
+
+One place decides what a well-formed conversation is, so every family rejects the same inputs
+with the same `RecipeError` (and the same `param` path), and every family sees tool results
+in the order of the calls that produced them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import Any
+
+from deepinfer.recipe.errors import RecipeError
+from deepinfer.recipe.ir import Conversation, ImagePart, Message, ResponseFormat, Tool
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def prepare_messages(conv: Conversation) -> list[Message]:
+    """Validate `conv` and return its messages with every tool-result group in call order."""
+    messages = conv.messages
+    if not messages:
+        raise RecipeError("the conversation has no messages", param="messages")
+    for i, msg in enumerate(messages):
+        _check_message(i, msg)
+    _check_tools(conv)
+    out: list[Message] = []
+    i = 0
+    while i < len(messages):
+        msg = messages[i]
+        if msg.role == "tool":
+            raise RecipeError(
+                "a tool result must follow the assistant message whose tool call it answers",
+                param=f"messages[{i}]",
+            )
+        out.append(msg)
+        i += 1
+        if msg.role == "assistant" and msg.tool_calls:
+            end = i
+            while end < len(messages) and messages[end].role == "tool":
+                end += 1
+            out.extend(_ordered_results(i - 1, msg, messages, i, end))
+            i = end
+    return out
+
+
+def _check_message(i: int, msg: Message) -> None:
+    if msg.role not in ROLES:
+        raise RecipeError(
+            f"unknown role {msg.role!r}; expected one of {', '.join(ROLES)}", f"messages[{i}].role"
+        )
+    for k, part in enumerate(msg.content):
+        if isinstance(part, ImagePart):
+            raise RecipeError(
+                "images are not supported: this engine serves text models", f"messages[{i}].content[{k}]"
+            )
+    if msg.tool_calls and msg.role != "assistant":
+        raise RecipeError(f"a {msg.role} message cannot carry tool calls", f"messages[{i}].tool_calls")
+    seen: set[str] = set()
+    for j, call in enumerate(msg.tool_calls):
+        where = f"messages[{i}].tool_calls[{j}]"
+        if not call.name:
+            raise RecipeError("a tool call needs a function name", f"{where}.name")
+        if call.id in seen:
+            raise RecipeError(f"duplicate tool call id {call.id!r}", f"{where}.id")
+        seen.add(call.id)
+        parse_arguments(call.arguments, f"{where}.arguments")
+
+
+def _check_tools(conv: Conversation) -> None:
+    names: set[str] = set()
+    for k, tool in enumerate(conv.tools):
+        if not tool.name:
+            raise RecipeError("a tool needs a name", f"tools[{k}].name")
+        if tool.name in names:
+            raise RecipeError(f"duplicate tool name {tool.name!r}", f"tools[{k}].name")
+        names.add(tool.name)
+    choice = conv.tool_choice
+    if choice.mode == "named" and choice.name not in names:
+        raise RecipeError(f"tool_choice names {choice.name!r}, which is not among the tools", "tool_choice")
+    if choice.mode == "required" and not names:
+        raise RecipeError("tool_choice is 'required' but no tools were given", "tool_choice")
+
+
+def _ordered_results(
+    call_index: int, assistant: Message, messages: list[Message], start: int, end: int
+) -> list[Message]:
+    """The tool results in messages[start:end], matched to `assistant`'s calls and put in call order."""
+    calls = assistant.tool_calls
+    by_id = {call.id: pos for pos, call in enumerate(calls)}
+    slots: list[Message | None] = [None] * len(calls)
+    for i in range(start, end):
+        result = messages[i]
+        if result.tool_call_id is None:
+            # No id (some clients omit it): the result answers the first call still unanswered.
+            pos = next((p for p, slot in enumerate(slots) if slot is None), None)
+            if pos is None:
+                raise RecipeError(
+                    f"message {call_index} made {len(calls)} tool call(s) but more results follow",
+                    f"messages[{i}]",
+                )
+        elif result.tool_call_id not in by_id:
+            raise RecipeError(
+                f"tool result for unknown call id {result.tool_call_id!r}: message {call_index} "
+                f"made calls {[c.id for c in calls]}",
+                f"messages[{i}].tool_call_id",
+            )
+        else:
+            pos = by_id[result.tool_call_id]
+            if slots[pos] is not None:
+                raise RecipeError(
+                    f"two results for tool call {result.tool_call_id!r}", f"messages[{i}].tool_call_id"
+                )
+        slots[pos] = result if result.name else replace(result, name=calls[pos].name)
+    missing = [calls[p].id for p, slot in enumerate(slots) if slot is None]
+    # A conversation may stop right after the calls (nothing answered yet); anything else must
+    # answer every call, or the model would see a call that silently went nowhere.
+    if missing and (start != end or end < len(messages)):
+        raise RecipeError(
+            f"message {call_index} made {len(calls)} tool call(s) but {end - start} result(s) follow; "
+            f"missing results for {missing}",
+            f"messages[{call_index}].tool_calls",
+        )
+    return [slot for slot in slots if slot is not None]
+
+
+def parse_arguments(raw: str, param: str) -> dict[str, Any]:
+    """The JSON object in a tool call's raw argument text."""
+    try:
+        value = json.loads(raw) if raw.strip() else {}
+    except json.JSONDecodeError as exc:
+        raise RecipeError(f"tool call arguments are not valid JSON: {exc.msg}", param) from None
+    if not isinstance(value, dict):
+        raise RecipeError("tool call arguments must be a JSON object", param)
+    return value
+
+
+def reasoning_text(msg: Message) -> str:
+    """An assistant turn's reasoning as one string (separate items joined by a newline)."""
+    return "\n".join(r.text for r in msg.reasoning if r.text)
+
+
+def active_tools(conv: Conversation) -> list[Tool]:
+    """The tools the model is told about: none when tool_choice is 'none'."""
+    return [] if conv.tool_choice.mode == "none" else list(conv.tools)
+
+
+def function_json(tool: Tool) -> dict[str, Any]:
+    """OpenAI's `function` object for a tool (name, description when given, parameters)."""
+    out: dict[str, Any] = {"name": tool.name}
+    if tool.description is not None:
+        out["description"] = tool.description
+    out["parameters"] = tool.parameters
+    return out
+
+
+def response_format_json(fmt: ResponseFormat | None) -> dict[str, Any] | None:
+    """OpenAI's `response_format` object, for families that describe it in the prompt.
+
+    Only JSON formats are described; regex/choice/grammar are enforced by the sampler alone.
+    """
+    if fmt is None or fmt.type == "json_object":
+        return None if fmt is None else {"type": "json_object"}
+    if fmt.type != "json_schema":
+        return None
+    schema: dict[str, Any] = {}
+    if fmt.name is not None:
+        schema["name"] = fmt.name
+    schema["schema"] = fmt.json_schema or {}
+    if fmt.strict:
+        schema["strict"] = True
+    return {"type": "json_schema", "json_schema": schema}

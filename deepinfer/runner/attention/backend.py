@@ -1,0 +1,92 @@
+"""The attention backend interface and the plain-PyTorch paged attention that is its reference.
+
+A backend owns how K/V are written to and read from the paged cache. The cache of one layer is a
+tensor [num_slots, 2, num_kv_heads, head_dim] (K then V per slot) where
+slot = block_id * block_size + offset. Every cache in the engine puts the slot axis first, so block
+copies and transfers to other tiers are layout-agnostic.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer.runner.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Per-step precomputation shared by all layers."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, KVH, D], cache: [S, 2, KVH, D] -> out [T, H, D]."""
+
+
+def context_slots(meta: AttentionMetadata, i: int) -> torch.Tensor:
+    """Cache slots [L] of sequence i's whole context, in position order."""
+    length = meta.seq_lens_list[i]
+    positions = torch.arange(length)
+    blocks = meta.block_tables[i, positions // meta.block_size]
+    return blocks * meta.block_size + positions % meta.block_size
+
+
+def attend_sequence(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of q [Q, H, D] over its context keys/values [L, KVH, D] (queries are the last Q)."""
+    num_q, length = q.shape[0], keys.shape[0]
+    # Query j sits at context position length - num_q + j and may see keys 0..that position.
+    mask = torch.ones(num_q, length, dtype=torch.bool).tril(diagonal=length - num_q)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        keys.transpose(0, 1),
+        values.transpose(0, 1),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=True,
+    )  # [H, Q, D]
+    return out.transpose(0, 1)
+
+
+class TorchReferenceBackend:
+    """Every sequence attended one by one with SDPA over its gathered context: slow, obviously right."""
+
+    name = "torch"
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        meta.extra["slots"] = [context_slots(meta, i) for i in range(meta.num_seqs)]
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv(cache, k, v, meta.slot_mapping)
+        out = torch.empty_like(q)
+        start = 0
+        for i, num_q in enumerate(meta.query_lens):
+            slots = meta.extra["slots"][i]
+            out[start : start + num_q] = attend_sequence(
+                q[start : start + num_q], cache[slots, 0], cache[slots, 1], scale
+            )
+            start += num_q
+        return out
+
+
+def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    cache[:, 0].index_copy_(0, slot_mapping, k)
+    cache[:, 1].index_copy_(0, slot_mapping, v)

@@ -1,0 +1,50 @@
+"""Compile the C kernels once per machine and load them with ctypes.
+
+Plain C with no torch headers compiles in about a second, so it is built on first use and cached
+under the DeepInfer cache directory, keyed by the source and the compiler flags. `-march=native`
+is safe because the binary never leaves the machine that built it. If no compiler is available the
+caller falls back to the PyTorch reference path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+from deepinfer.utils import cache_dir
+
+log = logging.getLogger(__name__)
+
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno"]
+
+
+@cache
+def load_kernel_library(name: str) -> ctypes.CDLL | None:
+    """Build (if needed) and load `<name>.c` from this package; None when it cannot be built."""
+    source = Path(__file__).with_name(f"{name}.c")
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        log.warning("no C compiler found; using the PyTorch reference kernels")
+        return None
+    digest = hashlib.sha256(source.read_bytes() + " ".join([compiler, *_FLAGS]).encode()).hexdigest()[:16]
+    target = cache_dir("kernels") / f"{name}-{digest}.so"
+    if not target.exists():
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            result = subprocess.run(
+                [compiler, *_FLAGS, str(source), "-o", str(built), "-lm"], capture_output=True, text=True
+            )
+            if result.returncode != 0:
+                log.warning(
+                    "building %s failed, using the PyTorch reference: %s", name, result.stderr[-2000:]
+                )
+                return None
+            os.replace(built, target)  # atomic: concurrent builders never load half a file
+    return ctypes.CDLL(str(target))

@@ -1,0 +1,140 @@
+"""Turn logits into tokens: logit bias, min_tokens, penalties, temperature, top-k/top-p/min-p, seeds.
+
+Order of processing, fixed and documented because tests compute it by hand:
+  1. logit_bias is added;
+  2. while fewer than min_tokens have been generated, EOS and stop_token_ids are masked;
+  3. repetition penalty (prompt + output tokens), then frequency and presence penalties (output);
+  4. structured-output masks (disallowed tokens to -inf);
+  5. logprobs are taken here: log_softmax of these processed logits divided by the temperature
+     (greedy rows use temperature 1), i.e. the distribution before top-k/top-p/min-p truncation;
+  6. greedy rows take the argmax; other rows divide by temperature, keep top-k, then the top-p
+     nucleus, then drop tokens below min_p x the top probability, renormalize and sample.
+Sampling is inverse-CDF with one uniform draw per token from the sequence's own generator when it
+has a seed, so a seeded sequence gets the same tokens whatever else shares the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from deepinfer.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """One row of logits to sample from, and everything that decides how."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    masked_token_ids: list[int] = field(default_factory=list)  # EOS / stop ids under min_tokens
+    generator: torch.Generator | None = None
+    allowed_mask: torch.Tensor | None = None  # [V] bool, structured output
+
+
+@dataclass(slots=True)
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    rank: int | None = None  # 1 + the number of tokens strictly more likely than this one
+    top_logprobs: list[tuple[int, float]] | None = None  # (token id, logprob), best first
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """In place, only on rows that ask for a penalty."""
+    vocab = logits.shape[-1]
+    for i, row in enumerate(rows):
+        p = row.params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(
+                sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.long
+            )
+            if seen.numel():
+                values = logits[i, seen]
+                logits[i, seen] = torch.where(
+                    values > 0, values / p.repetition_penalty, values * p.repetition_penalty
+                )
+        if (p.frequency_penalty or p.presence_penalty) and row.output_token_ids:
+            counts = torch.bincount(torch.tensor(row.output_token_ids, dtype=torch.long), minlength=vocab)[
+                :vocab
+            ]
+            logits[i] -= p.frequency_penalty * counts.to(logits.dtype)
+            logits[i] -= p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Steps 1-4: a new float32 tensor [N, V]."""
+    logits = logits.float().clone()
+    for i, row in enumerate(rows):
+        if row.params.logit_bias:
+            ids = torch.tensor([int(t) for t in row.params.logit_bias], dtype=torch.long)
+            logits[i, ids] += torch.tensor(list(row.params.logit_bias.values()), dtype=logits.dtype)
+        if row.masked_token_ids:
+            logits[i, row.masked_token_ids] = float("-inf")
+        if row.allowed_mask is not None:
+            logits[i].masked_fill_(~row.allowed_mask[: logits.shape[-1]], float("-inf"))
+    apply_penalties(logits, rows)
+    return logits
+
+
+def truncated_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Step 6 for one non-greedy row: the final distribution [V] that is sampled from."""
+    scaled = logits / params.temperature
+    if params.top_k > 0 and params.top_k < scaled.numel():
+        kth = torch.topk(scaled, params.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        before = sorted_probs.cumsum(0) - sorted_probs  # mass strictly before each token
+        drop_sorted = before >= params.top_p  # keep the smallest prefix whose mass reaches top_p
+        drop_sorted[0] = False
+        probs = probs.masked_fill(torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), 0.0)
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    return probs / probs.sum()
+
+
+def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """Inverse-CDF draw: one uniform number per token keeps seeded streams independent of the batch."""
+    u = torch.rand(1, generator=generator, dtype=torch.float64).item()
+    cdf = probs.double().cumsum(0)
+    index = int(torch.searchsorted(cdf, torch.tensor([u * cdf[-1].item()], dtype=torch.float64)).item())
+    index = min(index, probs.numel() - 1)
+    while probs[index] == 0.0 and index > 0:  # guard against landing on a zeroed tail entry
+        index -= 1
+    return index
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
+        """logits: [N, V] for N rows -> one token per row."""
+        processed = process_logits(logits, rows)
+        want_logprobs = [row.params.logprobs is not None for row in rows]
+        logprobs = None
+        if any(want_logprobs):
+            temps = torch.tensor(
+                [row.params.temperature if row.params.temperature > 0 else 1.0 for row in rows],
+                dtype=processed.dtype,
+            )
+            logprobs = torch.log_softmax(processed / temps[:, None], dim=-1)
+        greedy = processed.argmax(dim=-1).tolist()
+        out: list[SampledToken] = []
+        for i, row in enumerate(rows):
+            token = (
+                greedy[i]
+                if row.params.greedy
+                else sample_from(truncated_probs(processed[i], row.params), row.generator)
+            )
+            sampled = SampledToken(token)
+            if want_logprobs[i]:
+                sampled.logprob = float(logprobs[i, token])
+                sampled.rank = int((logprobs[i] > logprobs[i, token]).sum()) + 1
+                k = row.params.logprobs or 0
+                if k:
+                    top = torch.topk(logprobs[i], k)
+                    sampled.top_logprobs = list(zip(top.indices.tolist(), top.values.tolist()))
+            out.append(sampled)
+        return out

@@ -1,0 +1,98 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from deepinfer.bench.peers import PeerOutcome, PeersOptions, format_peers, run_peers
+from deepinfer.bench.report import (
+    markdown_table,
+    provenance,
+    read_json,
+    replace_marked_section,
+    write_json,
+)
+
+
+def test_markdown_table_formats_and_escapes_cells() -> None:
+    table = markdown_table(["a", "b", "c"], [[1234, 0.5, None], ["x|y", "two\nlines", True]])
+    assert table.splitlines() == [
+        "| a | b | c |",
+        "| --- | --- | --- |",
+        "| 1,234 | 0.50 | — |",
+        "| x\\|y | two lines | True |",
+    ]
+
+
+def test_marked_section_is_replaced_and_the_rest_kept(tmp_path: Path) -> None:
+    doc = tmp_path / "bench.md"
+    doc.write_text("# Title\n\nHand-written intro.\n")
+    replace_marked_section(doc, "peers", "first table")
+    replace_marked_section(doc, "peers", "second table")
+    text = doc.read_text()
+    assert text.startswith("# Title\n\nHand-written intro.\n")
+    assert text.count("<!-- BEGIN peers -->") == 1 and text.count("<!-- END peers -->") == 1
+    assert "second table" in text and "first table" not in text
+    replace_marked_section(tmp_path / "new.md", "x", "body")
+    assert (tmp_path / "new.md").read_text() == "<!-- BEGIN x -->\nbody\n<!-- END x -->\n"
+
+
+def test_json_round_trip_and_clear_errors(tmp_path: Path) -> None:
+    path = write_json(tmp_path / "deep" / "r.json", {"a": 1, **provenance(["prog", "--x"])})
+    data = read_json(path)
+    assert data["a"] == 1 and data["command"] == "prog --x" and data["versions"]["deepinfer"]
+    with pytest.raises(ValueError, match="not found"):
+        read_json(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        read_json(tmp_path / "bad.json")
+    with pytest.raises(ValueError):
+        write_json(tmp_path / "nan.json", {"x": float("nan")})
+
+
+def _summary(throughput: float, ttft: float, tpot: float) -> dict:
+    return {
+        "output_throughput": throughput,
+        "ttft_ms": {"p50": ttft, "p99": 2 * ttft},
+        "tpot_ms": {"p50": tpot},
+    }
+
+
+def test_peer_table_gives_ratios_to_us_and_lists_the_unavailable() -> None:
+    outcomes = [
+        PeerOutcome("deepinfer", "measured", "", "0.1.0", "serve", _summary(100.0, 50.0, 10.0)),
+        PeerOutcome("llama.cpp", "measured", "slots", "b1", "llama-server", _summary(250.0, 25.0, 5.0)),
+        PeerOutcome("transformers", "not available", "no wheel"),
+    ]
+    header = {
+        **provenance(["deepinfer", "bench", "peers"]),
+        "model": "m.gguf",
+    }
+    text = format_peers(outcomes, PeersOptions(), header)
+    rows = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if line.startswith("| ")}
+    assert "| 250.00 | 2.50× | 25.00 | 0.50× | 50.00 | 5.00 | 0.50× |" in rows["llama.cpp"]
+    assert "| not available | — | — |" in rows["transformers"] and "no wheel" in rows["transformers"]
+    assert "Command: `deepinfer bench peers`" in text
+    assert "- llama.cpp: b1; `llama-server`" in text
+
+
+def test_run_peers_reports_a_peer_that_cannot_start(tmp_path: Path) -> None:
+    doc = tmp_path / "benchmarks.md"
+    result = tmp_path / "peers.json"
+    options = PeersOptions(
+        peers=["llama.cpp"],
+        llama_server=str(tmp_path / "no-such-llama-server"),
+        doc=str(doc),
+        result_json=str(result),
+        show_progress=False,
+    )
+    report = run_peers(options)
+    assert not report.any_measured
+    (outcome,) = report.outcomes
+    assert outcome.status == "failed" and "FileNotFoundError" in outcome.detail
+    assert "| llama.cpp | failed |" in doc.read_text()
+    saved = json.loads(result.read_text())
+    assert saved["peers"][0]["status"] == "failed" and saved["model"].endswith(".gguf")
+    with pytest.raises(ValueError, match="unknown vllm"):
+        run_peers(PeersOptions(peers=["vllm"], doc=None))

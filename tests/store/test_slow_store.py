@@ -1,0 +1,99 @@
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+
+from deepinfer.store import BreakerState, CircuitBreaker, FileBackend, ManualClock
+from tests.store.conftest import kv_chunk, tiered
+
+NS = b"ns"
+
+
+def _key(i: int) -> bytes:
+    return hashlib.sha256(b"slow-%d" % i).digest()
+
+
+class SlowBackend(FileBackend):
+    """A real file backend behind a slow link: every write and lookup takes `delay` seconds."""
+
+    def __init__(self, root: Path, delay: float) -> None:
+        super().__init__(root)
+        self.delay = delay
+        self.slow_lookups = False
+
+    def put(self, key, parts, expires_at, now) -> None:
+        time.sleep(self.delay)
+        super().put(key, parts, expires_at, now)
+
+    def count_present(self, keys, now) -> int:
+        if self.slow_lookups:
+            time.sleep(self.delay)
+        return super().count_present(keys, now)
+
+
+def test_full_write_queue_drops_instead_of_blocking(tmp_path: Path, clock: ManualClock) -> None:
+    backend = SlowBackend(tmp_path / "store", delay=0.3)
+    with tiered(backend=backend, clock=clock, write_queue_size=2) as store:
+        accepted = []
+        slowest = 0.0
+        for i in range(12):
+            started = time.perf_counter()
+            accepted.append(store.save(_key(i), NS, kv_chunk(i), num_tokens=8, traffic_class="chat"))
+            slowest = max(slowest, time.perf_counter() - started)
+        assert slowest < 0.05  # the caller never waits for the 0.3 s writes
+        # The worker holds at most one job and the queue two: everything else was dropped.
+        assert 2 <= sum(accepted) <= 3
+        assert store.metrics.write_drops == 12 - sum(accepted)
+        assert store.metrics_snapshot()["write_queue_depth"] == sum(accepted)
+        assert store.flush(timeout=10)
+        assert store.metrics_snapshot()["write_queue_depth"] == 0
+        stored = [store.lookup([_key(i)], NS) for i in range(12)]
+        assert stored == [int(a) for a in accepted]
+        assert store.metrics.writes == sum(accepted)
+
+
+def test_slow_lookup_times_out_to_a_miss_and_opens_the_breaker(tmp_path: Path, clock: ManualClock) -> None:
+    backend = SlowBackend(tmp_path / "store", delay=0.5)
+    with tiered(
+        backend=backend, clock=clock, lookup_timeout_s=0.05, failure_threshold=2, probe_interval_s=10
+    ) as store:
+        store.save(_key(0), NS, kv_chunk(0), num_tokens=8, traffic_class="chat")
+        assert store.flush(timeout=10)
+        assert store.lookup([_key(0)], NS) == 1
+        backend.slow_lookups = True
+        started = time.perf_counter()
+        assert store.lookup([_key(0)], NS) == 0
+        assert store.lookup([_key(0)], NS) == 0
+        assert time.perf_counter() - started < 0.4
+        assert store.metrics.lookup_timeouts == 2
+        assert store.read_breaker.state is BreakerState.OPEN
+        backend.slow_lookups = False
+        time.sleep(0.6)  # the abandoned slow calls drain from the lookup threads
+        clock.advance(10)
+        assert store.lookup([_key(0)], NS) == 1
+
+
+def test_breaker_opens_probes_and_closes(clock: ManualClock) -> None:
+    breaker = CircuitBreaker(failure_threshold=3, probe_interval_s=5, clock=clock)
+    for _ in range(2):
+        assert breaker.allow()
+        breaker.record_failure("down")
+    breaker.record_success()  # a success resets the count: errors must be consecutive
+    for _ in range(3):
+        assert breaker.allow()
+        breaker.record_failure("down")
+    assert breaker.state is BreakerState.OPEN and breaker.times_opened == 1
+    assert not breaker.allow() and breaker.refusing()
+    clock.advance(5)
+    assert not breaker.refusing()
+    assert breaker.allow()  # the probe
+    assert breaker.state is BreakerState.HALF_OPEN
+    assert not breaker.allow()  # only one probe at a time
+    breaker.record_failure("still down")
+    assert breaker.state is BreakerState.OPEN and not breaker.allow()
+    clock.advance(5)
+    assert breaker.allow()
+    breaker.record_success()
+    assert breaker.state is BreakerState.CLOSED and breaker.allow()
+    assert breaker.times_opened == 1
