@@ -112,7 +112,9 @@ def _ours(options: PeersOptions, gguf: Path) -> PeerOutcome:
         timeout=120,
     )
     if probe.returncode != 0 or "usage" not in probe.stdout.lower():
-        return PeerOutcome("deepinfer", "not available", "`python -m deepinfer.cli serve` is not available yet")
+        return PeerOutcome(
+            "deepinfer", "not available", "`python -m deepinfer.cli serve` is not available yet"
+        )
     command = [sys.executable, "-m", "deepinfer.cli", "serve", "--port", str(options.port)]
     return PeerOutcome(
         "deepinfer",
@@ -187,6 +189,8 @@ def _llama_cpp(options: PeersOptions, gguf: Path) -> PeerOutcome:
         "--n_ctx", str(options.input_len + options.output_len + 64),
         "--n_threads", str(options.threads),
         "--n_threads_batch", str(options.threads),
+        # By default a new request interrupts the one in progress; queue them instead.
+        "--interrupt_requests", "False",
     ]  # fmt: skip
     # llama-cpp-python's server has no ignore_eos; a -100 bias keeps end tokens from ending early.
     extra = {"logit_bias": {str(token): -100.0 for token in _eos_token_ids(gguf)}}

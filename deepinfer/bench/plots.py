@@ -44,6 +44,9 @@ def plot_latency_cdfs(outcomes: Sequence[RunOutcome], path: str | Path) -> Path:
             if values:
                 fractions = [(i + 1) / len(values) for i in range(len(values))]
                 axis.step(values, fractions, where="post", label=_label(outcome))
+        low, high = axis.dataLim.intervalx
+        if axis.has_data() and low > 0 and high / low >= 100:
+            axis.set_xscale("log")  # tails span decades; a linear axis would squash the body
         axis.set_title(title)
         axis.set_xlabel("ms")
         axis.set_ylabel("fraction of samples ≤ x")

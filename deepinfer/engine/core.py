@@ -163,7 +163,9 @@ class EngineCore:
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """Logits [L, V] for every position of `token_ids`, using blocks borrowed from the pool."""
-        seq = Sequence(-1, EngineRequest("score", token_ids, SamplingParams()), 0, list(token_ids), len(token_ids), b"")
+        seq = Sequence(
+            -1, EngineRequest("score", token_ids, SamplingParams()), 0, list(token_ids), len(token_ids), b""
+        )
         if not self.kv.can_allocate(seq, len(token_ids)):
             raise RuntimeError("not enough free KV blocks to score this sequence")
         self.kv.allocate(seq, len(token_ids))

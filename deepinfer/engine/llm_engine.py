@@ -52,6 +52,34 @@ class LLMEngine:
             return PreparedPrompt(prompt, self.tokenizer.encode(prompt))
         return PreparedPrompt(None, list(prompt))
 
+    def validate(self, prompt: PreparedPrompt, params: SamplingParams) -> None:
+        """Raise InvalidRequestError naming the bad field; nothing enters the engine."""
+        validate_prompt(prompt.token_ids, self.vocab_size, self.core.max_model_len)
+        params.validate(self.vocab_size)
+
+    def enqueue(
+        self,
+        prompt: PreparedPrompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> str:
+        """Admit an already validated prompt."""
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        self.processor.add_request(request_id, prompt.prompt, prompt.token_ids, params)
+        self.core.add_request(
+            EngineRequest(
+                request_id,
+                prompt.token_ids,
+                params,
+                eos_token_ids=list(self.core.loaded.config.eos_token_ids),
+                priority=priority,
+                cache_salt=cache_salt,
+            )
+        )
+        return request_id
+
     def add_request(
         self,
         prompt: str | list[int],
@@ -62,25 +90,13 @@ class LLMEngine:
     ) -> str:
         """Validate and enqueue; raises InvalidRequestError before anything enters the engine."""
         prepared = self.prepare_prompt(prompt)
-        validate_prompt(prepared.token_ids, self.vocab_size, self.core.max_model_len)
-        params.validate(self.vocab_size)
-        request_id = request_id if request_id is not None else str(next(self._ids))
-        self.processor.add_request(request_id, prepared.prompt, prepared.token_ids, params)
-        self.core.add_request(
-            EngineRequest(
-                request_id,
-                prepared.token_ids,
-                params,
-                eos_token_ids=list(self.core.loaded.config.eos_token_ids),
-                priority=priority,
-                cache_salt=cache_salt,
-            )
-        )
-        return request_id
+        self.validate(prepared, params)
+        return self.enqueue(prepared, params, request_id, priority, cache_salt)
 
     def abort_request(self, request_id: str) -> None:
+        """Stop a request now; its blocks are free and it produces no further output."""
         self.core.abort(request_id)
-        self.processor.finish_aborted(request_id)
+        self.processor.drop(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.processor.has_unfinished() or self.core.has_work()

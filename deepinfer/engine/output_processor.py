@@ -179,16 +179,6 @@ class OutputProcessor:
             del self._requests[request_id]
         return result
 
-    def finish_aborted(self, request_id: str) -> None:
-        """Mark every unfinished sequence of a request as aborted."""
-        request = self._requests.get(request_id)
-        if request is None:
-            return
-        for index in range(request.params.n):
-            output = self._state(request, index).output
-            if not output.finished:
-                output.finish_reason = "abort"
-
 
 def _find_stop(text: str, start: int, stops: list[str]) -> tuple[int, str] | None:
     """Earliest occurrence of any stop string at or after `start`."""

@@ -10,7 +10,10 @@ from tqdm import tqdm
 from deepinfer.config import EngineConfig
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.model.loader.load import LoadedModel
+from deepinfer.model.loader.source import resolve_model_path
 from deepinfer.outputs import RequestOutput
+from deepinfer.recipe import ModelInfo, Recipe
+from deepinfer.recipe.api import chat_completion_to_conversation
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.tokenizer import Tokenizer
 
@@ -32,8 +35,11 @@ class LLM:
     engines with different options can share one copy of the model in a process.
     """
 
-    def __init__(self, model: str | None = None, *, loaded: LoadedModel | None = None, **engine_args: Any) -> None:
+    def __init__(
+        self, model: str | None = None, *, loaded: LoadedModel | None = None, **engine_args: Any
+    ) -> None:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args), loaded)
+        self._chat_recipe: Recipe | None = None
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
@@ -68,22 +74,43 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         salts = cache_salt if isinstance(cache_salt, list) else [cache_salt] * len(prompts)
         prepared = [self.engine.prepare_prompt(p) for p in prompts]
-        from deepinfer.engine.llm_engine import validate_prompt
-
         for p, sp in zip(prepared, params):
-            validate_prompt(p.token_ids, self.engine.vocab_size, self.engine.core.max_model_len)
-            sp.validate(self.engine.vocab_size)
-
+            self.engine.validate(p, sp)
         ids = [
-            self.engine.add_request(
-                p.token_ids if p.prompt is None else p.prompt,
-                sp,
-                priority=priority[i] if priority else 0,
-                cache_salt=salts[i],
-            )
+            self.engine.enqueue(p, sp, priority=priority[i] if priority else 0, cache_salt=salts[i])
             for i, (p, sp) in enumerate(zip(prepared, params))
         ]
         return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to OpenAI-style conversations, rendered by the model's recipe
+        (its chat template, or DeepSeek's native format) exactly as the server renders them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        recipe = self._recipe()
+        prompts: list[PromptInput] = []
+        for conversation in conversations:
+            body = {"model": "offline", "messages": conversation, **({"tools": tools} if tools else {})}
+            rendered = recipe.render(
+                chat_completion_to_conversation(body),
+                tokenizer=self.engine.tokenizer.backend,
+                template_kwargs=chat_template_kwargs,
+            )
+            prompts.append(rendered.token_ids)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _recipe(self) -> Recipe:
+        if self._chat_recipe is None:
+            path = resolve_model_path(self.engine.config.model)
+            info = ModelInfo.from_gguf(path) if path.suffix == ".gguf" else ModelInfo.from_hf_dir(path)
+            self._chat_recipe = Recipe.for_model(info)
+        return self._chat_recipe
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -56,10 +56,7 @@ def resolve_family(info: ModelInfo) -> str:
         return "deepseek_v32"
     if model_type in _DEEPSEEK_MODEL_TYPES:
         if template is None:
-            raise RecipeError(
-                f"a {model_type} model without a chat template is ambiguous (V3.2? V3.1?); set the recipe family",
-                "family",
-            )
+            return "deepseek_v32"  # template-less DeepSeek checkpoints: V3.2's native encoding by default
         if "<｜tool▁sep｜>" in template and "```json" not in template and "thinking" in template:
             return "deepseek_v31"
         if "```json" in template and THINK_OPEN in template:

@@ -149,11 +149,12 @@ def test_without_ignore_eos_the_server_may_stop_early() -> None:
 
 def test_concurrency_sweep_gives_one_run_per_level(tmp_path: Path) -> None:
     with running_server(ServerBehaviour(chunk_delay_s=0.002)) as (url, _):
-        result = run_serve(_options(url, sweep_concurrency=[1, 4], plot_dir=str(tmp_path)))
+        result = run_serve(_options(url, sweep_concurrency=[1, 4], plot_dir=str(tmp_path), num_cards=2))
     assert [run["summary"]["max_concurrency"] for run in result["runs"]] == [1, 4]
     one, four = (run["summary"] for run in result["runs"])
     assert one["mean_concurrency"] <= 1.05
     assert four["mean_concurrency"] > 1.5
+    assert four["output_throughput_per_card"] == pytest.approx(four["output_throughput"] / 2)
     assert (tmp_path / "throughput_vs_concurrency.png").exists()
 
 

@@ -13,10 +13,11 @@ from tests.recipe.conftest import template
 
 
 def test_family_detection():
-    """Explicit family wins; deepseek_v32 is native; DeepSeek templates pick V3.1/R1; others use
-    their chat template; ambiguous or template-less models are refused."""
+    """Explicit family wins; deepseek_v32 is native, and so is a template-less deepseek_v3;
+    DeepSeek templates pick V3.1/R1; others use their chat template; template-less others are refused."""
     assert resolve_family(ModelInfo(model_type="llama", family="deepseek_r1")) == "deepseek_r1"
     assert resolve_family(ModelInfo(model_type="deepseek_v32")) == "deepseek_v32"
+    assert resolve_family(ModelInfo(model_type="deepseek_v3")) == "deepseek_v32"
     assert (
         resolve_family(ModelInfo(model_type="deepseek_v3", chat_template=template("deepseek_v31.jinja")))
         == "deepseek_v31"
@@ -30,7 +31,6 @@ def test_family_detection():
         == "chat_template"
     )
     for bad, param in (
-        (ModelInfo(model_type="deepseek_v3"), "family"),
         (ModelInfo(model_type="llama"), "chat_template"),
         (ModelInfo(family="gpt"), "family"),
     ):

@@ -52,8 +52,8 @@ class KVCacheManager:
         return hits
 
     def _blocks_needed(self, seq: Sequence, num_new_tokens: int, num_hit_blocks: int) -> int:
-        needed = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
-        needed -= len(seq.block_table) + num_hit_blocks
+        computed = seq.num_computed_tokens + num_hit_blocks * self.block_size
+        needed = cdiv(computed + num_new_tokens, self.block_size) - len(seq.block_table) - num_hit_blocks
         if self._needs_copy_on_write(seq, num_new_tokens):
             needed += 1
         return max(needed, 0)

@@ -1,0 +1,159 @@
+"""DeepSeekMoE: group-limited top-k routing, routed experts executed grouped by expert, shared experts.
+
+Routing (per token, in float32):
+- scores: sigmoid (V3) or softmax (V2) of the router logits;
+- noaux_tc (V3): experts are chosen on score + e_score_correction_bias, groups ranked by the sum of
+  their two best biased scores; the weights are the unbiased scores of the chosen experts;
+- group_limited_greedy (V2): groups ranked by their best score; greedy: no groups;
+- then optional normalisation of the chosen weights and the routed scaling factor.
+
+Execution: the (token, expert) pairs are sorted by expert, each active expert runs one matmul over
+its tokens, and results are scattered back with index_add. Experts live in stacked tensors
+[E, ...] and the loop covers a contiguous range of them, so expert parallelism can give each rank
+its own range and sum the partial outputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer.model.layers.mlp import GatedMLP
+
+
+@dataclass(slots=True, frozen=True)
+class RouterConfig:
+    num_experts: int
+    top_k: int
+    num_groups: int = 1
+    topk_groups: int = 1
+    scoring: str = "sigmoid"  # "sigmoid" | "softmax"
+    topk_method: str = "noaux_tc"  # "noaux_tc" | "group_limited_greedy" | "greedy"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.scoring not in ("sigmoid", "softmax"):
+            raise ValueError(f"scoring_func must be 'sigmoid' or 'softmax', got {self.scoring!r}")
+        if self.topk_method not in ("noaux_tc", "group_limited_greedy", "greedy"):
+            raise ValueError(f"unsupported topk_method {self.topk_method!r}")
+        if self.num_experts % self.num_groups:
+            raise ValueError(
+                f"n_routed_experts={self.num_experts} is not divisible by n_group={self.num_groups}"
+            )
+        if not 0 < self.topk_groups <= self.num_groups:
+            raise ValueError(f"topk_group={self.topk_groups} must be in 1..n_group={self.num_groups}")
+
+
+class GroupedTopKRouter(torch.nn.Module):
+    """Router weights and bias stay float32 whatever the model dtype (load_weights keeps them so)."""
+
+    def __init__(self, hidden_size: int, cfg: RouterConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.weight = torch.nn.Parameter(torch.empty(cfg.num_experts, hidden_size), requires_grad=False)
+        self.e_score_correction_bias = (
+            torch.nn.Parameter(torch.empty(cfg.num_experts), requires_grad=False)
+            if cfg.topk_method == "noaux_tc"
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (weights [T, k] float32, expert ids [T, k] int64)."""
+        cfg = self.cfg
+        logits = F.linear(x.float(), self.weight.float())  # [T, E]
+        scores = logits.sigmoid() if cfg.scoring == "sigmoid" else logits.softmax(dim=-1)
+        if cfg.topk_method == "noaux_tc":
+            choice = scores + self.e_score_correction_bias.float()
+            grouped = choice.view(-1, cfg.num_groups, cfg.num_experts // cfg.num_groups)
+            group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+            choice = _keep_top_groups(choice, group_scores, cfg, float("-inf"))
+            ids = choice.topk(cfg.top_k, dim=-1).indices
+        elif cfg.topk_method == "group_limited_greedy":
+            group_scores = scores.view(-1, cfg.num_groups, cfg.num_experts // cfg.num_groups).amax(dim=-1)
+            ids = _keep_top_groups(scores, group_scores, cfg, 0.0).topk(cfg.top_k, dim=-1).indices
+        else:
+            ids = scores.topk(cfg.top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * cfg.routed_scaling_factor, ids
+
+
+def _keep_top_groups(
+    scores: torch.Tensor, group_scores: torch.Tensor, cfg: RouterConfig, fill: float
+) -> torch.Tensor:
+    """scores [T, E] with experts outside each token's topk_groups best groups set to `fill`."""
+    if cfg.topk_groups == cfg.num_groups:
+        return scores
+    top_groups = group_scores.topk(cfg.topk_groups, dim=-1).indices  # [T, topk_groups]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top_groups, True)
+    keep = keep.repeat_interleave(cfg.num_experts // cfg.num_groups, dim=1)  # [T, E]
+    return scores.masked_fill(~keep, fill)
+
+
+class RoutedExperts(torch.nn.Module):
+    """Stacked SwiGLU experts: w13 [E, 2I, hidden] (gate rows then up rows), w2 [E, hidden, I]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.w13 = torch.nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False
+        )
+        self.w2 = torch.nn.Parameter(
+            torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False
+        )
+
+    def forward(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, first_expert: int = 0
+    ) -> torch.Tensor:
+        """Sum over each token's chosen experts in [first_expert, first_expert + E_local) of
+        weight * expert(x): x [T, hidden], topk_* [T, k] -> [T, hidden]."""
+        num_local = self.w13.shape[0]
+        top_k = topk_ids.shape[1]
+        flat_ids = topk_ids.flatten() - first_expert  # [T * k], pair p belongs to token p // k
+        local = (flat_ids >= 0) & (flat_ids < num_local)
+        pairs = local.nonzero().squeeze(1)
+        order = pairs[flat_ids[pairs].argsort(stable=True)]  # local pairs sorted by expert
+        tokens = order // top_k
+        counts = torch.bincount(flat_ids[order], minlength=num_local).tolist()
+        hidden = x[tokens]  # [P, hidden], grouped by expert
+        out_rows = torch.empty_like(hidden)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = slice(start, start + count)
+            gate, up = F.linear(hidden[rows], self.w13[expert]).split(self.intermediate_size, dim=-1)
+            out_rows[rows] = F.linear(F.silu(gate) * up, self.w2[expert])
+            start += count
+        weights = topk_weights.flatten()[order].unsqueeze(1)
+        out = torch.zeros_like(x)
+        out.index_add_(0, tokens, (out_rows * weights).to(x.dtype))
+        return out
+
+
+class DeepseekMoE(torch.nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        moe_intermediate_size: int,
+        num_shared_experts: int,
+        router: RouterConfig,
+    ) -> None:
+        super().__init__()
+        self.gate = GroupedTopKRouter(hidden_size, router)
+        self.experts = RoutedExperts(router.num_experts, hidden_size, moe_intermediate_size)
+        self.shared_experts = (
+            GatedMLP(hidden_size, moe_intermediate_size * num_shared_experts) if num_shared_experts else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = self.experts(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out

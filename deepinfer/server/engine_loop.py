@@ -1,0 +1,204 @@
+"""The engine's busy loop, and the entry point of the engine process.
+
+While there is work the loop never blocks: it takes whatever new and abort messages have
+arrived, runs one step, and sends that step's new tokens with the engine's stats as one
+message. With nothing to do it blocks on its inbox (waking once a second to notice that the
+API process is gone, so an orphaned engine never lingers).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+from collections.abc import Callable
+from typing import Protocol
+
+import zmq
+
+from deepinfer.config import EngineConfig
+from deepinfer.engine.core import EngineCore
+from deepinfer.engine.outputs import SequenceOutput
+from deepinfer.server.protocol import (
+    AbortRequest,
+    AddRequest,
+    Codec,
+    EngineFailed,
+    EngineInfo,
+    EngineInput,
+    EngineMessage,
+    EngineOutputs,
+    EngineReady,
+    ResetPrefixCache,
+    Shutdown,
+)
+
+log = logging.getLogger(__name__)
+
+IDLE_WAKEUP_S = 1.0
+
+
+class Inbox(Protocol):
+    def drain(self) -> list[EngineInput]:
+        """Every message that has arrived, without blocking."""
+        ...
+
+    def wait(self, timeout_s: float) -> list[EngineInput]:
+        """Block until at least one message arrives (or the timeout passes); then drain."""
+        ...
+
+
+class QueueInbox:
+    """The inbox of an engine running on a thread of the API process."""
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue[EngineInput] = queue.SimpleQueue()
+
+    def put(self, message: EngineInput) -> None:
+        self.queue.put(message)
+
+    def drain(self) -> list[EngineInput]:
+        messages = []
+        while True:
+            try:
+                messages.append(self.queue.get_nowait())
+            except queue.Empty:
+                return messages
+
+    def wait(self, timeout_s: float) -> list[EngineInput]:
+        try:
+            first = self.queue.get(timeout=timeout_s)
+        except queue.Empty:
+            return []
+        return [first, *self.drain()]
+
+
+class ZmqInbox:
+    """The inbox of the engine process: a PULL socket fed by the API process."""
+
+    def __init__(self, socket: zmq.Socket, codec: Codec) -> None:
+        self.socket = socket
+        self.codec = codec
+
+    def drain(self) -> list[EngineInput]:
+        messages = []
+        while True:
+            try:
+                frame = self.socket.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return messages
+            messages.append(self.codec.decode_input(frame.buffer))
+
+    def wait(self, timeout_s: float) -> list[EngineInput]:
+        if not self.socket.poll(int(timeout_s * 1000)):
+            return []
+        return self.drain()
+
+
+def engine_info(core: EngineCore) -> EngineInfo:
+    return EngineInfo(
+        model_name=core.loaded.name,
+        max_model_len=core.max_model_len,
+        vocab_size=core.loaded.config.vocab_size,
+        eos_token_ids=list(core.loaded.config.eos_token_ids),
+        num_blocks=core.num_blocks,
+        block_size=core.config.block_size,
+        pid=os.getpid(),
+    )
+
+
+class EngineLoop:
+    def __init__(
+        self,
+        core: EngineCore,
+        inbox: Inbox,
+        emit: Callable[[EngineMessage], None],
+        alive: Callable[[], bool] | None = None,
+    ) -> None:
+        self.core = core
+        self.inbox = inbox
+        self.emit = emit
+        self.alive = alive
+
+    def run(self) -> None:
+        """Serve until a Shutdown message (or the death of the API process)."""
+        core = self.core
+        while True:
+            if core.has_work():
+                messages = self.inbox.drain()
+            else:
+                messages = self.inbox.wait(IDLE_WAKEUP_S)
+                if not messages:
+                    if self.alive is not None and not self.alive():
+                        log.warning("the API process is gone; the engine stops")
+                        return
+                    continue
+            outputs: list[SequenceOutput] = []
+            reset: bool | None = None
+            for message in messages:
+                if isinstance(message, AddRequest):
+                    outputs.extend(self._add(message))
+                elif isinstance(message, AbortRequest):
+                    core.abort(message.request_id, message.index)
+                elif isinstance(message, ResetPrefixCache):
+                    reset = core.reset_prefix_cache()
+                elif isinstance(message, Shutdown):
+                    return
+            if core.has_work():
+                outputs.extend(core.step())
+            # Stats go out even without new tokens: after aborts on an idle engine they are
+            # the only news (freed blocks).
+            self.emit(EngineOutputs(outputs, core.stats(), reset))
+
+    def _add(self, message: AddRequest) -> list[SequenceOutput]:
+        request = message.request
+        try:
+            self.core.add_request(request)
+        except Exception:
+            # The API side validated the request; a failure here is a bug, and it must end
+            # this request rather than the engine.
+            log.exception("could not add request %s", request.request_id)
+            return [
+                SequenceOutput(request.request_id, index, [], finish_reason="error")
+                for index in range(request.params.n)
+            ]
+        return []
+
+
+def engine_process_main(
+    config: EngineConfig, input_address: str, output_address: str, parent_pid: int, log_level: str
+) -> None:
+    """Entry point of the engine process (spawned by ProcessTransport)."""
+    # Ctrl-C reaches the whole process group; the API process decides when the engine stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s engine %(levelname)s %(message)s")
+    codec = Codec()
+    context = zmq.Context()
+    outbox = context.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.LINGER, 2000)  # let a last EngineFailed leave before the process ends
+    outbox.connect(output_address)
+    inbox_socket = context.socket(zmq.PULL)
+    inbox_socket.connect(input_address)
+
+    def emit(message: EngineMessage) -> None:
+        outbox.send(codec.encode(message), copy=False)
+
+    try:
+        core = EngineCore(config)
+    except Exception as error:
+        log.exception("the engine failed to start")
+        emit(EngineFailed(f"the engine failed to start: {type(error).__name__}: {error}"))
+        raise SystemExit(1) from error
+    emit(EngineReady(engine_info(core)))
+    loop = EngineLoop(core, ZmqInbox(inbox_socket, codec), emit, alive=lambda: os.getppid() == parent_pid)
+    try:
+        loop.run()
+    except Exception as error:
+        log.exception("the engine loop failed")
+        emit(EngineFailed(f"the engine failed: {type(error).__name__}: {error}"))
+        raise SystemExit(1) from error
+    finally:
+        inbox_socket.close(linger=0)
+        outbox.close()
+        context.term()

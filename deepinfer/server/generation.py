@@ -1,0 +1,256 @@
+"""From a rendered conversation to engine requests, and from engine deltas to canonical events.
+
+Shared by the three chat-style APIs: they differ only in how they parse the body (the recipe's
+API codecs) and which encoder turns events into their JSON and SSE (an EventSink).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from deepinfer.engine.output_processor import SequenceDelta
+from deepinfer.outputs import Logprob
+from deepinfer.recipe import RenderedPrompt, StreamParser
+from deepinfer.recipe.api import GenerationError
+from deepinfer.recipe.events import (
+    Event,
+    Finish,
+    FinishReason,
+    Logprobs,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from deepinfer.recipe.ir import GenerationParams, ResponseFormat
+from deepinfer.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputs
+from deepinfer.server.engine_client import EngineDeadError, GenerationStream
+from deepinfer.server.errors import ApiError
+from deepinfer.server.http_io import EventStreamResponse, until_disconnect
+
+_FINISH_REASONS: dict[str | None, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def check_context(num_prompt_tokens: int, max_model_len: int, param: str) -> None:
+    """400 when the prompt leaves no room for even one generated token."""
+    if num_prompt_tokens >= max_model_len:
+        raise InvalidRequestError(
+            f"{param}: the prompt is {num_prompt_tokens} tokens, which leaves no room to generate within "
+            f"the model's context length of {max_model_len} tokens",
+            param=param,
+        )
+
+
+def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int, param: str) -> None:
+    """A raw token-id prompt: not empty, inside the vocabulary, shorter than the context."""
+    if not token_ids:
+        raise InvalidRequestError(f"{param}: must not be empty", param=param)
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(
+            f"{param}: token id {bad} is outside the vocabulary [0, {vocab_size})", param=param
+        )
+    check_context(len(token_ids), max_model_len, param)
+
+
+def max_tokens_for(requested: int | None, num_prompt_tokens: int, max_model_len: int) -> int:
+    """The client's limit, capped by the context left after the prompt (the whole of it if unset)."""
+    remaining = max_model_len - num_prompt_tokens
+    return remaining if requested is None else min(requested, remaining)
+
+
+def structured_outputs(response_format: ResponseFormat | None) -> StructuredOutputs | None:
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return StructuredOutputs(json_object=True)
+    if response_format.type == "json_schema":
+        return StructuredOutputs(json=response_format.json_schema)
+    if response_format.type == "regex":
+        return StructuredOutputs(regex=response_format.regex)
+    if response_format.type == "choice":
+        return StructuredOutputs(choice=response_format.choices)
+    return StructuredOutputs(grammar=response_format.grammar)
+
+
+def sampling_params(
+    params: GenerationParams,
+    *,
+    num_prompt_tokens: int,
+    max_model_len: int,
+    skip_special_tokens: bool,
+    response_format: ResponseFormat | None = None,
+) -> SamplingParams:
+    """The engine's parameters for a request; unset fields keep the engine's defaults."""
+    optional: dict[str, Any] = {
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "min_p": params.min_p,
+        "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
+        "repetition_penalty": params.repetition_penalty,
+    }
+    return SamplingParams(
+        n=params.n,
+        top_k=params.top_k or 0,
+        seed=params.seed,
+        stop=list(params.stop),
+        max_tokens=max_tokens_for(params.max_tokens, num_prompt_tokens, max_model_len),
+        min_tokens=params.min_tokens or 0,
+        ignore_eos=params.ignore_eos,
+        logprobs=(params.top_logprobs or 0) if params.logprobs else None,
+        logit_bias=params.logit_bias,
+        skip_special_tokens=skip_special_tokens,
+        structured_outputs=structured_outputs(response_format),
+        **{k: v for k, v in optional.items() if v is not None},
+    )
+
+
+def logprobs_event(entries: list[dict[int, Logprob]], top_k: int) -> Logprobs:
+    """The recipe's Logprobs from the OutputProcessor's per-token dicts (sampled token first)."""
+    tokens = []
+    for entry in entries:
+        items = list(entry.values())
+        sampled = items[0]
+        ranked = sorted((lp for lp in items if lp.rank is not None and lp.rank <= top_k), key=_rank)
+        top = [TopLogprob(lp.decoded_token or "", lp.logprob) for lp in ranked]
+        tokens.append(TokenLogprob(sampled.decoded_token or "", sampled.logprob, top=top))
+    return Logprobs(tokens)
+
+
+def _rank(logprob: Logprob) -> int:
+    return logprob.rank or 0
+
+
+class Choices(Protocol):
+    """Turns deltas into (choice index, event) pairs; `fail` closes the open choices."""
+
+    def events(self, delta: SequenceDelta) -> list[tuple[int, Event]]: ...
+
+    def fail(self, message: str) -> list[tuple[int, Event]]: ...
+
+
+class ChoiceParsers:
+    """One StreamParser per choice, turning deltas into canonical events (Usage at the end)."""
+
+    def __init__(self, prompt: RenderedPrompt, n: int, top_logprobs: int) -> None:
+        self._parsers: list[StreamParser] = [prompt.new_parser() for _ in range(n)]
+        self._finished = [False] * n
+        self._top_logprobs = top_logprobs
+
+    def events(self, delta: SequenceDelta) -> list[tuple[int, Event]]:
+        index = delta.index
+        parser = self._parsers[index]
+        events: list[Event] = []
+        if delta.logprobs:
+            events.append(logprobs_event(delta.logprobs, self._top_logprobs))
+        if delta.text or delta.token_ids:
+            events.extend(parser.feed(delta.text, delta.token_ids))
+        if delta.finish_reason is not None:
+            self._finished[index] = True
+            reason = _FINISH_REASONS.get(delta.finish_reason, "error")
+            stop = delta.stop_reason if isinstance(delta.stop_reason, str) else None
+            events.extend(parser.finish(reason, stop_sequence=stop))
+            events.append(usage_of(delta, parser.reasoning_tokens))
+        return [(index, event) for event in events]
+
+    def fail(self, message: str) -> list[tuple[int, Event]]:
+        """An error Finish for every choice still open (the engine died under it)."""
+        failed: list[tuple[int, Event]] = []
+        for index, parser in enumerate(self._parsers):
+            if not self._finished[index]:
+                self._finished[index] = True
+                failed.extend((index, e) for e in parser.finish("error", message=message))
+        return failed
+
+
+def usage_of(delta: SequenceDelta, reasoning_tokens: int = 0) -> Usage:
+    return Usage(
+        prompt_tokens=delta.num_prompt_tokens,
+        completion_tokens=delta.num_output_tokens,
+        cached_tokens=delta.num_cached_tokens,
+        reasoning_tokens=reasoning_tokens,
+    )
+
+
+def finish_of(delta: SequenceDelta, message: str | None = None) -> Finish:
+    reason = _FINISH_REASONS.get(delta.finish_reason, "error")
+    stop = delta.stop_reason if isinstance(delta.stop_reason, str) else None
+    return Finish(reason, stop_sequence=stop, message=message)
+
+
+class EventSink(Protocol):
+    """An API encoder behind one interface: frames out for streams, a body for the rest."""
+
+    def first_output(self, delta: SequenceDelta) -> list[str]: ...
+
+    def feed(self, index: int, event: Event) -> list[str]: ...
+
+    def close(self) -> list[str]: ...
+
+    def body(self) -> dict[str, Any]: ...
+
+
+async def stream_frames(stream: GenerationStream, choices: Choices, sink: EventSink) -> AsyncIterator[str]:
+    """SSE text for a streamed request: one chunk of frames per wake-up. Closing the iterator
+    early (client gone) aborts what is still running."""
+    started = False
+    try:
+        try:
+            async for batch in stream.batches():
+                frames: list[str] = []
+                if not started:
+                    started = True
+                    frames.extend(sink.first_output(batch[0]))
+                for delta in batch:
+                    for index, event in choices.events(delta):
+                        frames.extend(sink.feed(index, event))
+                if frames:
+                    yield "".join(frames)
+        except EngineDeadError as error:
+            frames = []
+            for index, event in choices.fail(str(error)):
+                frames.extend(sink.feed(index, event))
+            if frames:
+                yield "".join(frames)
+        yield "".join(sink.close())
+    finally:
+        stream.abort()
+
+
+async def collect_body(stream: GenerationStream, choices: Choices, sink: EventSink) -> dict[str, Any]:
+    """The whole answer of a request that is not streamed; GenerationError if it failed."""
+    started = False
+    try:
+        async for batch in stream.batches():
+            if not started:
+                started = True
+                sink.first_output(batch[0])
+            for delta in batch:
+                for index, event in choices.events(delta):
+                    sink.feed(index, event)
+    except EngineDeadError as error:
+        for index, event in choices.fail(str(error)):
+            sink.feed(index, event)
+    finally:
+        stream.abort()
+    sink.close()
+    return sink.body()
+
+
+async def respond(
+    request: Request, stream: GenerationStream, choices: Choices, sink: EventSink, *, streaming: bool
+) -> Response:
+    """The HTTP answer: SSE frames as they come, or the whole body once generation ends."""
+    if streaming:
+        return EventStreamResponse(stream_frames(stream, choices, sink), on_disconnect=stream.abort)
+    try:
+        body = await until_disconnect(request, collect_body(stream, choices, sink), stream.abort)
+    except GenerationError as error:
+        raise ApiError(500, str(error), code="generation_failed") from None
+    if body is None:  # the client is gone; nobody reads this
+        return Response(status_code=499)
+    return JSONResponse(body)

@@ -1,0 +1,97 @@
+"""Operational routes: health, Prometheus metrics, tokenize / detokenize, prefix-cache reset."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from deepinfer.recipe.api import chat_completion_to_conversation
+from deepinfer.recipe.api._validation import ApiModel, require, validate
+from deepinfer.server.engine_client import EngineDeadError
+from deepinfer.server.errors import ApiError
+from deepinfer.server.http_io import read_json
+from deepinfer.server.openai_routes import state_of
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    client = state_of(request).client
+    engine = {"pid": client.transport.engine_pid}
+    if client.dead_reason is not None:
+        return JSONResponse({"status": "unhealthy", "reason": client.dead_reason, "engine": engine}, 503)
+    return JSONResponse({"status": "ok", "engine": engine})
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(state_of(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+class _TokenizePrompt(ApiModel):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class _Detokenize(ApiModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> JSONResponse:
+    """`{"prompt": text}` tokenizes text; `{"messages": [...], ...}` (a Chat Completions body)
+    tokenizes the prompt the chat template renders for it, exactly as a request would."""
+    state = state_of(request)
+    state.authorize(request)
+    body = await read_json(request, state.config.max_body_bytes)
+    state.model_name(body)
+    if isinstance(body, dict) and "messages" in body:
+        conv = chat_completion_to_conversation(body)
+        kwargs = body.get("chat_template_kwargs")
+        prompt = state.require_recipe().render(
+            conv,
+            tokenizer=state.tokenizer.backend,
+            template_kwargs=kwargs if isinstance(kwargs, dict) else None,
+        )
+        tokens: list[int] = prompt.token_ids or []
+    else:
+        parsed = validate(_TokenizePrompt, body)
+        tokens = state.tokenizer.encode(parsed.prompt, add_special_tokens=parsed.add_special_tokens)
+    return JSONResponse({"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens})
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request) -> JSONResponse:
+    state = state_of(request)
+    state.authorize(request)
+    body = await read_json(request, state.config.max_body_bytes)
+    state.model_name(body)
+    parsed = validate(_Detokenize, body)
+    for i, token_id in enumerate(parsed.tokens):
+        require(
+            0 <= token_id < state.vocab_size,
+            f"token id {token_id} is outside the vocabulary [0, {state.vocab_size})",
+            f"tokens[{i}]",
+        )
+    return JSONResponse({"prompt": state.tokenizer.decode(parsed.tokens, skip_special_tokens=False)})
+
+
+@router.post("/reset_prefix_cache")
+async def reset_prefix_cache(request: Request) -> JSONResponse:
+    """Forget every cached prefix; refused (409) while requests hold blocks."""
+    state = state_of(request)
+    state.authorize(request)
+    try:
+        done = await state.client.reset_prefix_cache()
+    except EngineDeadError as error:
+        raise ApiError(503, f"the engine is not running: {error}", code="engine_unavailable") from None
+    if not done:
+        raise ApiError(409, "the prefix cache can only be reset while no request holds KV blocks")
+    result: dict[str, Any] = {"reset": True}
+    return JSONResponse(result)

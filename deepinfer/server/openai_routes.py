@@ -1,0 +1,203 @@
+"""OpenAI-compatible routes: Chat Completions, Responses, Completions and the model list."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from deepinfer.recipe.api import (
+    ChatCompletionEncoder,
+    ResponsesEncoder,
+    chat_completion_to_conversation,
+    new_id,
+    parse_responses_request,
+    request_to_conversation,
+    response_echo,
+)
+from deepinfer.recipe.ir import Conversation
+from deepinfer.server.completions import CompletionEncoder, TextChoices, parse_completion_request
+from deepinfer.server.generation import ChoiceParsers, check_prompt, respond, sampling_params
+from deepinfer.server.http_io import read_json
+from deepinfer.server.sinks import ChatSink, ResponsesSink
+from deepinfer.server.state import ServerState
+
+router = APIRouter()
+
+
+def state_of(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def _top_logprobs(conv: Conversation) -> int:
+    return (conv.params.top_logprobs or 0) if conv.params.logprobs else 0
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    state = state_of(request)
+    api_key = state.authorize(request)
+    body = await read_json(request, state.config.max_body_bytes)
+    model = state.model_name(body)
+    conv = chat_completion_to_conversation(body)
+    prompt = state.render(conv, body.get("chat_template_kwargs"), param="messages")
+    assert prompt.token_ids is not None
+    params = sampling_params(
+        conv.params,
+        num_prompt_tokens=len(prompt.token_ids),
+        max_model_len=state.max_model_len,
+        skip_special_tokens=False,  # the recipe's parser reads (and strips) the model's markers
+        response_format=conv.response_format,
+    )
+    request_id = new_id("chatcmpl-")
+    engine_request = state.engine_request(
+        request,
+        request_id,
+        prompt.token_ids,
+        params,
+        api_key=api_key,
+        cache_salt=conv.cache_salt,
+        traffic_class=conv.traffic_class,
+    )
+    state.admit("openai")
+    stream = state.submit([(engine_request, prompt.text)])
+    encoder = ChatCompletionEncoder(
+        completion_id=request_id,
+        model=model,
+        created=int(time.time()),
+        n=params.n,
+        include_usage=conv.include_usage,
+        stream=conv.stream,
+    )
+    choices = ChoiceParsers(prompt, params.n, _top_logprobs(conv))
+    return await respond(request, stream, choices, ChatSink(encoder), streaming=conv.stream)
+
+
+@router.post("/v1/responses")
+async def responses(request: Request) -> Response:
+    state = state_of(request)
+    api_key = state.authorize(request)
+    body = await read_json(request, state.config.max_body_bytes)
+    model = state.model_name(body)
+    parsed = parse_responses_request(body)
+    conv = request_to_conversation(parsed)
+    prompt = state.render(conv, param="input")
+    assert prompt.token_ids is not None
+    params = sampling_params(
+        conv.params,
+        num_prompt_tokens=len(prompt.token_ids),
+        max_model_len=state.max_model_len,
+        skip_special_tokens=False,
+        response_format=conv.response_format,
+    )
+    response_id = new_id("resp_")
+    engine_request = state.engine_request(
+        request,
+        response_id,
+        prompt.token_ids,
+        params,
+        api_key=api_key,
+        cache_salt=conv.cache_salt,
+        traffic_class=conv.traffic_class,
+    )
+    state.admit("openai")
+    stream = state.submit([(engine_request, prompt.text)])
+    encoder = ResponsesEncoder(
+        response_id=response_id,
+        model=model,
+        created_at=int(time.time()),
+        echo=response_echo(parsed),
+        stream=conv.stream,
+    )
+    choices = ChoiceParsers(prompt, 1, _top_logprobs(conv))
+    return await respond(request, stream, choices, ResponsesSink(encoder), streaming=conv.stream)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    state = state_of(request)
+    api_key = state.authorize(request)
+    body = await read_json(request, state.config.max_body_bytes)
+    model = state.model_name(body)
+    parsed = parse_completion_request(body)
+    completion_id = new_id("cmpl-")
+    engine_requests = []
+    for i, prompt in enumerate(parsed.prompts):
+        where = "prompt" if len(parsed.prompts) == 1 else f"prompt[{i}]"
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = state.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        check_prompt(token_ids, state.vocab_size, state.max_model_len, where)
+        params = sampling_params(
+            parsed.params,
+            num_prompt_tokens=len(token_ids),
+            max_model_len=state.max_model_len,
+            skip_special_tokens=True,
+        )
+        request_id = completion_id if len(parsed.prompts) == 1 else f"{completion_id}-{i}"
+        engine_requests.append(
+            (
+                state.engine_request(
+                    request,
+                    request_id,
+                    token_ids,
+                    params,
+                    api_key=api_key,
+                    cache_salt=parsed.cache_salt,
+                    traffic_class=parsed.traffic_class,
+                ),
+                text,
+            )
+        )
+    state.admit("openai")
+    stream = state.submit(engine_requests)
+    n = parsed.params.n
+    encoder = CompletionEncoder(
+        completion_id=completion_id,
+        model=model,
+        created=int(time.time()),
+        num_choices=len(engine_requests) * n,
+        n=n,
+        include_usage=parsed.include_usage,
+        stream=parsed.stream,
+    )
+    choices = TextChoices([r.request_id for r, _ in engine_requests], n, parsed.params.top_logprobs or 0)
+    return await respond(request, stream, choices, encoder, streaming=parsed.stream)
+
+
+def _model_card(name: str, created: int, max_model_len: int) -> dict[str, object]:
+    # One object that both SDKs accept: OpenAI's model fields and Anthropic's ModelInfo fields.
+    return {
+        "id": name,
+        "object": "model",
+        "type": "model",
+        "created": created,
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),
+        "display_name": name,
+        "owned_by": "deepinfer",
+        "max_model_len": max_model_len,
+    }
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> JSONResponse:
+    state = state_of(request)
+    state.authorize(request)
+    cards = [_model_card(name, state.created, state.max_model_len) for name in state.served_names]
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": cards,
+            "has_more": False,
+            "first_id": cards[0]["id"],
+            "last_id": cards[-1]["id"],
+        }
+    )
+
+
+@router.get("/v1/models/{model:path}")
+async def get_model(model: str, request: Request) -> JSONResponse:
+    state = state_of(request)
+    state.authorize(request)
+    name = state.model_name({"model": model})
+    return JSONResponse(_model_card(name, state.created, state.max_model_len))

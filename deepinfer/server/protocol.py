@@ -1,0 +1,82 @@
+"""Messages between the API process and the engine process (msgpack via msgspec).
+
+API -> engine: AddRequest, AbortRequest, ResetPrefixCache, Shutdown.
+Engine -> API: EngineReady once, then EngineOutputs per step (new tokens of every sequence that
+advanced, plus the engine's stats), and EngineFailed if the loop crashes.
+Token ids only: text never crosses this boundary.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from deepinfer.engine.core import EngineStats
+from deepinfer.engine.outputs import SequenceOutput
+from deepinfer.engine.request import EngineRequest
+
+
+class AddRequest(msgspec.Struct, tag="add", array_like=True):
+    request: EngineRequest
+
+
+class AbortRequest(msgspec.Struct, tag="abort", array_like=True):
+    request_id: str
+    index: int | None = None  # None: every sequence of the request
+
+
+class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache", array_like=True):
+    pass
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    pass
+
+
+EngineInput = AddRequest | AbortRequest | ResetPrefixCache | Shutdown
+
+
+class EngineInfo(msgspec.Struct, array_like=True):
+    """What the API side needs to know about the loaded model and cache."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    num_blocks: int
+    block_size: int
+    pid: int
+
+
+class EngineReady(msgspec.Struct, tag="ready", array_like=True):
+    info: EngineInfo
+
+
+class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True):
+    outputs: list[SequenceOutput]
+    stats: EngineStats
+    prefix_cache_reset: bool | None = None  # the answer to a ResetPrefixCache, when there was one
+
+
+class EngineFailed(msgspec.Struct, tag="failed", array_like=True):
+    message: str
+
+
+EngineMessage = EngineReady | EngineOutputs | EngineFailed
+
+
+class Codec:
+    """One encoder and the two decoders, reused for every message (msgspec's fast path)."""
+
+    def __init__(self) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        self._inputs = msgspec.msgpack.Decoder(EngineInput)
+        self._messages = msgspec.msgpack.Decoder(EngineMessage)
+
+    def encode(self, message: EngineInput | EngineMessage) -> bytes:
+        return self._encoder.encode(message)
+
+    def decode_input(self, data: bytes | memoryview) -> EngineInput:
+        return self._inputs.decode(data)
+
+    def decode_message(self, data: bytes | memoryview) -> EngineMessage:
+        return self._messages.decode(data)

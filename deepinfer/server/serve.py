@@ -1,0 +1,173 @@
+"""`deepinfer serve`: start the engine, load what the API side needs, serve HTTP until a signal.
+
+The listening socket is bound first (a taken port fails at once, not after loading the model).
+The API process loads only the tokenizer and the recipe (model metadata), never the weights.
+SIGINT / SIGTERM stop uvicorn gracefully, then the engine process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import uvicorn
+
+from deepinfer.config import EngineConfig
+from deepinfer.model.loader.source import DEFAULT_MODEL_NAME, converted_gguf_dir, resolve_model_path
+from deepinfer.recipe import ModelInfo, Recipe, RecipeError
+from deepinfer.server.app import build_app
+from deepinfer.server.engine_client import EngineClient
+from deepinfer.server.engine_transport import EngineTransport, ProcessTransport, ThreadTransport
+from deepinfer.server.metrics import ServerMetrics
+from deepinfer.server.state import ServerConfig, ServerState
+from deepinfer.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+GRACEFUL_SHUTDOWN_S = 5
+
+
+def _is_gguf(path: Path) -> bool:
+    return path.is_file() and path.suffix == ".gguf"
+
+
+def load_model_info(path: Path, family: str | None) -> ModelInfo:
+    if _is_gguf(path):
+        return ModelInfo.from_gguf(path, family=family)
+    return ModelInfo.from_hf_dir(path, family=family)
+
+
+def load_tokenizer(path: Path) -> Tokenizer:
+    # For a GGUF the engine has converted it (tokenizer included) by the time it is ready.
+    return Tokenizer.from_dir(converted_gguf_dir(path) if _is_gguf(path) else path)
+
+
+def default_served_name(model: str | None, engine_model_name: str) -> str:
+    return DEFAULT_MODEL_NAME if model is None else engine_model_name
+
+
+async def start_state(engine_config: EngineConfig, server_config: ServerConfig) -> ServerState:
+    """Start the engine (process or thread) and build everything the routes need."""
+    path = resolve_model_path(engine_config.model)
+    transport: EngineTransport = (
+        ThreadTransport(engine_config)
+        if server_config.engine_mode == "thread"
+        else ProcessTransport(engine_config, server_config.log_level)
+    )
+    info_task = asyncio.ensure_future(asyncio.to_thread(load_model_info, path, server_config.recipe_family))
+    try:
+        engine_info = await transport.start()
+        tokenizer = await asyncio.to_thread(load_tokenizer, path)
+        recipe: Recipe | None = None
+        recipe_error: str | None = None
+        try:
+            recipe = Recipe.for_model(await info_task)
+        except RecipeError as error:
+            recipe_error = str(error)
+            log.warning("chat endpoints disabled: %s", error)
+    except BaseException:
+        info_task.cancel()
+        await transport.close()
+        raise
+    metrics = ServerMetrics()
+    client = EngineClient(transport, tokenizer, on_request_done=metrics.request_done)
+    metrics.attach_engine(lambda: (client.stats, client.healthy, client.num_waiting))
+    names = server_config.served_model_names or [
+        default_served_name(engine_config.model, engine_info.model_name)
+    ]
+    return ServerState(
+        config=server_config,
+        client=client,
+        tokenizer=tokenizer,
+        recipe=recipe,
+        recipe_error=recipe_error,
+        served_names=names,
+        metrics=metrics,
+        created=int(time.time()),
+    )
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, port), family=family, backlog=2048)
+    sock.setblocking(False)
+    return sock
+
+
+def base_url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+class _AnnouncingServer(uvicorn.Server):
+    """Prints where it listens once it accepts connections."""
+
+    def __init__(self, config: uvicorn.Config, announce: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._announce = announce
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if not self.should_exit:
+            self._announce()
+
+
+async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+    sock = bind_socket(server_config.host, server_config.port)
+    loop = asyncio.get_running_loop()
+    main_task = asyncio.current_task()
+    assert main_task is not None
+    # While the model loads, SIGTERM cancels the start (which stops the engine process).
+    loop.add_signal_handler(signal.SIGTERM, main_task.cancel)
+    try:
+        state = await start_state(engine_config, server_config)
+    except BaseException:
+        sock.close()
+        raise
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+    url = base_url(sock)
+
+    def announce() -> None:
+        names = ", ".join(state.served_names)
+        print(
+            f"DeepInfer is serving {names} at {url}  (OpenAI: {url}/v1, Anthropic: {url}/v1/messages, "
+            f"health: {url}/health, metrics: {url}/metrics; engine pid {state.client.transport.engine_pid})",
+            flush=True,
+        )
+
+    config = uvicorn.Config(
+        build_app(state),
+        log_level=server_config.log_level,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        lifespan="off",
+    )
+    server = _AnnouncingServer(config, announce)
+    # uvicorn re-raises the signal that stopped it once it is done; with these handlers that
+    # is a no-op, so the engine is stopped below instead of the process dying mid-cleanup.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        # Streams still open when the grace period ended end here with the engine.
+        await state.client.close()
+        sock.close()
+        log.info("server stopped")
+
+
+def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+    try:
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    except ImportError:
+        loop_factory = None
+    with contextlib.suppress(KeyboardInterrupt), asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(serve(engine_config, server_config))

@@ -1,0 +1,162 @@
+"""What every route needs: options, the engine client, the tokenizer and recipe, and the checks
+that come before generation (API key, model name, backpressure, prompt size)."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import itertools
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from fastapi import Request
+
+from deepinfer.engine.request import EngineRequest
+from deepinfer.recipe import Recipe, RenderedPrompt
+from deepinfer.recipe.ir import Conversation
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.server.engine_client import EngineClient, EngineDeadError, GenerationStream
+from deepinfer.server.errors import ApiError, Flavor, overloaded
+from deepinfer.server.generation import check_context
+from deepinfer.server.metrics import ServerMetrics
+from deepinfer.tokenizer import Tokenizer
+
+DEFAULT_TRAFFIC_CLASS = "chat"
+TRAFFIC_CLASS_HEADER = "x-traffic-class"
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: list[str] = field(default_factory=list)  # empty: no authentication
+    served_model_names: list[str] = field(default_factory=list)  # empty: the model's own name
+    max_waiting_requests: int = 512  # requests waiting for their first token before 429/529
+    max_body_bytes: int = 32 << 20
+    cache_salt_per_key: bool = False  # isolate the prefix cache between API keys
+    recipe_family: str | None = None  # override the detected prompt/parse family
+    engine_mode: Literal["process", "thread"] = "process"
+    log_level: str = "info"
+
+
+@dataclass(slots=True)
+class ServerState:
+    config: ServerConfig
+    client: EngineClient
+    tokenizer: Tokenizer
+    recipe: Recipe | None
+    recipe_error: str | None  # why there is no recipe (no chat template, ...)
+    served_names: list[str]
+    metrics: ServerMetrics
+    created: int
+    _ids: itertools.count = field(default_factory=itertools.count)
+    _id_prefix: str = field(default_factory=lambda: os.urandom(4).hex())
+
+    @property
+    def max_model_len(self) -> int:
+        return self.client.info.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.client.info.vocab_size
+
+    # -- checks before any work ----------------------------------------------------------------
+
+    def authorize(self, request: Request) -> str | None:
+        """The API key the client used; 401 when keys are required and it is missing or wrong."""
+        keys = self.config.api_keys
+        if not keys:
+            return None
+        given = request.headers.get("x-api-key")
+        if given is None:
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            given = token.strip() if scheme.lower() == "bearer" else None
+        if not given:
+            raise ApiError(
+                401,
+                "missing API key: send it as `Authorization: Bearer <key>` or `x-api-key: <key>`",
+                code="invalid_api_key",
+            )
+        for key in keys:
+            if hmac.compare_digest(given.encode(), key.encode()):
+                return key
+        raise ApiError(401, "invalid API key", code="invalid_api_key")
+
+    def model_name(self, body: Any) -> str:
+        """The served name the body asks for (the first one when it names none); 404 otherwise."""
+        requested = body.get("model") if isinstance(body, Mapping) else None
+        if requested is None or not isinstance(requested, str):
+            return self.served_names[0]  # a mistyped `model` is left to the body's validation
+        if requested not in self.served_names:
+            served = ", ".join(self.served_names)
+            raise ApiError(
+                404,
+                f"the model `{requested}` does not exist; this server serves: {served}",
+                param="model",
+                code="model_not_found",
+            )
+        return requested
+
+    def admit(self, flavor: Flavor) -> None:
+        """Refuse new work when the engine is dead or too many requests already wait."""
+        client = self.client
+        if client.dead_reason is not None:
+            raise ApiError(503, f"the engine is not running: {client.dead_reason}", code="engine_unavailable")
+        limit = self.config.max_waiting_requests
+        if client.num_waiting >= limit:
+            self.metrics.count_outcome("rejected")
+            raise overloaded(flavor, client.num_waiting, limit)
+
+    def require_recipe(self) -> Recipe:
+        if self.recipe is None:
+            raise ApiError(400, f"chat requests are not available for this model: {self.recipe_error}")
+        return self.recipe
+
+    # -- building requests ---------------------------------------------------------------------
+
+    def render(self, conv: Conversation, template_kwargs: Any = None, *, param: str) -> RenderedPrompt:
+        kwargs = template_kwargs if isinstance(template_kwargs, Mapping) else None
+        prompt = self.require_recipe().render(conv, tokenizer=self.tokenizer.backend, template_kwargs=kwargs)
+        assert prompt.token_ids is not None
+        check_context(len(prompt.token_ids), self.max_model_len, param)
+        return prompt
+
+    def new_request_id(self, prefix: str) -> str:
+        return f"{prefix}-{self._id_prefix}-{next(self._ids)}"
+
+    def cache_salt(self, api_key: str | None, body_salt: str | None) -> str | None:
+        """The body's salt, scoped to the API key when the cache is isolated per key."""
+        if not (self.config.cache_salt_per_key and api_key):
+            return body_salt
+        tenant = hashlib.sha256(api_key.encode()).hexdigest()[:16]
+        return f"key:{tenant}" if body_salt is None else f"key:{tenant}:{body_salt}"
+
+    def engine_request(
+        self,
+        request: Request,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        *,
+        api_key: str | None,
+        cache_salt: str | None,
+        traffic_class: str | None,
+    ) -> EngineRequest:
+        params.validate(self.vocab_size)
+        header_class = request.headers.get(TRAFFIC_CLASS_HEADER)
+        return EngineRequest(
+            request_id,
+            token_ids,
+            params,
+            eos_token_ids=list(self.client.info.eos_token_ids),
+            cache_salt=self.cache_salt(api_key, cache_salt),
+            traffic_class=traffic_class or header_class or DEFAULT_TRAFFIC_CLASS,
+        )
+
+    def submit(self, requests: list[tuple[EngineRequest, str | None]]) -> GenerationStream:
+        try:
+            return self.client.submit(requests)
+        except EngineDeadError as error:
+            raise ApiError(503, f"the engine is not running: {error}", code="engine_unavailable") from None

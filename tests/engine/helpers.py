@@ -1,0 +1,45 @@
+"""Torch-free builders for scheduler and KV-manager unit tests."""
+
+from __future__ import annotations
+
+import itertools
+
+from deepinfer.engine.kv_cache.manager import KVCacheManager
+from deepinfer.engine.kv_cache.prefix import namespace_root
+from deepinfer.engine.request import EngineRequest, Sequence
+from deepinfer.engine.scheduler import Scheduler, SchedulerConfig
+from deepinfer.sampling_params import SamplingParams
+
+ROOT = namespace_root("test-model")
+_ids = itertools.count()
+
+
+def request(
+    tokens: list[int], max_tokens: int = 8, n: int = 1, priority: int = 0, arrival: float | None = None
+):
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, n=n)
+    req = EngineRequest(f"r{next(_ids)}", tokens, params, eos_token_ids=[0], priority=priority)
+    if arrival is not None:
+        req.arrival_time = arrival
+    return req
+
+
+def sequence(tokens: list[int], seq_id: int = 0) -> Sequence:
+    req = request(tokens)
+    return Sequence(seq_id, req, 0, list(tokens), len(tokens), ROOT)
+
+
+def make_scheduler(num_blocks: int = 16, block_size: int = 4, prefix: bool = True, **config) -> Scheduler:
+    kv = KVCacheManager(num_blocks, block_size, prefix)
+    return Scheduler(SchedulerConfig(**config), kv)
+
+
+def run_step(scheduler: Scheduler, token: int = 7):
+    """Schedule one step and pretend the model sampled `token` for every sampling sequence."""
+    plan = scheduler.schedule()
+    sampled = {}
+    for item in plan.scheduled:
+        if item.sample:
+            for seq in (item.seq, *item.forks):
+                sampled[seq.seq_id] = [token]
+    return plan, scheduler.update(plan, sampled)

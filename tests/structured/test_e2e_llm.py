@@ -1,0 +1,121 @@
+"""End to end with the real model at temperature 1.0: every finished output validates.
+
+Enabled once the engine applies grammars: it imports `deepinfer.LLM` and needs the engine to
+declare `LLMEngine.supports_structured_outputs = True` (until then the engine would ignore the
+constraint and this test would only measure a 135M model's JSON skills).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from tests.structured.schemas import SUITE, UNSUPPORTED
+from tests.structured.validation import strict_validator
+
+
+def _engine_applies_grammars() -> bool:
+    try:
+        from deepinfer import LLM  # noqa: F401
+        from deepinfer.engine.llm_engine import LLMEngine
+    except ImportError:
+        return False
+    return bool(getattr(LLMEngine, "supports_structured_outputs", False))
+
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not _engine_applies_grammars(),
+        reason="the engine does not apply grammars yet (LLMEngine.supports_structured_outputs)",
+    ),
+]
+
+E2E_SCHEMAS = [
+    "flat_required",
+    "nested_objects",
+    "array_of_objects",
+    "enum_in_object",
+    "any_of_objects",
+    "ref_defs",
+    "format_mix_object",
+    "numbers_in_object",
+    "string_lengths",
+    "event_record",
+]
+
+
+def _prompt(llm, schema: dict) -> str:
+    messages = [
+        {
+            "role": "user",
+            "content": f"Reply with one JSON value that matches this JSON Schema:\n{json.dumps(schema)}",
+        }
+    ]
+    return _chat(llm, messages)
+
+
+def _chat(llm, messages: list[dict]) -> str:
+    from jinja2 import Template
+
+    template = llm.get_tokenizer().chat_template
+    return Template(template).render(messages=messages, add_generation_prompt=True)
+
+
+def test_generated_json_always_validates(default_llm):
+    from deepinfer import SamplingParams, StructuredOutputs
+
+    prompts, params, names = [], [], []
+    for name in E2E_SCHEMAS:
+        for seed in range(3):
+            prompts.append(_prompt(default_llm, SUITE[name]))
+            params.append(
+                SamplingParams(
+                    structured_outputs=StructuredOutputs(json=SUITE[name]),
+                    temperature=1.0,
+                    seed=seed,
+                    max_tokens=256,
+                )
+            )
+            names.append(name)
+    outputs = default_llm.generate(prompts, params, use_tqdm=False)
+    finished = 0
+    for name, out in zip(names, outputs):
+        completion = out.outputs[0]
+        if completion.finish_reason != "stop":
+            continue  # cut by max_tokens: a prefix of valid JSON, nothing to validate
+        finished += 1
+        value = json.loads(completion.text)
+        errors = [e.message for e in strict_validator(SUITE[name]).iter_errors(value)]
+        assert not errors, f"{name}: {completion.text!r}: {errors}"
+    assert finished >= len(outputs) // 2
+
+
+def test_choice_and_regex(default_llm):
+    from deepinfer import SamplingParams, StructuredOutputs
+
+    prompt = _chat(default_llm, [{"role": "user", "content": "Is the sky blue? Answer yes or no."}])
+    choice = SamplingParams(
+        structured_outputs=StructuredOutputs(choice=["yes", "no"]), temperature=1.0, seed=1
+    )
+    regex = SamplingParams(
+        structured_outputs=StructuredOutputs(regex=r"[0-9]{3}-[0-9]{4}"),
+        temperature=1.0,
+        seed=2,
+        max_tokens=20,
+    )
+    out_choice, out_regex = default_llm.generate([prompt, prompt], [choice, regex], use_tqdm=False)
+    assert out_choice.outputs[0].text in ("yes", "no")
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", out_regex.outputs[0].text)
+
+
+def test_unsupported_schema_is_a_clear_error(default_llm):
+    from deepinfer import SamplingParams, StructuredOutputs
+    from deepinfer.sampling_params import InvalidRequestError
+
+    schema, keyword = UNSUPPORTED["dependent_required"]
+    params = SamplingParams(structured_outputs=StructuredOutputs(json=schema), max_tokens=8)
+    with pytest.raises(InvalidRequestError, match=keyword):
+        default_llm.generate(["hi"], params, use_tqdm=False)
