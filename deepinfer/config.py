@@ -26,6 +26,13 @@ class EngineConfig:
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     attention_backend: Literal["auto", "torch", "cpu_paged"] = "auto"
     num_threads: int | None = None
+    # Speculative decoding (deepinfer/spec): drafts verified by the target in one forward, lossless.
+    speculative_method: Literal["ngram", "draft", "mtp"] | None = None
+    num_speculative_tokens: int = 5  # most drafts verified per step
+    speculative_length: Literal["fixed", "dynamic"] = "dynamic"
+    speculative_model: str | None = None  # draft model for "draft" (None: the target drafts itself)
+    speculative_ngram_min: int = 2  # shortest suffix n-gram "ngram" matches
+    speculative_ngram_max: int = 4  # longest suffix n-gram tried first
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

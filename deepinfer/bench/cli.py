@@ -1,4 +1,4 @@
-"""Command line of `deepinfer bench {serve,roofline,economics,peers}`.
+"""Command line of `deepinfer bench {serve,throughput,latency,roofline,economics,peers}`.
 
 The lead wires it into `deepinfer` with ``add_bench_parser(subparsers)`` and dispatches parsed
 arguments to ``run_bench(args)``; ``python -m deepinfer.bench`` runs the same commands.
@@ -16,6 +16,7 @@ from typing import Any
 
 from deepinfer.bench.client import API_NAMES
 from deepinfer.bench.datasets import DATASET_NAMES
+from deepinfer.bench.offline import add_offline_parsers, run_latency, run_throughput
 from deepinfer.bench.report import markdown_table, provenance, read_json, write_json
 from deepinfer.bench.serve import BenchError
 
@@ -129,9 +130,10 @@ def _add_peers(commands: Any) -> None:
 
 def add_bench_commands(parser: argparse.ArgumentParser) -> None:
     commands = parser.add_subparsers(
-        dest="bench_command", required=True, metavar="{serve,roofline,economics,peers}"
+        dest="bench_command", required=True, metavar="{serve,throughput,latency,roofline,economics,peers}"
     )
     _add_serve(commands)
+    add_offline_parsers(commands)
     _add_roofline(commands)
     _add_economics(commands)
     _add_peers(commands)
@@ -260,7 +262,8 @@ def _run_economics(args: argparse.Namespace) -> int:
     hit = args.hit_ratio if args.hit_ratio is not None else measured_hit
     if hit is None:
         hit = 0.0
-        print("the result reports no cached tokens: hit ratio taken as 0 (override with --hit-ratio)")
+        source = "the result reports no cached tokens" if args.result else "no --hit-ratio given"
+        print(f"{source}: hit ratio taken as 0")
     headline = card_economics(throughput, prices, hit, args.card_cost_per_hour)
     table = hit_ratio_table(throughput, prices, args.card_cost_per_hour)
     print(format_economics(headline, table, prices))
@@ -310,6 +313,8 @@ def _run_peers(args: argparse.Namespace) -> int:
 
 _HANDLERS = {
     "serve": _run_serve,
+    "throughput": run_throughput,
+    "latency": run_latency,
     "roofline": _run_roofline,
     "economics": _run_economics,
     "peers": _run_peers,

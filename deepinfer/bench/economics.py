@@ -129,8 +129,8 @@ def format_economics(headline: Economics, table: Sequence[Economics], prices: Pr
             ["metric", "value"],
             [
                 ["prefix-cache hit ratio", f"{headline.hit_ratio:.1%}"],
-                ["input tokens / card-hour", headline.input_tokens_per_card_hour],
-                ["output tokens / card-hour", headline.output_tokens_per_card_hour],
+                ["input tokens / card-hour", round(headline.input_tokens_per_card_hour)],
+                ["output tokens / card-hour", round(headline.output_tokens_per_card_hour)],
                 ["revenue / card-hour (USD)", headline.revenue_per_card_hour],
                 ["cost / card-hour (USD)", headline.cost_per_card_hour],
                 ["gross profit / card-hour (USD)", headline.gross_profit_per_card_hour],

@@ -12,7 +12,7 @@ import importlib.util
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -121,7 +121,7 @@ def _ours(options: PeersOptions, gguf: Path) -> PeerOutcome:
         "measured",
         "",
         package_versions(["deepinfer"])["deepinfer"],
-        " ".join(command[1:]),
+        "python " + " ".join(command[1:]),
         _measure_server("deepinfer", command, options),
     )
 
@@ -199,7 +199,7 @@ def _llama_cpp(options: PeersOptions, gguf: Path) -> PeerOutcome:
         "measured",
         "llama-cpp-python server: one request at a time (no parallel slots)",
         f"llama-cpp-python {package_versions(['llama-cpp-python'])['llama-cpp-python']}",
-        " ".join(command[1:]),
+        "python " + " ".join(command[1:]),
         _measure_server("llama.cpp", command, options, extra),
     )
 
@@ -275,7 +275,8 @@ def format_peers(outcomes: list[PeerOutcome], options: PeersOptions, header: dic
     machine = header["machine"]
     lines = [
         f"Measured {header['date']} on {machine['cpu']} ({machine['usable_cores']} cores usable, "
-        f"{machine['memory_gib']} GiB), one engine at a time.",
+        f"{machine['memory_gib']} GiB, 1-minute load average {machine['load_average_1m']} at the start), "
+        "one engine at a time.",
         "",
         f"Command: `{header['command']}`",
         "",
@@ -303,6 +304,7 @@ def run_peers(options: PeersOptions) -> PeersReport:
     gguf = Path(options.model_gguf) if options.model_gguf else default_model_path()
     if not gguf.is_file():
         raise ValueError(f"--model-gguf: no such file {gguf}")
+    header = {**provenance(), "model": gguf.name}
     outcomes = []
     for name in options.peers:
         try:
@@ -316,7 +318,6 @@ def run_peers(options: PeersOptions) -> PeersReport:
             ValueError,
         ) as exc:
             outcomes.append(PeerOutcome(name, "failed", f"{type(exc).__name__}: {str(exc)[:300]}"))
-    header = {**provenance(), "model": gguf.name}
     markdown = format_peers(outcomes, options, header)
     if options.doc:
         replace_marked_section(options.doc, DOC_SECTION, markdown)
@@ -326,7 +327,7 @@ def run_peers(options: PeersOptions) -> PeersReport:
             {
                 "benchmark": "peers",
                 **header,
-                "options": {k: getattr(options, k) for k in options.__slots__},  # type: ignore[attr-defined]
+                "options": asdict(options),
                 "peers": [
                     {
                         "name": o.name,

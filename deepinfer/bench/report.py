@@ -84,6 +84,8 @@ def machine_info() -> dict[str, Any]:
         "logical_cores": os.cpu_count(),
         "usable_cores": usable_cores,
         "memory_gib": _memory_gib(),
+        # Other work on the machine skews every number; say how busy it was when measuring.
+        "load_average_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
     }
 
 

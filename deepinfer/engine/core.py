@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,10 @@ from deepinfer.engine.scheduler import Scheduler, SchedulerConfig, SequenceUpdat
 from deepinfer.model.loader.load import LoadedModel, load_model
 from deepinfer.runner.model_runner import ModelRunner, StepResult
 from deepinfer.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from deepinfer.spec.decoder import SpeculativeDecoder
+    from deepinfer.spec.stats import SpecDecodeStats
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +80,12 @@ class EngineCore:
             device,
             config.attention_backend,
         )
+        self.spec: SpeculativeDecoder | None = None
+        if config.speculative_method is not None:
+            from deepinfer.spec.build import build_speculative_decoder
+
+            self.spec = build_speculative_decoder(self)
+            self.runner.speculator = self.spec
         self.num_preemptions = 0
         log.info(
             "engine ready: %s, %d KV blocks of %d tokens (%d bytes/token), attention=%s",
@@ -127,7 +138,8 @@ class EngineCore:
     # -- the loop ------------------------------------------------------------------------------
 
     def step(self) -> list[SequenceOutput]:
-        plan = self.scheduler.schedule()
+        draft_lengths = self.spec.plan(self.scheduler) if self.spec is not None else None
+        plan = self.scheduler.schedule(draft_lengths)
         self.num_preemptions += len(plan.preempted)
         if plan.is_empty:
             return []
@@ -173,6 +185,10 @@ class EngineCore:
             return self.runner.prompt_logits(seq)
         finally:
             self.kv.free(seq)
+
+    def spec_stats(self) -> SpecDecodeStats | None:
+        """Speculative-decoding counters (None when speculation is off)."""
+        return self.spec.stats if self.spec is not None else None
 
     def stats(self) -> EngineStats:
         pool = self.kv.pool

@@ -17,6 +17,7 @@ from typing import Literal
 
 from deepinfer.engine.kv_cache.manager import KVCacheManager
 from deepinfer.engine.request import EngineRequest, FinishReason, Sequence, SequenceStatus
+from deepinfer.utils import cdiv
 
 
 @dataclass(slots=True)
@@ -35,6 +36,19 @@ class ScheduledSequence:
     start: int  # position of the first new token (tokens computed before this step)
     sample: bool  # this step ends at the sequence's last token, so it yields a new token
     forks: list[Sequence] = field(default_factory=list)  # siblings sampled from the same logits
+    # Speculative decoding: the last num_draft_tokens of num_new_tokens are draft tokens (filled in
+    # by the proposer after allocation), verified by the target in this step's forward.
+    num_draft_tokens: int = 0
+    draft_token_ids: list[int] = field(default_factory=list)
+    speculative: bool = False  # draft slots were reserved (even if the proposer then used none)
+
+    def truncate_drafts(self, keep: int) -> None:
+        """Verify only the first `keep` reserved drafts (the proposer stopped early); the slots
+        left unused are released with the rejected ones after the step."""
+        drop = self.num_draft_tokens - keep
+        self.num_draft_tokens = keep
+        self.num_new_tokens -= drop
+        self.seq.num_computed_tokens -= drop
 
 
 @dataclass(slots=True)
@@ -139,11 +153,13 @@ class Scheduler:
         seq.num_preemptions += 1
         self._enqueue(seq)
 
-    def _scheduled(self, seq: Sequence, num_new: int, forks_out: list[Sequence]) -> ScheduledSequence:
+    def _scheduled(
+        self, seq: Sequence, num_new: int, forks_out: list[Sequence], num_draft: int = 0
+    ) -> ScheduledSequence:
         start = seq.num_computed_tokens
         seq.num_computed_tokens += num_new
-        sample = seq.num_computed_tokens == seq.num_tokens
-        item = ScheduledSequence(seq, num_new, start, sample)
+        sample = seq.num_computed_tokens == seq.num_tokens + num_draft
+        item = ScheduledSequence(seq, num_new, start, sample, num_draft_tokens=num_draft, speculative=num_draft > 0)
         if sample and seq.pending_forks:
             item.forks = self._fork(seq)
             forks_out.extend(item.forks)
@@ -168,7 +184,30 @@ class Scheduler:
         self._by_request[parent.request_id].extend(children)
         return children
 
-    def schedule(self) -> SchedulerOutput:
+    def _draft_slots(self, seq: Sequence, wanted: int, budget: int, later: list[Sequence]) -> int:
+        """Draft slots to reserve for a decoding sequence: at most `wanted`, within the context and
+        max_tokens, and only out of what the sequences scheduled after it this step leave over
+        (tokens and blocks), so speculation never preempts or starves anyone."""
+        if wanted <= 0 or seq.num_tokens - seq.num_computed_tokens != 1 or seq.pending_forks:
+            return 0
+        k = min(wanted, self.config.max_model_len - seq.num_tokens, budget - 1 - len(later))
+        if seq.params.max_tokens is not None:
+            k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1)
+        if k <= 0:
+            return 0
+        bs = self.kv.block_size
+        reserved = sum(
+            cdiv(min(s.num_tokens - s.num_computed_tokens, self.config.prefill_chunk_size or budget), bs) + 1
+            for s in later
+        )
+        spare = self.kv.num_free_blocks - self.kv.blocks_needed(seq, 1) - reserved
+        while k > 0 and self.kv.blocks_needed(seq, 1 + k) - self.kv.blocks_needed(seq, 1) > spare:
+            k -= 1
+        return k
+
+    def schedule(self, draft_lengths: dict[int, int] | None = None) -> SchedulerOutput:
+        """One step's plan. `draft_lengths` (seq_id -> k) asks for k draft slots after a decoding
+        sequence's last token (speculative decoding); they are granted only out of spare room."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         preempted: list[Sequence] = []
@@ -177,7 +216,7 @@ class Scheduler:
         # Decodes before unfinished prefills, so a long prompt never stalls running generations.
         order = sorted(self.running, key=lambda s: (s.num_tokens - s.num_computed_tokens > 1, self._key(s)))
         done: set[int] = set()
-        for seq in order:
+        for position, seq in enumerate(order):
             if budget <= 0:
                 break
             if seq.status != SequenceStatus.RUNNING:
@@ -191,10 +230,14 @@ class Scheduler:
                     break
             if seq.status != SequenceStatus.RUNNING:
                 continue
-            self.kv.allocate(seq, num_new)
-            scheduled.append(self._scheduled(seq, num_new, forks))
+            num_draft = 0
+            if draft_lengths and seq.seq_id in draft_lengths:
+                later = [s for s in order[position + 1 :] if s.status == SequenceStatus.RUNNING]
+                num_draft = self._draft_slots(seq, draft_lengths[seq.seq_id], budget, later)
+            self.kv.allocate(seq, num_new + num_draft)
+            scheduled.append(self._scheduled(seq, num_new + num_draft, forks, num_draft))
             done.add(seq.seq_id)
-            budget -= num_new
+            budget -= num_new + num_draft
 
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
@@ -228,6 +271,8 @@ class Scheduler:
                 if seq.is_finished:  # aborted while the step ran
                     continue
                 new_tokens = sampled.get(seq.seq_id, []) if item.sample else []
+                if item.speculative:
+                    self._roll_back_rejected(item, len(new_tokens))
                 accepted = self._append(seq, new_tokens)
                 self.kv.cache_computed_blocks(seq)
                 if accepted or seq.is_finished:
@@ -235,6 +280,15 @@ class Scheduler:
                 if seq.is_finished:
                     self._finish(seq)
         return updates
+
+    def _roll_back_rejected(self, item: ScheduledSequence, num_new_tokens: int) -> None:
+        """Only the accepted drafts (all but the last new token) stay computed; the slots of the
+        rejected ones are overwritten later, and blocks past the computed tokens go back to the
+        pool, so no block holding unverified tokens is ever registered in the prefix cache."""
+        seq = item.seq
+        accepted = max(num_new_tokens - 1, 0)
+        seq.num_computed_tokens = item.start + item.num_new_tokens - item.num_draft_tokens + accepted
+        self.kv.trim(seq)
 
     def _append(self, seq: Sequence, new_tokens: list[int]) -> list[int]:
         params = seq.params

@@ -48,15 +48,15 @@ class LlamaAttention(torch.nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, q + 2 kv]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        heads = self.num_heads + 2 * self.num_kv_heads
+        qkv = self.qkv_proj(x).view(num_tokens, heads, self.head_dim)  # [T, H + 2 KVH, D]
+        qk = qkv[:, : self.num_heads + self.num_kv_heads]
+        v = qkv[:, self.num_heads + self.num_kv_heads :]
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = backend.forward(q, k, v.contiguous(), cache, meta, self.scale)  # [T, H, D]
+            qk = torch.cat([self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], dim=1)
+        self.rotary.apply_(positions, qk)  # q and k heads rotated together, in place
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        out = backend.forward(q, k, v, cache, meta, self.scale)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

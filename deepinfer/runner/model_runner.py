@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -14,6 +15,9 @@ from deepinfer.model.base import CausalLM, KVCacheSpec
 from deepinfer.runner.attention.backend import AttentionBackend, TorchReferenceBackend
 from deepinfer.runner.attention.metadata import AttentionMetadata
 from deepinfer.runner.sampler import SampledToken, Sampler, SamplingRow
+
+if TYPE_CHECKING:
+    from deepinfer.spec.decoder import SpeculativeDecoder
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +74,15 @@ class ModelRunner:
         self.backend = make_attention_backend(attention_backend, model, block_size)
         self.sampler = Sampler()
         self._generators: dict[int, torch.Generator] = {}
+        # Speculative decoding (deepinfer.spec.decoder.SpeculativeDecoder), set by the engine core:
+        # drafts the reserved slots before the forward and verifies them after it.
+        self.speculator: SpeculativeDecoder | None = None
 
     def release(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
             self._generators.pop(seq_id, None)
+        if self.speculator is not None:
+            self.speculator.release(seq_ids)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
@@ -93,7 +102,9 @@ class ModelRunner:
         slots: list[np.ndarray] = []
         for item in items:
             seq = item.seq
-            token_ids.extend(seq.token_ids[item.start : item.start + item.num_new_tokens])
+            num_real = item.num_new_tokens - item.num_draft_tokens
+            token_ids.extend(seq.token_ids[item.start : item.start + num_real])
+            token_ids.extend(item.draft_token_ids[: item.num_draft_tokens])
             pos = np.arange(item.start, item.start + item.num_new_tokens, dtype=np.int64)
             table = np.asarray(seq.block_table, dtype=np.int64)
             positions.append(pos)
@@ -147,6 +158,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> StepResult:
         self.copy_blocks(plan.block_copies)
+        if self.speculator is not None:
+            self.speculator.propose(self, plan)  # fills the reserved draft slots
         # Decodes (query length 1) first: the attention backend batches them in one kernel call.
         items = sorted(plan.scheduled, key=lambda item: item.num_new_tokens != 1)
         input_ids, positions, meta = self._prepare(items)
@@ -158,17 +171,20 @@ class ModelRunner:
         rows: list[SamplingRow] = []
         owners: list[Sequence] = []
         for i, item in enumerate(items):
-            if not item.sample:
+            if not item.sample or item.num_draft_tokens:  # drafted rows are verified below
                 continue
             for seq in (item.seq, *item.forks):
                 hidden_rows.append(int(ends[i]))
                 rows.append(self._sampling_row(seq))
                 owners.append(seq)
-        if not rows:
-            return StepResult({})
-        index = torch.tensor(hidden_rows, dtype=torch.long, device=self.device)
-        # Forks share their parent's row: compute logits once per distinct row.
-        unique, inverse = torch.unique(index, return_inverse=True)
-        logits = self.model.compute_logits(hidden[unique])[inverse]  # [N, V]
-        tokens = self.sampler(logits, rows)
-        return StepResult({seq.seq_id: [token] for seq, token in zip(owners, tokens)})
+        sampled: dict[int, list[SampledToken]] = {}
+        if rows:
+            index = torch.tensor(hidden_rows, dtype=torch.long, device=self.device)
+            # Forks share their parent's row: compute logits once per distinct row.
+            unique, inverse = torch.unique(index, return_inverse=True)
+            logits = self.model.compute_logits(hidden[unique])[inverse]  # [N, V]
+            tokens = self.sampler(logits, rows)
+            sampled = {seq.seq_id: [token] for seq, token in zip(owners, tokens)}
+        if self.speculator is not None:
+            sampled |= self.speculator.verify(self, items, hidden, meta.query_lens, sampled)
+        return StepResult(sampled)

@@ -174,8 +174,11 @@ def _model_card(name: str, created: int, max_model_len: int) -> dict[str, object
         "created": created,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),
         "display_name": name,
+        "lifecycle": "active",
         "owned_by": "deepinfer",
         "max_model_len": max_model_len,
+        "max_input_tokens": max_model_len,
+        "max_tokens": max_model_len,
     }
 
 

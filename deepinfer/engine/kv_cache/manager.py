@@ -66,6 +66,10 @@ class KVCacheManager:
         written_in_last = seq.num_computed_tokens - (len(seq.block_table) - 1) * self.block_size
         return 0 < written_in_last < self.block_size and self.pool.blocks[last].ref_count > 1
 
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Free blocks `allocate(seq, num_new_tokens)` would take (copy-on-write included)."""
+        return self._blocks_needed(seq, num_new_tokens, 0)
+
     def can_allocate(self, seq: Sequence, num_new_tokens: int, hit_blocks: list[int] | None = None) -> bool:
         hit_blocks = hit_blocks or []
         revived = sum(1 for b in hit_blocks if self.pool.blocks[b].ref_count == 0)
@@ -114,6 +118,14 @@ class KVCacheManager:
         for i in range(seq.num_registered_blocks, num_full):
             self.pool.register(seq.block_table[i], seq.block_hashes[i])
         seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
+
+    def trim(self, seq: Sequence) -> None:
+        """Release the blocks past a sequence's computed tokens, tail first (speculative decoding
+        reserves slots for draft tokens; those of rejected drafts are given back)."""
+        keep = cdiv(seq.num_computed_tokens, self.block_size)
+        if len(seq.block_table) > keep:
+            self.pool.release(list(reversed(seq.block_table[keep:])))
+            del seq.block_table[keep:]
 
     def free(self, seq: Sequence) -> None:
         """Release a sequence's blocks tail first, so a chain's tail is evicted before its head."""

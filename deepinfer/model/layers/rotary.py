@@ -81,6 +81,17 @@ class RotaryEmbedding(torch.nn.Module):
         sin = sin_table[positions].unsqueeze(1)
         return tuple(x * cos + _rotate_half(x) * sin for x in xs)
 
+    def apply_(self, positions: torch.Tensor, x: torch.Tensor) -> None:
+        """Rotate x [T, heads, dim] in place (q and k heads can be passed as one view)."""
+        cos_table, sin_table = self.tables(x.device, x.dtype)
+        half = self.dim // 2
+        cos = cos_table[positions, :half].unsqueeze(1)  # [T, 1, dim/2]
+        sin = sin_table[positions, :half].unsqueeze(1)
+        x1, x2 = x[..., :half], x[..., half:]
+        rotated_1 = x1 * cos - x2 * sin
+        x2.mul_(cos).addcmul_(x1, sin)
+        x1.copy_(rotated_1)
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2

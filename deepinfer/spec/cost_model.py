@@ -1,0 +1,133 @@
+"""What a step costs: measured at engine startup, interpolated between the measured points.
+
+The length policy weighs expected accepted tokens against time, so it needs the cost of a target
+forward as a function of the step's batch tokens (flat while the hardware is underused, then
+rising), the extra cost of verifying a sequence as a multi-token chunk instead of a single decode
+row (a separate attention call per layer in the CPU backends), and the cost of one drafting round
+as a function of the rows it drafts. A few shapes are timed (median of a few runs) and everything
+in between is linear interpolation; beyond the last point the last slope continues. Curves are
+made non-decreasing: more tokens never cost less, and a dip is timing noise.
+"""
+
+from __future__ import annotations
+
+import bisect
+import statistics
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.spec.batch import RowSpan
+from deepinfer.utils import cdiv
+
+
+@dataclass(slots=True)
+class CostCurve:
+    """Seconds as a piecewise-linear function of a count (tokens or rows)."""
+
+    counts: list[int]
+    seconds: list[float]
+
+    def __post_init__(self) -> None:
+        if not self.counts or len(self.counts) != len(self.seconds):
+            raise ValueError("a cost curve needs one time per measured count, and at least one point")
+        pairs = sorted(zip(self.counts, self.seconds))
+        self.counts = [c for c, _ in pairs]
+        running = 0.0
+        self.seconds = []
+        for _, s in pairs:
+            running = max(running, s)
+            self.seconds.append(running)
+
+    def __call__(self, count: float) -> float:
+        xs, ys = self.counts, self.seconds
+        if len(xs) == 1:
+            return ys[0] * max(count, 1) / max(xs[0], 1)
+        if count <= xs[0]:
+            return ys[0]
+        i = min(bisect.bisect_left(xs, count), len(xs) - 1)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (count - x0) / (x1 - x0)
+
+    def to_dict(self) -> dict[str, list]:
+        return {"counts": list(self.counts), "seconds": list(self.seconds)}
+
+
+@dataclass(slots=True)
+class StepCostModel:
+    verify: CostCurve  # target forward (with logits at every row) vs batch tokens
+    chunk_overhead: float = 0.0  # seconds per sequence verified as a chunk rather than a decode row
+    draft_round: CostCurve | None = None  # one drafting round vs rows drafted; None: drafting is free
+
+    def step_seconds(self, batch_tokens: int, num_chunked: int, rows_per_round: Sequence[int]) -> float:
+        """A step that verifies `num_chunked` sequences with drafts among `batch_tokens` tokens,
+        after drafting rounds of the given row counts."""
+        seconds = self.verify(max(batch_tokens, 1)) + self.chunk_overhead * num_chunked
+        if self.draft_round is not None:
+            seconds += sum(self.draft_round(rows) for rows in rows_per_round if rows)
+        return seconds
+
+    def to_dict(self) -> dict:
+        return {
+            "verify": self.verify.to_dict(),
+            "chunk_overhead_s": self.chunk_overhead,
+            "draft_round": None if self.draft_round is None else self.draft_round.to_dict(),
+        }
+
+
+ForwardFn = Callable[[list[RowSpan]], None]
+
+
+def time_forward(forward: ForwardFn, spans: list[RowSpan], repeats: int) -> float:
+    """Median seconds of `repeats` runs after one warm-up run."""
+    forward(spans)
+    samples = []
+    for _ in range(repeats):
+        begin = time.perf_counter()
+        forward(spans)
+        samples.append(time.perf_counter() - begin)
+    return statistics.median(samples)
+
+
+def synthetic_spans(
+    num_seqs: int, tokens_each: int, context: int, block_size: int, num_blocks: int
+) -> list[RowSpan] | None:
+    """`num_seqs` sequences of `tokens_each` new tokens after `context` cached ones, each in its own
+    blocks (free at startup, so writing their slots disturbs nothing). None if the pool is too small."""
+    per_seq = cdiv(context + tokens_each, block_size)
+    if per_seq * num_seqs > num_blocks:
+        return None
+    return [
+        RowSpan(list(range(i * per_seq, (i + 1) * per_seq)), context, [0] * tokens_each)
+        for i in range(num_seqs)
+    ]
+
+
+def profile_curve(
+    forward: ForwardFn,
+    counts: Sequence[int],
+    shape: Callable[[int], list[RowSpan] | None],
+    repeats: int,
+) -> CostCurve:
+    measured_counts, seconds = [], []
+    for count in counts:
+        spans = shape(count)
+        if spans is None:
+            break
+        measured_counts.append(count)
+        seconds.append(time_forward(forward, spans, repeats))
+    return CostCurve(measured_counts, seconds)
+
+
+# Profiles are reused by every engine built on the same weights in a process (tests build many).
+_CACHE: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, object]] = weakref.WeakKeyDictionary()
+
+
+def cached_profile(owner: torch.nn.Module, key: tuple, build: Callable[[], object]) -> object:
+    per_model = _CACHE.setdefault(owner, {})
+    if key not in per_model:
+        per_model[key] = build()
+    return per_model[key]

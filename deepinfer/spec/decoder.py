@@ -1,0 +1,196 @@
+"""Speculative decoding in the engine loop: plan lengths, draft, verify, keep the books.
+
+The engine core calls `plan` before scheduling (draft lengths for decoding sequences); the runner
+calls `propose` after the step's blocks are allocated (drafts into the scheduled items) and
+`verify` after the target forward (tokens for every drafted sequence). The scheduler then appends
+the tokens and rolls the KV back past the rejected drafts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+
+from deepinfer.engine.request import Sequence
+from deepinfer.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
+from deepinfer.runner.model_runner import seed_generator
+from deepinfer.runner.sampler import SampledToken, SamplingRow, process_logits
+from deepinfer.spec.length_policy import AcceptanceEstimator, Candidate, LengthPolicy
+from deepinfer.spec.proposer import DraftRequest, Proposer
+from deepinfer.spec.stats import SpecDecodeStats
+from deepinfer.spec.verifier import DraftGrammar, position_rows, verify_processed
+
+if TYPE_CHECKING:
+    from deepinfer.runner.model_runner import ModelRunner
+
+# Acceptance assumed for positions never observed, and how fast unobserved positions drift back
+# to it (per step): a sequence that stopped speculating tries again after some steps.
+PRIOR_ACCEPTANCE = 0.6
+EXPLORE_RATE = 0.05
+# Draft streams of seeded requests are derived from the seed but independent of the target's.
+DRAFT_SEED_SALT = 0x5BD1E995
+
+
+def is_decode_step(seq: Sequence) -> bool:
+    """The sequence computes only its last, sampled token: the state in which it may draft."""
+    return (
+        seq.num_tokens - seq.num_computed_tokens == 1
+        and seq.num_output_tokens > 0
+        and not seq.pending_forks
+    )
+
+
+class SpeculativeDecoder:
+    def __init__(self, proposer: Proposer, policy: LengthPolicy, stats: SpecDecodeStats) -> None:
+        self.proposer = proposer
+        self.policy = policy
+        self.max_k = policy.max_k
+        self.stats = stats
+        self.grammar: DraftGrammar | None = None  # structured output: per-position masks
+        self._prior = [PRIOR_ACCEPTANCE] * self.max_k
+        self._estimators: dict[int, AcceptanceEstimator] = {}
+        self._draft_generators: dict[int, torch.Generator] = {}
+        self._threshold: float | None = None
+        self._requests: dict[int, DraftRequest] = {}  # this step's drafting, by seq_id
+
+    # -- before the schedule --------------------------------------------------------------------
+
+    def estimator(self, seq_id: int) -> AcceptanceEstimator:
+        estimator = self._estimators.get(seq_id)
+        if estimator is None:
+            estimator = self._estimators[seq_id] = AcceptanceEstimator(self._prior)
+        return estimator
+
+    def plan(self, scheduler: Scheduler) -> dict[int, int]:
+        """Draft lengths (seq_id -> k > 0) for this step's decoding sequences."""
+        max_model_len = scheduler.config.max_model_len
+        candidates = []
+        for seq in scheduler.running:
+            if not is_decode_step(seq):
+                continue
+            bound = min(self.max_k, max_model_len - seq.num_tokens)
+            if seq.params.max_tokens is not None:
+                bound = min(bound, seq.params.max_tokens - seq.num_output_tokens - 1)
+            if bound > 0:
+                bound = self.proposer.available(seq, bound)
+            candidates.append(Candidate(seq.seq_id, self.estimator(seq.seq_id).alphas, max(bound, 0)))
+        if not candidates:
+            return {}
+        choice = self.policy.choose(candidates, self._prefill_tokens(scheduler))
+        dynamic = self.policy.mode == "dynamic" and self.proposer.has_confidence
+        self._threshold = choice.verify_threshold if dynamic else None
+        return {seq_id: k for seq_id, k in choice.lengths.items() if k > 0}
+
+    @staticmethod
+    def _prefill_tokens(scheduler: Scheduler) -> int:
+        """Prompt tokens the step will likely also carry (they cost time and yield no output)."""
+        config = scheduler.config
+        cap = config.prefill_chunk_size or config.max_num_batched_tokens
+        total = sum(
+            min(s.num_tokens - s.num_computed_tokens, cap)
+            for s in scheduler.running
+            if s.num_tokens - s.num_computed_tokens > 1
+        )
+        seats = max(config.max_num_seqs - len(scheduler.running), 0)
+        total += sum(min(s.num_tokens, cap) for s in scheduler.waiting[:seats])
+        return min(total, config.max_num_batched_tokens)
+
+    # -- in the runner ---------------------------------------------------------------------------
+
+    def _draft_row(self, runner: ModelRunner, seq: Sequence) -> SamplingRow:
+        row = runner._sampling_row(seq)
+        params = seq.params
+        generator = None
+        if params.seed is not None and not params.greedy:
+            generator = self._draft_generators.get(seq.seq_id)
+            if generator is None:
+                generator = seed_generator(params.seed ^ DRAFT_SEED_SALT, seq.index)
+                self._draft_generators[seq.seq_id] = generator
+        return dataclasses.replace(row, generator=generator)
+
+    def propose(self, runner: ModelRunner, plan: SchedulerOutput) -> None:
+        """Fill the drafts of every item with reserved draft slots (fewer when the proposer stops
+        early: the item then verifies fewer)."""
+        self.proposer.forget([s.seq_id for s in plan.preempted])
+        self.proposer.copy_blocks(plan.block_copies)
+        requests = [
+            DraftRequest(
+                item,
+                self._draft_row(runner, item.seq),
+                self.estimator(item.seq.seq_id).alphas,
+                self._threshold,
+            )
+            for item in plan.scheduled
+            if item.num_draft_tokens
+        ]
+        self.proposer.propose(plan, requests)
+        for request in requests:
+            item = request.item
+            if len(request.token_ids) < item.num_draft_tokens:
+                item.truncate_drafts(len(request.token_ids))
+                del request.probs[len(request.token_ids) :]
+            item.draft_token_ids = list(request.token_ids)
+        self._requests = {r.seq.seq_id: r for r in requests}
+
+    def verify(
+        self,
+        runner: ModelRunner,
+        items: list[ScheduledSequence],
+        hidden: torch.Tensor,
+        query_lens: list[int],
+        sampled: dict[int, list[SampledToken]],
+    ) -> dict[int, list[SampledToken]]:
+        """Tokens of every drafted item (its last k + 1 rows verify k drafts); then the proposer
+        sees the whole step's outcome."""
+        offsets, running = [], 0
+        for q in query_lens:
+            offsets.append(running)
+            running += q
+        drafted = [(item, offset) for item, offset in zip(items, offsets) if item.num_draft_tokens]
+        out: dict[int, list[SampledToken]] = {}
+        if drafted:
+            index = torch.cat(
+                [
+                    torch.arange(offset + item.num_new_tokens - item.num_draft_tokens - 1, offset + item.num_new_tokens)
+                    for item, offset in drafted
+                ]
+            ).to(hidden.device)
+            rows: list[SamplingRow] = []
+            for item, _ in drafted:
+                seq = item.seq
+                masks = None if self.grammar is None else self.grammar.position_masks(seq, item.draft_token_ids)
+                rows.extend(position_rows(runner._sampling_row(seq), seq, item.draft_token_ids, masks))
+            processed = process_logits(runner.model.compute_logits(hidden[index]), rows)
+            start = 0
+            for item, _ in drafted:
+                k = item.num_draft_tokens
+                request = self._requests.get(item.seq.seq_id)
+                probs = torch.stack(request.probs) if request is not None and request.probs else None
+                result, tokens = verify_processed(
+                    processed[start : start + k + 1], rows[start : start + k + 1], item.draft_token_ids, probs
+                )
+                start += k + 1
+                out[item.seq.seq_id] = tokens
+                self._observe(item.seq.seq_id, result.accept_probs)
+        for item in items:
+            if item.sample and item.num_new_tokens - item.num_draft_tokens == 1 and item.start >= item.seq.num_prompt_tokens:
+                verified = out.get(item.seq.seq_id)
+                self.stats.record(item.num_draft_tokens, len(verified) - 1 if verified else 0)
+                if not item.num_draft_tokens:
+                    self._observe(item.seq.seq_id, [])
+        self._requests = {}
+        self.proposer.after_step(items, hidden, offsets, {**sampled, **out})
+        return out
+
+    def _observe(self, seq_id: int, accept_probs: list[float]) -> None:
+        estimator = self.estimator(seq_id)
+        estimator.observe(accept_probs)
+        estimator.relax(len(accept_probs), self._prior, EXPLORE_RATE)
+
+    def release(self, seq_ids: list[int]) -> None:
+        self.proposer.forget(seq_ids)
+        for seq_id in seq_ids:
+            self._estimators.pop(seq_id, None)
+            self._draft_generators.pop(seq_id, None)

@@ -1,0 +1,123 @@
+"""A smaller model drafts autoregressively; the target verifies.
+
+The draft model keeps its own paged KV cache, addressed with the target's block tables and slots
+(the same blocks, a separate tensor per layer), so the scheduler's allocation covers it: drafting
+k tokens writes positions start .. start + k - 1, all reserved for the step's verification.
+
+Catch-up is lazy: the draft remembers up to which position its cache holds the sequence's real
+tokens, and the first drafting round feeds everything after that (the accepted tokens of the last
+step, or the whole prompt of a new, forked, preempted or prefix-hit sequence) as one chunk ending
+at the last token; its logits give the first draft. Each further round feeds one draft. After
+verification, positions holding rejected drafts are simply no longer counted.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer.engine.request import Sequence
+from deepinfer.engine.scheduler import ScheduledSequence, SchedulerOutput
+from deepinfer.model.base import CausalLM
+from deepinfer.runner.model_runner import make_attention_backend
+from deepinfer.runner.sampler import SampledToken
+from deepinfer.spec.batch import RowSpan, build_draft_step
+from deepinfer.spec.cost_model import CostCurve, profile_curve, synthetic_spans
+from deepinfer.spec.proposer import DraftRequest, draw_drafts
+
+PROFILE_CONTEXT = 64
+
+
+class DraftModelProposer:
+    name = "draft"
+    has_confidence = True
+
+    def __init__(
+        self,
+        model: CausalLM,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        attention_backend: str = "auto",
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.device = device
+        spec = model.kv_cache_spec(dtype)
+        num_slots = num_blocks * block_size
+        # Zeroed like the target's caches: masked attention multiplies unused slots by 0.
+        self.kv_caches = [
+            torch.zeros((num_slots, *spec.slot_shape), dtype=spec.dtype, device=device)
+            for _ in range(spec.num_layers)
+        ]
+        self.backend = make_attention_backend(attention_backend, model, block_size)
+        self._computed: dict[int, int] = {}  # seq_id -> leading positions whose draft KV is valid
+        self._fed: dict[int, int] = {}  # seq_id -> positions fed this step (valid if accepted)
+
+    def available(self, seq: Sequence, limit: int) -> int:
+        return limit
+
+    def _logits(self, spans: list[RowSpan]) -> torch.Tensor:
+        step = build_draft_step(spans, self.block_size, self.device)
+        self.backend.prepare(step.meta)
+        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, self.backend)
+        return self.model.compute_logits(hidden[step.last_rows(spans)])
+
+    def propose(self, plan: SchedulerOutput, requests: list[DraftRequest]) -> None:
+        if not requests:
+            return
+        spans = []
+        for request in requests:
+            seq, start = request.seq, request.item.start
+            done = min(self._computed.get(seq.seq_id, 0), start)
+            spans.append(RowSpan(seq.block_table, done, seq.token_ids[done : start + 1]))
+            self._fed[seq.seq_id] = start + 1
+        draw_drafts(self._logits(spans), requests)
+        active = [r for r in requests if r.wants_more]
+        while active:
+            spans = [RowSpan(r.seq.block_table, r.item.start + len(r.token_ids), [r.token_ids[-1]]) for r in active]
+            for r in active:
+                self._fed[r.seq.seq_id] = r.item.start + len(r.token_ids) + 1
+            draw_drafts(self._logits(spans), active)
+            active = [r for r in active if r.wants_more]
+
+    def after_step(
+        self,
+        items: list[ScheduledSequence],
+        hidden: torch.Tensor,
+        offsets: list[int],
+        sampled: dict[int, list[SampledToken]],
+    ) -> None:
+        for item in items:
+            seq_id = item.seq.seq_id
+            fed = self._fed.pop(seq_id, None)
+            if fed is None:
+                continue
+            # Positions start + j hold draft j; they count once the target accepted it.
+            accepted = len(sampled.get(seq_id, [])) - 1
+            self._computed[seq_id] = min(fed, item.start + 1 + max(accepted, 0))
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        bs = self.block_size
+        src = torch.tensor([s * bs + o for s, _ in copies for o in range(bs)], device=self.device)
+        dst = torch.tensor([d * bs + o for _, d in copies for o in range(bs)], device=self.device)
+        for cache in self.kv_caches:
+            cache[dst] = cache[src]
+
+    def forget(self, seq_ids: list[int]) -> None:
+        for seq_id in seq_ids:
+            self._computed.pop(seq_id, None)
+            self._fed.pop(seq_id, None)
+
+    @torch.inference_mode()
+    def profile_round(self, max_rows: int, repeats: int) -> CostCurve | None:
+        counts = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= max_rows] or [1]
+        return profile_curve(
+            self._logits,
+            counts,
+            lambda rows: synthetic_spans(rows, 1, PROFILE_CONTEXT, self.block_size, self.num_blocks),
+            repeats,
+        )

@@ -1,0 +1,115 @@
+"""The Proposer interface: who drafts the tokens the target model verifies.
+
+A step with speculation goes: the length policy picks how many drafts each decoding sequence may
+take (`available` bounds it: an n-gram proposer can only offer the continuation it found), the
+scheduler reserves that many extra slots, the proposer fills `DraftRequest.token_ids` (drafting
+writes only slots the step reserved), the target verifies, and `after_step` tells the proposer
+what was accepted so it can keep its own state (draft KV, pending MTP rows) consistent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from deepinfer.engine.request import Sequence
+from deepinfer.engine.scheduler import ScheduledSequence, SchedulerOutput
+from deepinfer.runner.sampler import SampledToken, SamplingRow, process_logits, sample_from, truncated_probs
+from deepinfer.spec.cost_model import CostCurve
+from deepinfer.spec.verifier import position_row
+
+
+@dataclass(slots=True, eq=False)
+class DraftRequest:
+    """One sequence's drafting this step."""
+
+    item: ScheduledSequence  # item.num_draft_tokens slots are reserved
+    base_row: SamplingRow  # the sequence's sampling row, with the draft's own generator
+    alphas: list[float]  # estimated acceptance per draft position (history)
+    threshold: float | None = None  # stop once the estimated P(all drafts so far pass) drops below
+    token_ids: list[int] = field(default_factory=list)
+    probs: list[torch.Tensor] = field(default_factory=list)  # q per draft; empty: point masses
+    confidences: list[float] = field(default_factory=list)
+    stopped: bool = False
+    _all_pass: float = 1.0
+
+    @property
+    def seq(self) -> Sequence:
+        return self.item.seq
+
+    @property
+    def wants_more(self) -> bool:
+        return not self.stopped and len(self.token_ids) < self.item.num_draft_tokens
+
+    def next_row(self) -> SamplingRow:
+        return position_row(self.base_row, self.seq, self.token_ids)
+
+    def offer(self, token: int, probs: torch.Tensor | None, confidence: float) -> None:
+        """Take a drafted token unless the confidence-adjusted estimate says verifying it does
+        not pay; the estimate of a position averages its history and the draft's own probability."""
+        j = len(self.token_ids)
+        if self.threshold is not None:
+            alpha = 0.5 * (self.alphas[j] + confidence) if j < len(self.alphas) else confidence
+            if self._all_pass * alpha < self.threshold:
+                self.stopped = True
+                return
+            self._all_pass *= alpha
+        self.token_ids.append(token)
+        self.confidences.append(confidence)
+        if probs is not None:
+            self.probs.append(probs)
+
+
+def draw_drafts(logits: torch.Tensor, requests: list[DraftRequest]) -> None:
+    """Draft one token per request from draft logits [N, V], processed like the target's rows:
+    greedy requests take the argmax, sampled ones draw from q with the draft's generator."""
+    rows = [r.next_row() for r in requests]
+    processed = process_logits(logits, rows)
+    for i, (request, row) in enumerate(zip(requests, rows)):
+        if row.params.greedy:
+            token = int(processed[i].argmax())
+            confidence = float(torch.softmax(processed[i], dim=-1)[token])
+            request.offer(token, None, confidence)
+        else:
+            q = truncated_probs(processed[i], row.params)
+            token = sample_from(q, row.generator)
+            request.offer(token, q, float(q[token]))
+
+
+class Proposer(Protocol):
+    name: str
+    # True when drafts carry a probability (draft model, MTP): the policy may stop them early.
+    has_confidence: bool
+
+    def available(self, seq: Sequence, limit: int) -> int:
+        """How many drafts (<= limit) this proposer can offer `seq` this step."""
+        ...
+
+    def propose(self, plan: SchedulerOutput, requests: list[DraftRequest]) -> None:
+        """Fill each request's drafts (at most item.num_draft_tokens; fewer ends the run early)."""
+        ...
+
+    def after_step(
+        self,
+        items: list[ScheduledSequence],
+        hidden: torch.Tensor,
+        offsets: list[int],
+        sampled: dict[int, list[SampledToken]],
+    ) -> None:
+        """After the target forward: `hidden` [T, H] of the step, `offsets[i]` the first row of
+        items[i], `sampled` the tokens each sampling sequence got (accepted drafts included)."""
+        ...
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Apply the step's copy-on-write block copies to the proposer's own caches."""
+        ...
+
+    def forget(self, seq_ids: list[int]) -> None:
+        """Drop per-sequence state (finished, aborted or preempted sequences)."""
+        ...
+
+    def profile_round(self, max_rows: int, repeats: int) -> CostCurve | None:
+        """Seconds of one drafting round vs the rows it drafts (None: drafting costs nothing)."""
+        ...

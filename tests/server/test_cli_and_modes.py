@@ -1,0 +1,144 @@
+"""The `deepinfer` command line, and the same greedy answer from every way of running the engine:
+the HTTP server (engine process), the app with the engine on a thread, and `deepinfer generate`."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from deepinfer.cli import build_parser, engine_config_from_args, parse_size
+from deepinfer.config import EngineConfig
+from tests.server.conftest import MODEL
+from tests.server.server_process import SMALL_KV
+
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "Name three colors."}]
+
+
+def test_help_lists_every_command(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert all(command in out for command in ("serve", "generate", "bench"))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--help"])
+    assert "roofline" in capsys.readouterr().out
+
+
+def test_every_engine_option_is_a_flag() -> None:
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "model.gguf",
+            "--kv-cache-memory",
+            "256MiB",
+            "--no-enable-prefix-caching",
+            "--scheduling-policy",
+            "priority",
+            "--max-num-seqs",
+            "8",
+            "--max-model-len",
+            "4096",
+        ]
+    )
+    config = engine_config_from_args(args, args.model)
+    assert config.model == "model.gguf"
+    assert config.kv_cache_memory == 256 << 20
+    assert config.enable_prefix_caching is False
+    assert config.scheduling_policy == "priority"
+    assert (config.max_num_seqs, config.max_model_len) == (8, 4096)
+    # Untouched options keep the engine's defaults.
+    defaults = EngineConfig()
+    assert config.block_size == defaults.block_size and config.num_blocks == defaults.num_blocks
+    help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()  # type: ignore[union-attr]
+    for field in dataclasses.fields(EngineConfig):
+        if field.name != "model":
+            assert "--" + field.name.replace("_", "-") in help_text
+
+
+@pytest.mark.parametrize(
+    ("text", "size"), [("268435456", 268435456), ("256MiB", 256 << 20), ("2G", 2 << 30), ("1.5KiB", 1536)]
+)
+def test_parse_size(text: str, size: int) -> None:
+    assert parse_size(text) == size
+
+
+@pytest.fixture(scope="module")
+def http_greedy(http: httpx.Client) -> dict[str, str]:
+    completion = http.post(
+        "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "temperature": 0}
+    )
+    chat = http.post(
+        "/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 24, "temperature": 0}
+    )
+    return {
+        "completion": completion.json()["choices"][0]["text"],
+        "chat": chat.json()["choices"][0]["message"]["content"],
+    }
+
+
+def _generate(*args: str) -> str:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deepinfer.cli",
+            "generate",
+            *args,
+            "--temperature",
+            "0",
+            "--kv-cache-memory",
+            SMALL_KV,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout.removesuffix("\n")
+
+
+def test_generate_matches_the_server(http_greedy: dict[str, str]) -> None:
+    assert _generate(PROMPT, "--max-tokens", "5") == http_greedy["completion"]
+    assert _generate("--chat", CHAT[0]["content"], "--max-tokens", "24") == http_greedy["chat"]
+
+
+def test_engine_on_a_thread_serves_the_same_app(http_greedy: dict[str, str]) -> None:
+    from deepinfer.server.app import build_app
+    from deepinfer.server.serve import start_state
+    from deepinfer.server.state import ServerConfig
+
+    async def run() -> dict[str, str]:
+        state = await start_state(
+            EngineConfig(kv_cache_memory=int(SMALL_KV)),
+            ServerConfig(engine_mode="thread", log_level="warning"),
+        )
+        try:
+            transport = httpx.ASGITransport(app=build_app(state))
+            async with httpx.AsyncClient(
+                transport=transport, base_url="http://in-process", timeout=300
+            ) as client:
+                completion = await client.post(
+                    "/v1/completions",
+                    json={"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "temperature": 0},
+                )
+                chat = await client.post(
+                    "/v1/chat/completions",
+                    json={"model": MODEL, "messages": CHAT, "max_tokens": 24, "temperature": 0},
+                )
+                health = await client.get("/health")
+            assert health.json()["engine"]["pid"] == state.client.transport.engine_pid
+            return {
+                "completion": completion.json()["choices"][0]["text"],
+                "chat": chat.json()["choices"][0]["message"]["content"],
+            }
+        finally:
+            await state.client.close()
+
+    assert asyncio.run(run()) == http_greedy
