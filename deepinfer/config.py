@@ -34,6 +34,13 @@ class EngineConfig:
     speculative_ngram_min: int = 2  # shortest suffix n-gram "ngram" matches
     speculative_ngram_max: int = 4  # longest suffix n-gram tried first
 
+    # KV tiers beyond device memory (deepinfer/store): a host-memory LRU and a persistent store.
+    kv_store: str | None = None  # DIR | file://DIR | redis://HOST:PORT[/DB]
+    kv_host_cache_bytes: str | None = None  # e.g. 8GiB
+    kv_retention: str | None = None  # TTL per traffic class, e.g. agent=3d,chat=7d
+    kv_store_max_bytes: str | None = None  # size cap of the persistent store
+    kv_chunk_blocks: int | None = None  # full blocks per stored chunk (default 16)
+
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         known = {f.name for f in fields(cls)}

@@ -1,4 +1,4 @@
-"""Command line of `deepinfer bench {serve,throughput,latency,roofline,economics,peers}`.
+"""Command line of `deepinfer bench {serve,throughput,latency,prefix,kvstore,roofline,economics,peers}`.
 
 The lead wires it into `deepinfer` with ``add_bench_parser(subparsers)`` and dispatches parsed
 arguments to ``run_bench(args)``; ``python -m deepinfer.bench`` runs the same commands.
@@ -16,7 +16,7 @@ from typing import Any
 
 from deepinfer.bench.client import API_NAMES
 from deepinfer.bench.datasets import DATASET_NAMES
-from deepinfer.bench.offline import add_offline_parsers, run_latency, run_throughput
+from deepinfer.bench.offline import add_offline_parsers, run_kvstore, run_latency, run_prefix, run_throughput
 from deepinfer.bench.report import markdown_table, provenance, read_json, write_json
 from deepinfer.bench.serve import BenchError
 
@@ -130,7 +130,9 @@ def _add_peers(commands: Any) -> None:
 
 def add_bench_commands(parser: argparse.ArgumentParser) -> None:
     commands = parser.add_subparsers(
-        dest="bench_command", required=True, metavar="{serve,throughput,latency,roofline,economics,peers}"
+        dest="bench_command",
+        required=True,
+        metavar="{serve,throughput,latency,prefix,kvstore,roofline,economics,peers}",
     )
     _add_serve(commands)
     add_offline_parsers(commands)
@@ -315,6 +317,8 @@ _HANDLERS = {
     "serve": _run_serve,
     "throughput": run_throughput,
     "latency": run_latency,
+    "prefix": run_prefix,
+    "kvstore": run_kvstore,
     "roofline": _run_roofline,
     "economics": _run_economics,
     "peers": _run_peers,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -12,12 +13,14 @@ import torch
 from deepinfer.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from deepinfer.engine.kv_cache.manager import KVCacheManager
 from deepinfer.engine.kv_cache.prefix import namespace_root
+from deepinfer.engine.kv_offload import KVOffloader
 from deepinfer.engine.outputs import SequenceOutput, TokenLogprobs
 from deepinfer.engine.request import EngineRequest, Sequence
 from deepinfer.engine.scheduler import Scheduler, SchedulerConfig, SequenceUpdate
 from deepinfer.model.loader.load import LoadedModel, load_model
 from deepinfer.runner.model_runner import ModelRunner, StepResult
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.store import KVStoreConfig, build_kv_store
 
 if TYPE_CHECKING:
     from deepinfer.spec.decoder import SpeculativeDecoder
@@ -86,6 +89,7 @@ class EngineCore:
 
             self.spec = build_speculative_decoder(self)
             self.runner.speculator = self.spec
+        self.offloader = self._build_offloader()
         self.num_preemptions = 0
         log.info(
             "engine ready: %s, %d KV blocks of %d tokens (%d bytes/token), attention=%s",
@@ -95,6 +99,25 @@ class EngineCore:
             self.kv_spec.bytes_per_token,
             self.runner.backend.name,
         )
+
+    def _build_offloader(self) -> KVOffloader | None:
+        c = self.config
+        store = build_kv_store(
+            KVStoreConfig.from_cli(
+                c.kv_store, c.kv_host_cache_bytes, c.kv_retention, c.kv_store_max_bytes, c.kv_chunk_blocks
+            )
+        )
+        if store is None:
+            return None
+        if not c.enable_prefix_caching:
+            raise ValueError("kv_store / kv_host_cache_bytes need prefix caching (enable_prefix_caching)")
+        return KVOffloader(store, self.kv, self.runner)
+
+    def close(self) -> None:
+        """Flush pending KV-store writes and stop background threads."""
+        if self.offloader is not None:
+            self.offloader.close()
+            self.offloader = None
 
     def _num_blocks(self, device: torch.device) -> int:
         if self.config.num_blocks is not None:
@@ -116,7 +139,9 @@ class EngineCore:
 
     def add_request(self, request: EngineRequest) -> None:
         root = namespace_root(self.fingerprint, request.cache_salt)
-        self.scheduler.add_request(request, root)
+        seq = self.scheduler.add_request(request, root)
+        if self.offloader is not None:
+            self.offloader.prefetch(seq)
 
     def abort(self, request_id: str, index: int | None = None) -> list[SequenceOutput]:
         """Abort a request (or one of its sequences); its blocks are free when this returns."""
@@ -138,10 +163,14 @@ class EngineCore:
     # -- the loop ------------------------------------------------------------------------------
 
     def step(self) -> list[SequenceOutput]:
+        if self.offloader is not None:
+            self.offloader.poll()
         draft_lengths = self.spec.plan(self.scheduler) if self.spec is not None else None
         plan = self.scheduler.schedule(draft_lengths)
         self.num_preemptions += len(plan.preempted)
         if plan.is_empty:
+            if self.scheduler.waiting:
+                time.sleep(0.001)  # everything waits on a KV load or a grammar: don't spin a core
             return []
         result = self.runner.execute(plan)
         updates = self.scheduler.update(plan, {k: [t.token_id for t in v] for k, v in result.sampled.items()})

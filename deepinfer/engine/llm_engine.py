@@ -64,6 +64,7 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        traffic_class: str | None = None,
     ) -> str:
         """Admit an already validated prompt."""
         request_id = request_id if request_id is not None else str(next(self._ids))
@@ -76,6 +77,7 @@ class LLMEngine:
                 eos_token_ids=list(self.core.loaded.config.eos_token_ids),
                 priority=priority,
                 cache_salt=cache_salt,
+                traffic_class=traffic_class,
             )
         )
         return request_id
@@ -87,16 +89,20 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        traffic_class: str | None = None,
     ) -> str:
         """Validate and enqueue; raises InvalidRequestError before anything enters the engine."""
         prepared = self.prepare_prompt(prompt)
         self.validate(prepared, params)
-        return self.enqueue(prepared, params, request_id, priority, cache_salt)
+        return self.enqueue(prepared, params, request_id, priority, cache_salt, traffic_class)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now; its blocks are free and it produces no further output."""
         self.core.abort(request_id)
         self.processor.drop(request_id)
+
+    def close(self) -> None:
+        self.core.close()
 
     def has_unfinished_requests(self) -> bool:
         return self.processor.has_unfinished() or self.core.has_work()

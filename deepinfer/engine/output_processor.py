@@ -8,7 +8,10 @@ a match. A matched stop string ends the sequence; the caller aborts it in the en
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
+
+import msgspec
 
 from deepinfer.engine.detokenizer import IncrementalDetokenizer
 from deepinfer.engine.outputs import SequenceOutput, TokenLogprobs
@@ -114,6 +117,8 @@ class OutputProcessor:
 
     def _advance(self, request: _RequestState, state: _SequenceState, out: SequenceOutput) -> SequenceDelta:
         params, output = request.params, state.output
+        if params.stop and len(out.new_token_ids) > 1:
+            out = _cut_after_stop_string(state.detokenizer, out, params.stop)
         output.token_ids.extend(out.new_token_ids)
         new_logprobs = None
         if out.logprobs is not None and output.logprobs is not None:
@@ -178,6 +183,29 @@ class OutputProcessor:
         if result.finished:
             del self._requests[request_id]
         return result
+
+
+def _cut_after_stop_string(
+    detokenizer: IncrementalDetokenizer, out: SequenceOutput, stops: list[str]
+) -> SequenceOutput:
+    """Several tokens in one step (speculative decoding): when a stop string completes before the
+    last of them, drop the tokens after the one that completed it, as if generation had stopped
+    there (the caller then finds the stop string and ends the sequence)."""
+    probe = copy.copy(detokenizer)
+    probe.token_ids = list(detokenizer.token_ids)
+    longest = max(map(len, stops))
+    for i, token in enumerate(out.new_token_ids[:-1]):
+        before = len(probe.text)
+        probe.add([token])
+        if _find_stop(probe.text, max(0, before - longest + 1), stops) is not None:
+            return msgspec.structs.replace(
+                out,
+                new_token_ids=out.new_token_ids[: i + 1],
+                logprobs=None if out.logprobs is None else out.logprobs[: i + 1],
+                finish_reason=None,
+                stop_reason=None,
+            )
+    return out
 
 
 def _find_stop(text: str, start: int, stops: list[str]) -> tuple[int, str] | None:

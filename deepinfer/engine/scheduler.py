@@ -17,7 +17,6 @@ from typing import Literal
 
 from deepinfer.engine.kv_cache.manager import KVCacheManager
 from deepinfer.engine.request import EngineRequest, FinishReason, Sequence, SequenceStatus
-from deepinfer.utils import cdiv
 
 
 @dataclass(slots=True)
@@ -159,7 +158,9 @@ class Scheduler:
         start = seq.num_computed_tokens
         seq.num_computed_tokens += num_new
         sample = seq.num_computed_tokens == seq.num_tokens + num_draft
-        item = ScheduledSequence(seq, num_new, start, sample, num_draft_tokens=num_draft, speculative=num_draft > 0)
+        item = ScheduledSequence(
+            seq, num_new, start, sample, num_draft_tokens=num_draft, speculative=num_draft > 0
+        )
         if sample and seq.pending_forks:
             item.forks = self._fork(seq)
             forks_out.extend(item.forks)
@@ -195,13 +196,13 @@ class Scheduler:
             k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1)
         if k <= 0:
             return 0
-        bs = self.kv.block_size
+        cap = self.config.prefill_chunk_size or budget
         reserved = sum(
-            cdiv(min(s.num_tokens - s.num_computed_tokens, self.config.prefill_chunk_size or budget), bs) + 1
-            for s in later
+            self.kv.blocks_needed(s, min(s.num_tokens - s.num_computed_tokens, cap)) for s in later
         )
-        spare = self.kv.num_free_blocks - self.kv.blocks_needed(seq, 1) - reserved
-        while k > 0 and self.kv.blocks_needed(seq, 1 + k) - self.kv.blocks_needed(seq, 1) > spare:
+        base = self.kv.blocks_needed(seq, 1)
+        spare = max(self.kv.num_free_blocks - base - reserved, 0)
+        while k > 0 and self.kv.blocks_needed(seq, 1 + k) - base > spare:
             k -= 1
         return k
 
@@ -239,8 +240,11 @@ class Scheduler:
             done.add(seq.seq_id)
             budget -= num_new + num_draft
 
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if budget <= 0 or preempted or len(self.running) >= self.config.max_num_seqs:
+                break
+            if seq.num_pending:
+                continue  # waiting for its grammar or a KV load; later arrivals may go first
             hits = self.kv.find_cached_prefix(seq)
             num_hit_tokens = len(hits) * self.kv.block_size
             remaining = seq.num_tokens - num_hit_tokens
@@ -249,7 +253,7 @@ class Scheduler:
             num_new = min(remaining, budget)
             if not self.kv.can_allocate(seq, num_new, hits):
                 break
-            self.waiting.pop(0)
+            self.waiting.remove(seq)
             self.kv.allocate(seq, num_new, hits)
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = num_hit_tokens

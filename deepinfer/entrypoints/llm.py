@@ -41,6 +41,10 @@ class LLM:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args), loaded)
         self._chat_recipe: Recipe | None = None
 
+    def close(self) -> None:
+        """Flush KV-store writes and stop background threads (also done at interpreter exit)."""
+        self.engine.close()
+
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
@@ -54,6 +58,7 @@ class LLM:
         use_tqdm: bool = True,
         priority: list[int] | None = None,
         cache_salt: str | list[str | None] | None = None,
+        traffic_class: str | None = None,
     ) -> list[RequestOutput]:
         """Run prompts (strings, token-id lists or {"prompt_token_ids": ...} dicts) to completion.
 
@@ -77,7 +82,13 @@ class LLM:
         for p, sp in zip(prepared, params):
             self.engine.validate(p, sp)
         ids = [
-            self.engine.enqueue(p, sp, priority=priority[i] if priority else 0, cache_salt=salts[i])
+            self.engine.enqueue(
+                p,
+                sp,
+                priority=priority[i] if priority else 0,
+                cache_salt=salts[i],
+                traffic_class=traffic_class,
+            )
             for i, (p, sp) in enumerate(zip(prepared, params))
         ]
         return self._run(ids, use_tqdm)

@@ -84,6 +84,28 @@ class ModelRunner:
         if self.speculator is not None:
             self.speculator.release(seq_ids)
 
+    def _block_slots(self, block_ids: list[int]) -> torch.Tensor:
+        offsets = torch.arange(self.block_size)
+        return (
+            (torch.tensor(block_ids, dtype=torch.long)[:, None] * self.block_size + offsets)
+            .flatten()
+            .to(self.device)
+        )
+
+    def read_blocks(self, block_ids: list[int]) -> np.ndarray:
+        """KV of whole blocks as a host array [layers, tokens, *slot_shape] (for the KV store)."""
+        slots = self._block_slots(block_ids)
+        return torch.stack([cache[slots] for cache in self.kv_caches]).cpu().numpy()
+
+    def write_blocks(self, block_ids: list[int], kv: np.ndarray) -> None:
+        """Inverse of read_blocks: fill whole blocks from a host array."""
+        slots = self._block_slots(block_ids)
+        data = torch.from_numpy(np.array(kv)).to(self.device)  # a writable copy: store buffers are read-only
+        if data.shape != (len(self.kv_caches), len(slots), *self.kv_caches[0].shape[1:]):
+            raise ValueError(f"KV chunk of shape {tuple(data.shape)} does not fit {len(block_ids)} blocks")
+        for layer, cache in enumerate(self.kv_caches):
+            cache[slots] = data[layer].to(cache.dtype)
+
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
             return

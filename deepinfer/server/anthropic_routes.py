@@ -11,7 +11,8 @@ from deepinfer.recipe.api import (
     messages_to_conversation,
     new_id,
 )
-from deepinfer.server.generation import ChoiceParsers, respond, sampling_params
+from deepinfer.server.answer import respond
+from deepinfer.server.generation import ChoiceParsers, sampling_params
 from deepinfer.server.http_io import read_json
 from deepinfer.server.openai_routes import state_of
 from deepinfer.server.sinks import MessagesSink

@@ -41,12 +41,11 @@ class RequestRecord:
     """One engine request's life, for metrics."""
 
     request_id: str
-    n: int
     arrival: float
     num_prompt_tokens: int
+    unfinished: int  # sequences still generating
     first_token_time: float | None = None
     finish_time: float | None = None
-    unfinished: int = 0
     output_tokens: dict[int, int] = field(default_factory=dict)  # choice index -> tokens so far
     finish_reasons: list[str] = field(default_factory=list)
 
@@ -64,21 +63,14 @@ class GenerationStream:
     def __init__(self, client: EngineClient, records: list[RequestRecord]) -> None:
         self._client = client
         self.records = {r.request_id: r for r in records}
+        self.open = {r.request_id for r in records}  # requests with a sequence still generating
+        self.error: str | None = None
         self._pending: list[SequenceDelta] = []
         self._wakeup = asyncio.Event()
-        self._open = {r.request_id for r in records}  # requests with an unfinished sequence
-        self.error: str | None = None
 
-    @property
-    def finished(self) -> bool:
-        return not self._open
-
-    def _push(self, delta: SequenceDelta, now: float) -> bool:
-        """Queue a delta; True when it completed its request."""
+    def deliver(self, delta: SequenceDelta, now: float) -> bool:
+        """Queue a delta for the handler; True when it completes its request."""
         record = self.records[delta.request_id]
-        if record.first_token_time is None:
-            record.first_token_time = now
-            self._client._first_token()
         record.output_tokens[delta.index] = delta.num_output_tokens
         self._pending.append(delta)
         self._wakeup.set()
@@ -89,12 +81,12 @@ class GenerationStream:
         if record.unfinished > 0:
             return False
         record.finish_time = now
-        self._open.discard(delta.request_id)
+        self.open.discard(delta.request_id)
         return True
 
-    def _fail(self, message: str) -> None:
+    def fail(self, message: str) -> None:
         self.error = message
-        self._open.clear()
+        self.open.clear()
         self._wakeup.set()
 
     async def batches(self) -> AsyncIterator[list[SequenceDelta]]:
@@ -107,15 +99,16 @@ class GenerationStream:
                 continue
             if self.error is not None:
                 raise EngineDeadError(self.error)
-            if not self._open:
+            if not self.open:
                 return
             self._wakeup.clear()
             await self._wakeup.wait()
 
     def abort(self) -> None:
-        """Abort every unfinished request of this call (client gone); idempotent."""
-        if self._open:
-            self._client._abort(self)
+        """Abort every request of this call still generating (the client is gone); idempotent."""
+        for request_id in list(self.open):
+            self._client.abort(request_id, self.records[request_id])
+        self.open.clear()
 
 
 class EngineClient:
@@ -142,10 +135,6 @@ class EngineClient:
     def healthy(self) -> bool:
         return self.dead_reason is None
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._streams)
-
     # -- requests ------------------------------------------------------------------------------
 
     def submit(self, requests: list[tuple[EngineRequest, str | None]]) -> GenerationStream:
@@ -154,7 +143,7 @@ class EngineClient:
             raise EngineDeadError(self.dead_reason)
         now = time.monotonic()
         records = [
-            RequestRecord(r.request_id, r.params.n, now, len(r.prompt_token_ids), unfinished=r.params.n)
+            RequestRecord(r.request_id, now, len(r.prompt_token_ids), unfinished=r.params.n)
             for r, _ in requests
         ]
         stream = GenerationStream(self, records)
@@ -167,22 +156,17 @@ class EngineClient:
             self.transport.send(AddRequest(request))
         return stream
 
-    def _first_token(self) -> None:
-        self.num_waiting -= 1
-
-    def _abort(self, stream: GenerationStream) -> None:
-        for request_id in list(stream._open):
-            record = stream.records[request_id]
-            self.transport.send(AbortRequest(request_id))
-            self._forget(request_id, record, "abort")
-        stream._open.clear()
+    def abort(self, request_id: str, record: RequestRecord) -> None:
+        self.transport.send(AbortRequest(request_id))
+        self._forget(request_id, record, "abort")
 
     def _forget(self, request_id: str, record: RequestRecord, outcome: str) -> None:
         self.processor.drop(request_id)
         self._streams.pop(request_id, None)
         if record.first_token_time is None:
             self.num_waiting -= 1
-        record.finish_time = record.finish_time or time.monotonic()
+        if record.finish_time is None:
+            record.finish_time = time.monotonic()
         if self._on_request_done is not None:
             self._on_request_done(record, outcome)
 
@@ -218,8 +202,11 @@ class EngineClient:
             stream = self._streams.get(delta.request_id)
             if stream is None:
                 continue
-            if stream._push(delta, now):
-                record = stream.records[delta.request_id]
+            record = stream.records[delta.request_id]
+            if record.first_token_time is None:
+                record.first_token_time = now
+                self.num_waiting -= 1
+            if stream.deliver(delta, now):
                 self.processor.drop(delta.request_id)
                 del self._streams[delta.request_id]
                 if self._on_request_done is not None:
@@ -230,11 +217,11 @@ class EngineClient:
             return
         log.error("engine failure: %s", reason)
         self.dead_reason = reason
-        streams = {id(s): s for s in self._streams.values()}
+        streams = list({id(s): s for s in self._streams.values()}.values())
         for request_id, stream in list(self._streams.items()):
             self._forget(request_id, stream.records[request_id], "error")
-        for stream in streams.values():
-            stream._fail(reason)
+        for stream in streams:
+            stream.fail(reason)
         for waiter in self._reset_waiters:
             if not waiter.done():
                 waiter.set_exception(EngineDeadError(reason))

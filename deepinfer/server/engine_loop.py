@@ -104,7 +104,6 @@ def engine_info(core: EngineCore) -> EngineInfo:
         eos_token_ids=list(core.loaded.config.eos_token_ids),
         num_blocks=core.num_blocks,
         block_size=core.config.block_size,
-        pid=os.getpid(),
     )
 
 

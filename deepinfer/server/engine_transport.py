@@ -88,6 +88,7 @@ class ProcessTransport(EngineTransport):
         self._on_message: OnMessage | None = None
         self._on_death: OnDeath | None = None
         self._closing = False
+        self._ready = False
 
     @property
     def engine_pid(self) -> int | None:
@@ -130,6 +131,7 @@ class ProcessTransport(EngineTransport):
             raise EngineStartError(message.message)
         assert isinstance(message, EngineReady)
         self.info = message.info
+        self._ready = True
         return self.info
 
     def listen(self, on_message: OnMessage, on_death: OnDeath) -> None:
@@ -165,10 +167,13 @@ class ProcessTransport(EngineTransport):
         self._closing = True
         process = self._process
         if process is not None and process.exitcode is None:
-            self.send(Shutdown())
-            await asyncio.to_thread(process.join, SHUTDOWN_GRACE_S)
+            if self._ready:
+                self.send(Shutdown())
+                await asyncio.to_thread(process.join, SHUTDOWN_GRACE_S)
+            # Still loading (it reads no messages yet) or stuck: SIGTERM, then SIGKILL.
             if process.exitcode is None:
-                log.warning("the engine did not stop in %.0f s; terminating it", SHUTDOWN_GRACE_S)
+                if self._ready:
+                    log.warning("the engine did not stop in %.0f s; terminating it", SHUTDOWN_GRACE_S)
                 process.terminate()
                 await asyncio.to_thread(process.join, 5.0)
             if process.exitcode is None:

@@ -1,21 +1,16 @@
 """From a rendered conversation to engine requests, and from engine deltas to canonical events.
 
-Shared by the three chat-style APIs: they differ only in how they parse the body (the recipe's
-API codecs) and which encoder turns events into their JSON and SSE (an EventSink).
+Shared by every generating route: they differ only in how they parse the body (the recipe's
+API codecs) and which encoder turns events into their JSON and SSE (see answer.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any, Protocol
-
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response
 
 from deepinfer.engine.output_processor import SequenceDelta
 from deepinfer.outputs import Logprob
 from deepinfer.recipe import RenderedPrompt, StreamParser
-from deepinfer.recipe.api import GenerationError
 from deepinfer.recipe.events import (
     Event,
     Finish,
@@ -27,9 +22,6 @@ from deepinfer.recipe.events import (
 )
 from deepinfer.recipe.ir import GenerationParams, ResponseFormat
 from deepinfer.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputs
-from deepinfer.server.engine_client import EngineDeadError, GenerationStream
-from deepinfer.server.errors import ApiError
-from deepinfer.server.http_io import EventStreamResponse, until_disconnect
 
 _FINISH_REASONS: dict[str | None, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -151,9 +143,8 @@ class ChoiceParsers:
             events.extend(parser.feed(delta.text, delta.token_ids))
         if delta.finish_reason is not None:
             self._finished[index] = True
-            reason = _FINISH_REASONS.get(delta.finish_reason, "error")
-            stop = delta.stop_reason if isinstance(delta.stop_reason, str) else None
-            events.extend(parser.finish(reason, stop_sequence=stop))
+            finish = finish_of(delta)
+            events.extend(parser.finish(finish.reason, stop_sequence=finish.stop_sequence))
             events.append(usage_of(delta, parser.reasoning_tokens))
         return [(index, event) for event in events]
 
@@ -176,81 +167,8 @@ def usage_of(delta: SequenceDelta, reasoning_tokens: int = 0) -> Usage:
     )
 
 
-def finish_of(delta: SequenceDelta, message: str | None = None) -> Finish:
+def finish_of(delta: SequenceDelta) -> Finish:
+    """The canonical finish of a sequence; a stop string that matched is its stop sequence."""
     reason = _FINISH_REASONS.get(delta.finish_reason, "error")
     stop = delta.stop_reason if isinstance(delta.stop_reason, str) else None
-    return Finish(reason, stop_sequence=stop, message=message)
-
-
-class EventSink(Protocol):
-    """An API encoder behind one interface: frames out for streams, a body for the rest."""
-
-    def first_output(self, delta: SequenceDelta) -> list[str]: ...
-
-    def feed(self, index: int, event: Event) -> list[str]: ...
-
-    def close(self) -> list[str]: ...
-
-    def body(self) -> dict[str, Any]: ...
-
-
-async def stream_frames(stream: GenerationStream, choices: Choices, sink: EventSink) -> AsyncIterator[str]:
-    """SSE text for a streamed request: one chunk of frames per wake-up. Closing the iterator
-    early (client gone) aborts what is still running."""
-    started = False
-    try:
-        try:
-            async for batch in stream.batches():
-                frames: list[str] = []
-                if not started:
-                    started = True
-                    frames.extend(sink.first_output(batch[0]))
-                for delta in batch:
-                    for index, event in choices.events(delta):
-                        frames.extend(sink.feed(index, event))
-                if frames:
-                    yield "".join(frames)
-        except EngineDeadError as error:
-            frames = []
-            for index, event in choices.fail(str(error)):
-                frames.extend(sink.feed(index, event))
-            if frames:
-                yield "".join(frames)
-        yield "".join(sink.close())
-    finally:
-        stream.abort()
-
-
-async def collect_body(stream: GenerationStream, choices: Choices, sink: EventSink) -> dict[str, Any]:
-    """The whole answer of a request that is not streamed; GenerationError if it failed."""
-    started = False
-    try:
-        async for batch in stream.batches():
-            if not started:
-                started = True
-                sink.first_output(batch[0])
-            for delta in batch:
-                for index, event in choices.events(delta):
-                    sink.feed(index, event)
-    except EngineDeadError as error:
-        for index, event in choices.fail(str(error)):
-            sink.feed(index, event)
-    finally:
-        stream.abort()
-    sink.close()
-    return sink.body()
-
-
-async def respond(
-    request: Request, stream: GenerationStream, choices: Choices, sink: EventSink, *, streaming: bool
-) -> Response:
-    """The HTTP answer: SSE frames as they come, or the whole body once generation ends."""
-    if streaming:
-        return EventStreamResponse(stream_frames(stream, choices, sink), on_disconnect=stream.abort)
-    try:
-        body = await until_disconnect(request, collect_body(stream, choices, sink), stream.abort)
-    except GenerationError as error:
-        raise ApiError(500, str(error), code="generation_failed") from None
-    if body is None:  # the client is gone; nobody reads this
-        return Response(status_code=499)
-    return JSONResponse(body)
+    return Finish(reason, stop_sequence=stop)

@@ -17,8 +17,9 @@ from deepinfer.recipe.api import (
     response_echo,
 )
 from deepinfer.recipe.ir import Conversation
+from deepinfer.server.answer import respond
 from deepinfer.server.completions import CompletionEncoder, TextChoices, parse_completion_request
-from deepinfer.server.generation import ChoiceParsers, check_prompt, respond, sampling_params
+from deepinfer.server.generation import ChoiceParsers, check_prompt, sampling_params
 from deepinfer.server.http_io import read_json
 from deepinfer.server.sinks import ChatSink, ResponsesSink
 from deepinfer.server.state import ServerState

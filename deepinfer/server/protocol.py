@@ -44,7 +44,6 @@ class EngineInfo(msgspec.Struct, array_like=True):
     eos_token_ids: list[int]
     num_blocks: int
     block_size: int
-    pid: int
 
 
 class EngineReady(msgspec.Struct, tag="ready", array_like=True):

@@ -127,8 +127,11 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> Non
     loop.add_signal_handler(signal.SIGTERM, main_task.cancel)
     try:
         state = await start_state(engine_config, server_config)
-    except BaseException:
+    except BaseException as error:
         sock.close()
+        if isinstance(error, asyncio.CancelledError):  # SIGINT / SIGTERM while loading
+            log.info("stopped while loading the model")
+            return
         raise
     finally:
         loop.remove_signal_handler(signal.SIGTERM)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import itertools
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -51,8 +49,6 @@ class ServerState:
     served_names: list[str]
     metrics: ServerMetrics
     created: int
-    _ids: itertools.count = field(default_factory=itertools.count)
-    _id_prefix: str = field(default_factory=lambda: os.urandom(4).hex())
 
     @property
     def max_model_len(self) -> int:
@@ -122,9 +118,6 @@ class ServerState:
         assert prompt.token_ids is not None
         check_context(len(prompt.token_ids), self.max_model_len, param)
         return prompt
-
-    def new_request_id(self, prefix: str) -> str:
-        return f"{prefix}-{self._id_prefix}-{next(self._ids)}"
 
     def cache_salt(self, api_key: str | None, body_salt: str | None) -> str | None:
         """The body's salt, scoped to the API key when the cache is isolated per key."""

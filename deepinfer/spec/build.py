@@ -9,14 +9,7 @@ import torch
 
 from deepinfer.model.loader.load import load_model
 from deepinfer.spec.batch import RowSpan, build_draft_step
-from deepinfer.spec.cost_model import (
-    CostCurve,
-    StepCostModel,
-    cached_profile,
-    profile_curve,
-    synthetic_spans,
-    time_forward,
-)
+from deepinfer.spec.cost_model import CostCurve, StepCostModel, cached_profile, synthetic_spans, time_shapes
 from deepinfer.spec.decoder import SpeculativeDecoder
 from deepinfer.spec.draft_model import DraftModelProposer
 from deepinfer.spec.length_policy import LengthPolicy
@@ -99,19 +92,21 @@ def profile_step_cost(
     forward = _target_forward(runner)
 
     def measure() -> tuple[CostCurve, float]:
-        verify = profile_curve(
-            forward,
-            counts,
-            lambda n: synthetic_spans(1, n, PROFILE_CONTEXT, bs, num_blocks),
-            PROFILE_REPEATS,
-        )
-        overhead = 0.0
+        shapes, measured = [], []
+        for n in counts:
+            spans = synthetic_spans(1, n, PROFILE_CONTEXT, bs, num_blocks)
+            if spans is None:
+                break
+            shapes.append(spans)
+            measured.append(n)
+        # The chunk overhead: several sequences of 2 tokens against one sequence of as many.
         seqs = min(max_seqs, MAX_CHUNK_OVERHEAD_SEQS)
-        spans = synthetic_spans(seqs, 2, PROFILE_CONTEXT, bs, num_blocks)
-        if seqs > 1 and spans is not None:
-            many = time_forward(forward, spans, PROFILE_REPEATS)
-            one = verify(2 * seqs)
-            overhead = max(0.0, (many - one) / (seqs - 1))
+        many = synthetic_spans(seqs, 2, PROFILE_CONTEXT, bs, num_blocks) if seqs > 1 else None
+        one = synthetic_spans(1, 2 * seqs, PROFILE_CONTEXT, bs, num_blocks) if many else None
+        extra = [many, one] if many and one else []
+        seconds = time_shapes(forward, shapes + extra, PROFILE_REPEATS)
+        verify = CostCurve(measured, seconds[: len(measured)])
+        overhead = max(0.0, (seconds[-2] - seconds[-1]) / (seqs - 1)) if extra else 0.0
         return verify, overhead
 
     verify, overhead = cached_profile(runner.model, key, measure)

@@ -4,7 +4,7 @@ The length policy weighs expected accepted tokens against time, so it needs the 
 forward as a function of the step's batch tokens (flat while the hardware is underused, then
 rising), the extra cost of verifying a sequence as a multi-token chunk instead of a single decode
 row (a separate attention call per layer in the CPU backends), and the cost of one drafting round
-as a function of the rows it drafts. A few shapes are timed (median of a few runs) and everything
+as a function of the rows it drafts. A few shapes are timed (the minimum of a few interleaved runs) and everything
 in between is linear interpolation; beyond the last point the last slope continues. Curves are
 made non-decreasing: more tokens never cost less, and a dip is timing noise.
 """
@@ -12,7 +12,6 @@ made non-decreasing: more tokens never cost less, and a dip is timing noise.
 from __future__ import annotations
 
 import bisect
-import statistics
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -81,15 +80,19 @@ class StepCostModel:
 ForwardFn = Callable[[list[RowSpan]], None]
 
 
-def time_forward(forward: ForwardFn, spans: list[RowSpan], repeats: int) -> float:
-    """Median seconds of `repeats` runs after one warm-up run."""
-    forward(spans)
-    samples = []
-    for _ in range(repeats):
-        begin = time.perf_counter()
+def time_shapes(forward: ForwardFn, shapes: list[list[RowSpan]], repeats: int) -> list[float]:
+    """Seconds of one forward per shape: the minimum over `repeats` rounds, each round timing every
+    shape once (after a warm-up round). On a shared machine other work only ever adds time, so
+    the minimum is the cost; interleaving spreads a burst of load over all shapes alike."""
+    for spans in shapes:
         forward(spans)
-        samples.append(time.perf_counter() - begin)
-    return statistics.median(samples)
+    best = [float("inf")] * len(shapes)
+    for _ in range(repeats):
+        for i, spans in enumerate(shapes):
+            begin = time.perf_counter()
+            forward(spans)
+            best[i] = min(best[i], time.perf_counter() - begin)
+    return best
 
 
 def synthetic_spans(
@@ -112,14 +115,15 @@ def profile_curve(
     shape: Callable[[int], list[RowSpan] | None],
     repeats: int,
 ) -> CostCurve:
-    measured_counts, seconds = [], []
+    measured: list[int] = []
+    shapes: list[list[RowSpan]] = []
     for count in counts:
         spans = shape(count)
         if spans is None:
             break
-        measured_counts.append(count)
-        seconds.append(time_forward(forward, spans, repeats))
-    return CostCurve(measured_counts, seconds)
+        measured.append(count)
+        shapes.append(spans)
+    return CostCurve(measured, time_shapes(forward, shapes, repeats))
 
 
 # Profiles are reused by every engine built on the same weights in a process (tests build many).

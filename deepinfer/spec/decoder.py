@@ -25,10 +25,13 @@ from deepinfer.spec.verifier import DraftGrammar, position_rows, verify_processe
 if TYPE_CHECKING:
     from deepinfer.runner.model_runner import ModelRunner
 
-# Acceptance assumed for positions never observed, and how fast unobserved positions drift back
-# to it (per step): a sequence that stopped speculating tries again after some steps.
+# A new sequence starts from the engine-wide average acceptance (itself starting here). Positions a
+# sequence does not verify drift toward 1 (optimism under uncertainty) at EXPLORE_RATE per step, so
+# a sequence that stopped speculating probes again after a few dozen steps: its text may have
+# become predictable.
 PRIOR_ACCEPTANCE = 0.6
-EXPLORE_RATE = 0.05
+ENGINE_RATE = 0.05
+EXPLORE_RATE = 0.03
 # Draft streams of seeded requests are derived from the seed but independent of the target's.
 DRAFT_SEED_SALT = 0x5BD1E995
 
@@ -49,7 +52,8 @@ class SpeculativeDecoder:
         self.max_k = policy.max_k
         self.stats = stats
         self.grammar: DraftGrammar | None = None  # structured output: per-position masks
-        self._prior = [PRIOR_ACCEPTANCE] * self.max_k
+        self._engine_estimate = AcceptanceEstimator([PRIOR_ACCEPTANCE] * self.max_k, ENGINE_RATE)
+        self._optimistic = [1.0] * self.max_k
         self._estimators: dict[int, AcceptanceEstimator] = {}
         self._draft_generators: dict[int, torch.Generator] = {}
         self._threshold: float | None = None
@@ -60,7 +64,7 @@ class SpeculativeDecoder:
     def estimator(self, seq_id: int) -> AcceptanceEstimator:
         estimator = self._estimators.get(seq_id)
         if estimator is None:
-            estimator = self._estimators[seq_id] = AcceptanceEstimator(self._prior)
+            estimator = self._estimators[seq_id] = AcceptanceEstimator(self._engine_estimate.alphas)
         return estimator
 
     def plan(self, scheduler: Scheduler) -> dict[int, int]:
@@ -173,21 +177,24 @@ class SpeculativeDecoder:
                 )
                 start += k + 1
                 out[item.seq.seq_id] = tokens
-                self._observe(item.seq.seq_id, result.accept_probs)
+                self._observe(item.seq.seq_id, result.accept_probs, k)
         for item in items:
             if item.sample and item.num_new_tokens - item.num_draft_tokens == 1 and item.start >= item.seq.num_prompt_tokens:
                 verified = out.get(item.seq.seq_id)
                 self.stats.record(item.num_draft_tokens, len(verified) - 1 if verified else 0)
                 if not item.num_draft_tokens:
-                    self._observe(item.seq.seq_id, [])
+                    self._observe(item.seq.seq_id, [], 0)
         self._requests = {}
         self.proposer.after_step(items, hidden, offsets, {**sampled, **out})
         return out
 
-    def _observe(self, seq_id: int, accept_probs: list[float]) -> None:
+    def _observe(self, seq_id: int, accept_probs: list[float], num_verified: int) -> None:
+        """Positions up to the first rejection are observed; those after it (verified but not
+        reached) say nothing; those not verified at all drift toward the optimistic value."""
         estimator = self.estimator(seq_id)
         estimator.observe(accept_probs)
-        estimator.relax(len(accept_probs), self._prior, EXPLORE_RATE)
+        estimator.relax(num_verified, self._optimistic, EXPLORE_RATE)
+        self._engine_estimate.observe(accept_probs)
 
     def release(self, seq_ids: list[int]) -> None:
         self.proposer.forget(seq_ids)

@@ -9,13 +9,22 @@ import pytest
 from tests.server.server_process import ServerProcess, pid_alive, wait_until
 
 API_KEY = "sk-deepinfer-test"
+OTHER_KEY = "sk-deepinfer-other-tenant"
 MODEL = "SmolLM2-135M-Instruct"
 MAX_BODY_BYTES = 1 << 20
 
 
 @pytest.fixture(scope="session")
 def server():
-    process = ServerProcess("--api-key", API_KEY, "--max-body-bytes", str(MAX_BODY_BYTES)).start()
+    process = ServerProcess(
+        "--api-key",
+        API_KEY,
+        "--api-key",
+        OTHER_KEY,
+        "--cache-salt-per-key",
+        "--max-body-bytes",
+        str(MAX_BODY_BYTES),
+    ).start()
     yield process
     code = process.stop()
     # A clean shutdown: exit code 0 and no orphaned engine process.

@@ -101,6 +101,19 @@ def test_engine_death_fails_requests_and_health(small_server) -> None:
     chunks = iter(stream)
     next(chunks)
     next(chunks)  # generating
+    # A second request, not streamed, waits behind it (one sequence at a time).
+    waiting: list[httpx.Response] = []
+    thread = threading.Thread(
+        target=lambda: waiting.append(
+            httpx.post(
+                small_server.url + "/v1/chat/completions",
+                json={"model": MODEL, "messages": HI, "max_tokens": 1},
+                timeout=60,
+            )
+        )
+    )
+    thread.start()
+    assert wait_until(lambda: _waiting(small_server.url) == 1, 30.0)
     os.kill(small_server.engine_pid, signal.SIGKILL)
     killed_at = time.monotonic()
     with pytest.raises(openai.APIError) as info:
@@ -108,6 +121,12 @@ def test_engine_death_fails_requests_and_health(small_server) -> None:
             pass
     assert time.monotonic() - killed_at < 10
     assert "engine" in str(info.value.message)
+    thread.join(10)
+    assert waiting[0].status_code == 500
+    assert (
+        waiting[0].json()["error"]["type"] == "server_error"
+        and "engine" in waiting[0].json()["error"]["message"]
+    )
     health = httpx.get(small_server.url + "/health")
     assert health.status_code == 503 and health.json()["status"] == "unhealthy"
     # New work is refused at once, in each API's shape.

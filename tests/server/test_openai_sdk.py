@@ -8,7 +8,7 @@ import uuid
 import openai
 import pytest
 
-from tests.server.conftest import MODEL
+from tests.server.conftest import MODEL, OTHER_KEY
 
 WEATHER_TOOL = {
     "type": "function",
@@ -166,18 +166,27 @@ def test_chat_with_tools_declared(oai: openai.OpenAI, http) -> None:
         json.loads(call.function.arguments)
 
 
-def test_cached_tokens_on_a_repeated_prompt(oai: openai.OpenAI) -> None:
+def test_cached_tokens_and_cache_isolation(oai: openai.OpenAI, server) -> None:
     # A unique system prompt: nothing of it is cached before the first request.
     system = f"Session {uuid.uuid4().hex}. You answer in one short sentence about the sea and ships."
     messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hello!"}]
-    first = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
-    second = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
-    assert first.usage is not None and second.usage is not None
-    assert first.usage.prompt_tokens_details is not None and second.usage.prompt_tokens_details is not None
-    assert first.usage.prompt_tokens_details.cached_tokens == 0
-    cached = second.usage.prompt_tokens_details.cached_tokens
-    assert cached is not None and cached > 0 and cached % 16 == 0
-    assert cached < second.usage.prompt_tokens == first.usage.prompt_tokens
+
+    def cached(client: openai.OpenAI = oai, **extra) -> tuple[int, int]:
+        usage = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=1, temperature=0, **extra
+        ).usage
+        assert usage is not None and usage.prompt_tokens_details is not None
+        return usage.prompt_tokens_details.cached_tokens or 0, usage.prompt_tokens
+
+    first, prompt_tokens = cached()
+    assert first == 0
+    second, _ = cached()
+    assert 0 < second < prompt_tokens and second % 16 == 0  # whole blocks
+    # Another tenant (API key) or another cache_salt shares nothing with it.
+    other_tenant = openai.OpenAI(base_url=server.url + "/v1", api_key=OTHER_KEY, max_retries=0)
+    assert cached(other_tenant)[0] == 0
+    assert cached(extra_body={"cache_salt": "project-x"})[0] == 0
+    assert cached(extra_body={"cache_salt": "project-x"})[0] == second
 
 
 def test_completions_plain_stream_and_logprobs(oai: openai.OpenAI, http) -> None:

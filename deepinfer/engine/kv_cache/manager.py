@@ -6,6 +6,8 @@ receives block tables and the copy operations it must apply before the step's fo
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from deepinfer.engine.kv_cache.block_pool import BlockPool
 from deepinfer.engine.kv_cache.prefix import extend_block_hashes
 from deepinfer.engine.request import Sequence
@@ -18,6 +20,8 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self._pending_copies: list[tuple[int, int]] = []
+        # Called after a sequence's indexed blocks grew (the KV offloader saves completed chunks).
+        self.on_blocks_cached: Callable[[Sequence], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -115,9 +119,13 @@ class KVCacheManager:
             return
         self.update_hashes(seq)
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
+        if num_full <= seq.num_registered_blocks:
+            return
         for i in range(seq.num_registered_blocks, num_full):
             self.pool.register(seq.block_table[i], seq.block_hashes[i])
-        seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
+        seq.num_registered_blocks = num_full
+        if self.on_blocks_cached is not None:
+            self.on_blocks_cached(seq)
 
     def trim(self, seq: Sequence) -> None:
         """Release the blocks past a sequence's computed tokens, tail first (speculative decoding

@@ -1,0 +1,95 @@
+"""The answer to a generating request: SSE frames as tokens arrive, or one body at the end.
+
+Every route hands over the same three things: the GenerationStream of its engine requests,
+the Choices that turn deltas into canonical events, and an EventSink (its API's encoder).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from deepinfer.engine.output_processor import SequenceDelta
+from deepinfer.recipe.api import GenerationError
+from deepinfer.recipe.events import Event
+from deepinfer.server.engine_client import EngineDeadError, GenerationStream
+from deepinfer.server.errors import ApiError
+from deepinfer.server.generation import Choices
+from deepinfer.server.http_io import EventStreamResponse, until_disconnect
+
+
+class EventSink(Protocol):
+    """An API encoder behind one interface: frames out for streams, a body for the rest."""
+
+    def first_output(self, delta: SequenceDelta) -> list[str]: ...
+
+    def feed(self, index: int, event: Event) -> list[str]: ...
+
+    def close(self) -> list[str]: ...
+
+    def body(self) -> dict[str, Any]: ...
+
+
+async def stream_frames(stream: GenerationStream, choices: Choices, sink: EventSink) -> AsyncIterator[str]:
+    """SSE text for a streamed request: one chunk of frames per wake-up. Closing the iterator
+    early (client gone) aborts what is still running."""
+    started = False
+    try:
+        try:
+            async for batch in stream.batches():
+                frames: list[str] = []
+                if not started:
+                    started = True
+                    frames.extend(sink.first_output(batch[0]))
+                for delta in batch:
+                    for index, event in choices.events(delta):
+                        frames.extend(sink.feed(index, event))
+                if frames:
+                    yield "".join(frames)
+        except EngineDeadError as error:
+            frames = []
+            for index, event in choices.fail(str(error)):
+                frames.extend(sink.feed(index, event))
+            if frames:
+                yield "".join(frames)
+        yield "".join(sink.close())
+    finally:
+        stream.abort()
+
+
+async def collect_body(stream: GenerationStream, choices: Choices, sink: EventSink) -> dict[str, Any]:
+    """The whole answer of a request that is not streamed; GenerationError if it failed."""
+    started = False
+    try:
+        async for batch in stream.batches():
+            if not started:
+                started = True
+                sink.first_output(batch[0])
+            for delta in batch:
+                for index, event in choices.events(delta):
+                    sink.feed(index, event)
+    except EngineDeadError as error:
+        for index, event in choices.fail(str(error)):
+            sink.feed(index, event)
+    finally:
+        stream.abort()
+    sink.close()
+    return sink.body()
+
+
+async def respond(
+    request: Request, stream: GenerationStream, choices: Choices, sink: EventSink, *, streaming: bool
+) -> Response:
+    """The HTTP answer: SSE frames as they come, or the whole body once generation ends."""
+    if streaming:
+        return EventStreamResponse(stream_frames(stream, choices, sink), on_disconnect=stream.abort)
+    try:
+        body = await until_disconnect(request, collect_body(stream, choices, sink), stream.abort)
+    except GenerationError as error:
+        raise ApiError(500, str(error), code="generation_failed") from None
+    if body is None:  # the client is gone; nobody reads this
+        return Response(status_code=499)
+    return JSONResponse(body)

@@ -1,0 +1,137 @@
+"""Server pieces that need no model: IPC messages, and how a request is stamped for the engine."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from starlette.requests import Request
+
+from deepinfer.engine.core import EngineStats
+from deepinfer.engine.outputs import SequenceOutput, TokenLogprobs
+from deepinfer.engine.request import EngineRequest
+from deepinfer.sampling_params import SamplingParams, StructuredOutputs
+from deepinfer.server.metrics import ServerMetrics
+from deepinfer.server.protocol import (
+    AbortRequest,
+    AddRequest,
+    Codec,
+    EngineFailed,
+    EngineInfo,
+    EngineOutputs,
+    EngineReady,
+    ResetPrefixCache,
+    Shutdown,
+)
+from deepinfer.server.state import ServerConfig, ServerState
+
+
+def test_inputs_round_trip() -> None:
+    codec = Codec()
+    params = SamplingParams(
+        n=3,
+        temperature=0.7,
+        top_k=5,
+        seed=11,
+        stop=["END"],
+        stop_token_ids=[7],
+        max_tokens=9,
+        logprobs=2,
+        logit_bias={42: -3.5},
+        skip_special_tokens=False,
+        structured_outputs=StructuredOutputs(json={"type": "object"}),
+    )
+    request = EngineRequest(
+        "req-1", [1, 2, 3], params, eos_token_ids=[2], priority=4, cache_salt="tenant", traffic_class="batch"
+    )
+    decoded = codec.decode_input(codec.encode(AddRequest(request)))
+    assert isinstance(decoded, AddRequest)
+    assert decoded.request == request
+    assert decoded.request.params.logit_bias == {42: -3.5}
+    for message in (AbortRequest("req-1"), AbortRequest("req-1", 2), ResetPrefixCache(), Shutdown()):
+        assert codec.decode_input(codec.encode(message)) == message
+
+
+def test_engine_messages_round_trip() -> None:
+    codec = Codec()
+    stats = EngineStats(1, 2, 300, 364, 5, 80, 32, 0, 4, 1)
+    outputs = [
+        SequenceOutput("a", 0, [5, 6], num_cached_tokens=16, num_prompt_tokens=30),
+        SequenceOutput(
+            "b",
+            1,
+            [9],
+            finish_reason="stop",
+            stop_reason=7,
+            logprobs=[TokenLogprobs(-0.5, 1, [9, 10], [-0.5, -1.5])],
+            num_prompt_tokens=4,
+        ),
+    ]
+    for message in (
+        EngineOutputs(outputs, stats, True),
+        EngineOutputs([], stats),
+        EngineReady(EngineInfo("m", 8192, 49152, [2], 364, 16)),
+        EngineFailed("boom"),
+    ):
+        assert codec.decode_message(codec.encode(message)) == message
+
+
+def _state(**config) -> ServerState:
+    # Only `client.info` is read on this path; the engine itself is not involved.
+    client = SimpleNamespace(info=EngineInfo("m", 8192, 100, [2], 10, 16))
+    return ServerState(ServerConfig(**config), client, None, None, None, ["m"], ServerMetrics(), 0)  # type: ignore[arg-type]
+
+
+def _request(headers: dict[str, str]) -> Request:
+    raw = [(k.encode(), v.encode()) for k, v in headers.items()]
+    return Request({"type": "http", "method": "POST", "path": "/", "headers": raw})
+
+
+@pytest.mark.parametrize(
+    ("headers", "body_class", "expected"),
+    [
+        ({}, None, "chat"),
+        ({"x-traffic-class": "batch"}, None, "batch"),
+        ({"x-traffic-class": "batch"}, "agent", "agent"),
+    ],
+)
+def test_traffic_class_from_body_header_or_default(
+    headers: dict[str, str], body_class, expected: str
+) -> None:
+    request = _state().engine_request(
+        _request(headers),
+        "r",
+        [1, 2],
+        SamplingParams(),
+        api_key=None,
+        cache_salt=None,
+        traffic_class=body_class,
+    )
+    assert request.traffic_class == expected
+    assert request.eos_token_ids == [2]
+
+
+def test_cache_salt_per_key() -> None:
+    shared, isolated = _state(), _state(cache_salt_per_key=True)
+    assert shared.cache_salt("key-a", None) is None
+    assert shared.cache_salt("key-a", "s") == "s"
+    a, b = isolated.cache_salt("key-a", None), isolated.cache_salt("key-b", None)
+    assert a and b and a != b and "key-a" not in a  # the key itself never becomes a salt
+    assert isolated.cache_salt("key-a", "s") not in (a, "s")
+    assert isolated.cache_salt(None, "s") == "s"
+
+
+def test_bad_sampling_values_are_refused_before_the_engine() -> None:
+    from deepinfer.sampling_params import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError) as info:
+        _state().engine_request(
+            _request({}),
+            "r",
+            [1],
+            SamplingParams(stop_token_ids=[500]),
+            api_key=None,
+            cache_salt=None,
+            traffic_class=None,
+        )
+    assert info.value.param == "stop_token_ids"

@@ -1,0 +1,150 @@
+"""Speculative decoding in the engine, on the real default model (SmolLM2-135M).
+
+Greedy outputs must be token-identical to plain decoding for every proposer, batched or alone,
+under preemption, chunked prefill and prefix caching; the model drafting for itself must have every
+draft accepted; n-gram drafts on a prompt that asks to repeat a passage must be mostly accepted.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from deepinfer import LLM, SamplingParams
+
+CODE = """def moving_average(values, window):
+    if window <= 0:
+        raise ValueError("window must be positive")
+    total = sum(values[:window])
+    averages = [total / window]
+    for i in range(window, len(values)):
+        total += values[i] - values[i - window]
+        averages.append(total / window)
+    return averages
+"""
+
+
+def chat(text: str) -> str:
+    return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+REPEAT = chat(f"Repeat this code exactly, without comments:\n{CODE}")
+PROMPTS = [REPEAT, chat("Write two sentences about the ocean."), chat("Name three colors.")]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def reference(default_llm) -> list[list[int]]:
+    return tokens(default_llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+
+
+@pytest.fixture(scope="module")
+def ngram_llm(default_llm) -> LLM:
+    return LLM(
+        loaded=default_llm.engine.core.loaded,
+        kv_cache_memory=64 << 20,
+        max_num_seqs=4,
+        speculative_method="ngram",
+        num_speculative_tokens=5,
+        speculative_length="dynamic",
+    )
+
+
+@pytest.fixture(scope="module")
+def draft_llm(default_llm) -> LLM:
+    return LLM(
+        loaded=default_llm.engine.core.loaded,
+        kv_cache_memory=64 << 20,
+        speculative_method="draft",
+        num_speculative_tokens=3,
+        speculative_length="fixed",
+    )
+
+
+def test_ngram_greedy_is_identical_batched_and_alone(ngram_llm, reference):
+    assert tokens(ngram_llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference
+    assert tokens(ngram_llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)) == reference[:1]
+    stats = ngram_llm.engine.core.spec_stats()
+    assert stats.num_spec_steps > 0 and stats.cost_model is not None
+
+
+def test_ngram_drafts_of_a_repeated_passage_are_mostly_accepted(default_llm):
+    llm = LLM(
+        loaded=default_llm.engine.core.loaded,
+        kv_cache_memory=64 << 20,
+        speculative_method="ngram",
+        speculative_length="fixed",
+    )
+    # The model copies the first 26 tokens of the code exactly (then drifts from it).
+    params = SamplingParams(temperature=0.0, max_tokens=26, ignore_eos=True)
+    out = llm.generate(REPEAT, params, use_tqdm=False)[0].outputs[0]
+    assert out.text.startswith('def moving_average(values, window):\n    if window <= 0:\n        raise')
+    stats = llm.engine.core.spec_stats()
+    print(f"n-gram on a repeated passage: {stats.to_dict()}")
+    assert stats.acceptance_rate > 0.6
+    assert stats.tokens_per_decode_step > 2.5
+
+
+def test_the_model_drafting_for_itself_is_always_accepted(draft_llm, reference):
+    assert tokens(draft_llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference
+    stats = draft_llm.engine.core.spec_stats()
+    assert stats.num_draft_tokens > 0
+    assert stats.num_accepted_tokens == stats.num_draft_tokens
+    assert stats.acceptance_per_position == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_greedy_is_identical_under_preemption_chunking_and_prefix_caching(default_llm, reference, method):
+    # The prompts need 8 + 2 + 2 blocks of 16 tokens at the end (plus draft slots); 9 forces preemption.
+    llm = LLM(
+        loaded=default_llm.engine.core.loaded,
+        num_blocks=9,
+        prefill_chunk_size=32,
+        speculative_method=method,
+        num_speculative_tokens=4,
+        speculative_length="fixed",
+    )
+    assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference
+    assert llm.engine.core.num_preemptions > 0
+    assert llm.engine.core.kv.num_used_blocks == 0
+    assert sum(llm.engine.core.spec_stats().chosen_k[1:]) > 0
+
+
+def test_sampling_through_the_verifier(ngram_llm, draft_llm, reference):
+    """top_k=1 makes the target deterministic: sampled speculation must give the greedy tokens.
+    Seeded requests (n=2) reproduce; logprobs come one per token."""
+    top1 = SamplingParams(temperature=0.8, top_k=1, max_tokens=16, ignore_eos=True)
+    assert tokens(ngram_llm.generate(PROMPTS[:2], top1, use_tqdm=False)) == reference[:2]
+    assert tokens(draft_llm.generate(PROMPTS[:2], top1, use_tqdm=False)) == reference[:2]
+    seeded = SamplingParams(temperature=0.7, seed=1234, n=2, max_tokens=12, logprobs=1, ignore_eos=True)
+    first = draft_llm.generate(PROMPTS[0], seeded, use_tqdm=False)[0]
+    again = draft_llm.generate(PROMPTS[0], seeded, use_tqdm=False)[0]
+    assert [o.token_ids for o in first.outputs] == [o.token_ids for o in again.outputs]
+    for output in first.outputs:
+        assert len(output.logprobs) == len(output.token_ids) == 12
+
+
+def test_stops_inside_an_accepted_run(default_llm, ngram_llm, reference):
+    """A stop string or stop token met in the middle of an accepted run ends the output exactly
+    where plain decoding ends it."""
+    stop_string = SamplingParams(temperature=0.0, max_tokens=24, stop=["<= 0"])
+    plain = default_llm.generate(REPEAT, stop_string, use_tqdm=False)[0].outputs[0]
+    spec = ngram_llm.generate(REPEAT, stop_string, use_tqdm=False)[0].outputs[0]
+    assert plain.text.endswith("if window ") and plain.stop_reason == "<= 0"
+    assert (spec.text, spec.token_ids, spec.stop_reason) == (plain.text, plain.token_ids, plain.stop_reason)
+    stop_token = SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[reference[0][9]])
+    spec = ngram_llm.generate(REPEAT, stop_token, use_tqdm=False)[0].outputs[0]
+    assert spec.token_ids == reference[0][:10] and spec.finish_reason == "stop"
+
+
+def test_bad_options_are_named(default_llm, v3_ckpt_path):
+    loaded = default_llm.engine.core.loaded
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        LLM(loaded=loaded, num_blocks=8, speculative_method="ngram", num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="speculative_method='mtp'"):
+        LLM(loaded=loaded, num_blocks=8, speculative_method="mtp")
+    with pytest.raises(ValueError, match="speculative_model"):
+        LLM(loaded=loaded, num_blocks=8, speculative_method="draft", speculative_model=str(v3_ckpt_path))
