@@ -32,6 +32,12 @@ _HELP = {
     "scheduling_policy": "fcfs, or priority (lower value first)",
     "attention_backend": "attention implementation",
     "num_threads": "CPU threads for torch (default: all cores)",
+    "speculative_method": "speculative decoding: ngram (prompt lookup), draft (a draft model) or mtp (DeepSeek MTP)",
+    "num_speculative_tokens": "most draft tokens verified per step",
+    "speculative_length": "dynamic: per-step length from expected acceptance and the profiled step cost; fixed: always the most",
+    "speculative_model": "draft model for --speculative-method draft (default: the target model itself)",
+    "speculative_ngram_min": "shortest suffix n-gram prompt lookup matches",
+    "speculative_ngram_max": "longest suffix n-gram prompt lookup tries first",
 }
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)

@@ -400,7 +400,7 @@ def add_offline_parsers(commands: Any) -> None:
     latency.add_argument("--output-len", type=int, default=64)
     latency.add_argument("--repeats", type=int, default=3)
 
-    prefix = commands.add_parser("prefix", help="prefix caching: TTFT hit vs miss, cost at 0% hits")
+    prefix = commands.add_parser("prefix", help="prefix caching: TTFT hit vs miss, cost at 0%% hits")
     _common(prefix)
     prefix.add_argument("--prefix-len", type=int, default=2000)
     prefix.add_argument("--suffix-len", type=int, default=50)

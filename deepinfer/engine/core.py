@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from deepinfer.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from deepinfer.engine.grammar import GrammarManager
 from deepinfer.engine.kv_cache.manager import KVCacheManager
 from deepinfer.engine.kv_cache.prefix import namespace_root
 from deepinfer.engine.kv_offload import KVOffloader
@@ -90,6 +91,8 @@ class EngineCore:
             self.spec = build_speculative_decoder(self)
             self.runner.speculator = self.spec
         self.offloader = self._build_offloader()
+        self.grammars = GrammarManager(self.loaded.tokenizer, model_cfg.vocab_size)
+        self.runner.grammars = self.grammars
         self.num_preemptions = 0
         log.info(
             "engine ready: %s, %d KV blocks of %d tokens (%d bytes/token), attention=%s",
@@ -118,6 +121,7 @@ class EngineCore:
         if self.offloader is not None:
             self.offloader.close()
             self.offloader = None
+        self.grammars.close()
 
     def _num_blocks(self, device: torch.device) -> int:
         if self.config.num_blocks is not None:
@@ -140,12 +144,16 @@ class EngineCore:
     def add_request(self, request: EngineRequest) -> None:
         root = namespace_root(self.fingerprint, request.cache_salt)
         seq = self.scheduler.add_request(request, root)
+        if request.grammar is not None:
+            self.grammars.attach(seq, request.grammar)
         if self.offloader is not None:
             self.offloader.prefetch(seq)
 
     def abort(self, request_id: str, index: int | None = None) -> list[SequenceOutput]:
         """Abort a request (or one of its sequences); its blocks are free when this returns."""
         seqs = self.scheduler.abort_request(request_id, index)
+        if index is None:
+            self.grammars.release(request_id)
         self.runner.release([s.seq_id for s in seqs])
         return [
             SequenceOutput(
@@ -163,18 +171,31 @@ class EngineCore:
     # -- the loop ------------------------------------------------------------------------------
 
     def step(self) -> list[SequenceOutput]:
-        if self.offloader is not None:
-            self.offloader.poll()
+        failed = self._poll_pending()
         draft_lengths = self.spec.plan(self.scheduler) if self.spec is not None else None
         plan = self.scheduler.schedule(draft_lengths)
         self.num_preemptions += len(plan.preempted)
+        for item in plan.scheduled:
+            for child in item.forks:
+                self.grammars.fork(child)
         if plan.is_empty:
-            if self.scheduler.waiting:
+            if self.scheduler.waiting and not failed:
                 time.sleep(0.001)  # everything waits on a KV load or a grammar: don't spin a core
-            return []
+            return failed
         result = self.runner.execute(plan)
         updates = self.scheduler.update(plan, {k: [t.token_id for t in v] for k, v in result.sampled.items()})
-        return [self._output(update, result) for update in updates]
+        return failed + [self._output(update, result) for update in updates]
+
+    def _poll_pending(self) -> list[SequenceOutput]:
+        """Land finished KV loads and grammar compiles; a grammar that failed ends its request."""
+        if self.offloader is not None:
+            self.offloader.poll()
+        outputs = []
+        for seq, error in self.grammars.poll():
+            for out in self.abort(seq.request_id):
+                out.finish_reason, out.error = "error", error
+                outputs.append(out)
+        return outputs
 
     def _output(self, update: SequenceUpdate, result: StepResult) -> SequenceOutput:
         seq: Sequence = update.seq
@@ -200,6 +221,8 @@ class EngineCore:
             out.finish_reason = str(seq.finish_reason)
             out.stop_reason = seq.stop_reason
             self.runner.release([seq.seq_id])
+            if not self.scheduler.sequences_of(seq.request_id):
+                self.grammars.release(seq.request_id)
         return out
 
     def score(self, token_ids: list[int]) -> torch.Tensor:

@@ -12,6 +12,7 @@ from deepinfer.engine.request import EngineRequest
 from deepinfer.model.loader.load import LoadedModel
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import InvalidRequestError, SamplingParams
+from deepinfer.structured import GrammarSpec
 
 
 @dataclass(slots=True)
@@ -52,10 +53,16 @@ class LLMEngine:
             return PreparedPrompt(prompt, self.tokenizer.encode(prompt))
         return PreparedPrompt(None, list(prompt))
 
-    def validate(self, prompt: PreparedPrompt, params: SamplingParams) -> None:
-        """Raise InvalidRequestError naming the bad field; nothing enters the engine."""
+    def validate(self, prompt: PreparedPrompt, params: SamplingParams) -> GrammarSpec | None:
+        """Raise InvalidRequestError naming the bad field; nothing enters the engine. A structured
+        output constraint is compiled here (and cached), so an unsupported schema fails now."""
         validate_prompt(prompt.token_ids, self.vocab_size, self.core.max_model_len)
         params.validate(self.vocab_size)
+        if params.structured_outputs is None:
+            return None
+        spec = GrammarSpec.from_structured_outputs(params.structured_outputs)
+        self.core.grammars.validate(spec)
+        return spec
 
     def enqueue(
         self,
@@ -65,8 +72,9 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         traffic_class: str | None = None,
+        grammar: GrammarSpec | None = None,
     ) -> str:
-        """Admit an already validated prompt."""
+        """Admit an already validated prompt (`grammar`: what validate returned)."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         self.processor.add_request(request_id, prompt.prompt, prompt.token_ids, params)
         self.core.add_request(
@@ -78,6 +86,7 @@ class LLMEngine:
                 priority=priority,
                 cache_salt=cache_salt,
                 traffic_class=traffic_class,
+                grammar=grammar,
             )
         )
         return request_id
@@ -93,8 +102,8 @@ class LLMEngine:
     ) -> str:
         """Validate and enqueue; raises InvalidRequestError before anything enters the engine."""
         prepared = self.prepare_prompt(prompt)
-        self.validate(prepared, params)
-        return self.enqueue(prepared, params, request_id, priority, cache_salt, traffic_class)
+        grammar = self.validate(prepared, params)
+        return self.enqueue(prepared, params, request_id, priority, cache_salt, traffic_class, grammar)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now; its blocks are free and it produces no further output."""

@@ -34,6 +34,7 @@ class SequenceDelta:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    error: str | None = None  # set with finish_reason "error": why the engine ended the sequence
 
 
 @dataclass(slots=True)
@@ -167,6 +168,7 @@ class OutputProcessor:
             out.num_prompt_tokens,
             request.num_cached_tokens,
             len(output.token_ids),
+            out.error,
         )
 
     def request_output(self, request_id: str) -> RequestOutput:

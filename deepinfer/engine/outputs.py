@@ -25,3 +25,4 @@ class SequenceOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0
     num_prompt_tokens: int = 0
+    error: str | None = None  # why the engine ended it (finish_reason "error"), e.g. a grammar failure

@@ -10,8 +10,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from deepinfer.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from deepinfer.structured.backend import GrammarMatcher
+    from deepinfer.structured.spec import GrammarSpec
 
 
 class SequenceStatus(enum.IntEnum):
@@ -38,6 +43,7 @@ class EngineRequest:
     priority: int = 0  # lower value = scheduled earlier (vLLM convention)
     cache_salt: str | None = None
     traffic_class: str | None = None
+    grammar: GrammarSpec | None = None  # structured output / forced tool call constraint
 
 
 @dataclass(slots=True, eq=False)
@@ -60,6 +66,7 @@ class Sequence:
     pending_forks: int = 0  # siblings to fork when this sequence's prefill completes
     num_pending: int = 0  # things to wait for before admission (a grammar, a KV load); 0 = ready
     num_stored_chunks: int = 0  # leading KV-store chunks known to be stored (or loaded from it)
+    grammar: GrammarMatcher | None = None  # structured output state, once its grammar compiled
 
     @property
     def request_id(self) -> str:

@@ -79,8 +79,7 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         salts = cache_salt if isinstance(cache_salt, list) else [cache_salt] * len(prompts)
         prepared = [self.engine.prepare_prompt(p) for p in prompts]
-        for p, sp in zip(prepared, params):
-            self.engine.validate(p, sp)
+        grammars = [self.engine.validate(p, sp) for p, sp in zip(prepared, params)]
         ids = [
             self.engine.enqueue(
                 p,
@@ -88,6 +87,7 @@ class LLM:
                 priority=priority[i] if priority else 0,
                 cache_salt=salts[i],
                 traffic_class=traffic_class,
+                grammar=grammars[i],
             )
             for i, (p, sp) in enumerate(zip(prepared, params))
         ]

@@ -9,12 +9,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from deepinfer.engine.grammar import GrammarManager
 from deepinfer.engine.request import Sequence
 from deepinfer.engine.scheduler import ScheduledSequence, SchedulerOutput
 from deepinfer.model.base import CausalLM, KVCacheSpec
 from deepinfer.runner.attention.backend import AttentionBackend, TorchReferenceBackend
 from deepinfer.runner.attention.metadata import AttentionMetadata
 from deepinfer.runner.sampler import SampledToken, Sampler, SamplingRow
+from deepinfer.structured.bitmask import allocate_bitmask
 
 if TYPE_CHECKING:
     from deepinfer.spec.decoder import SpeculativeDecoder
@@ -74,6 +76,7 @@ class ModelRunner:
         self.backend = make_attention_backend(attention_backend, model, block_size)
         self.sampler = Sampler()
         self._generators: dict[int, torch.Generator] = {}
+        self.grammars: GrammarManager | None = None  # set by the engine core
         # Speculative decoding (deepinfer.spec.decoder.SpeculativeDecoder), set by the engine core:
         # drafts the reserved slots before the forward and verifies them after it.
         self.speculator: SpeculativeDecoder | None = None
@@ -168,6 +171,16 @@ class ModelRunner:
             generator=generator,
         )
 
+    def _grammar_bitmask(self, owners: list[Sequence]) -> tuple[torch.Tensor | None, list[int]]:
+        """One packed bitmask for the constrained rows (structured output); unconstrained rows pay nothing."""
+        constrained = [i for i, seq in enumerate(owners) if seq.grammar is not None]
+        if not constrained or self.grammars is None:
+            return None, []
+        backend = self.grammars.backend
+        bitmask = allocate_bitmask(len(constrained), backend.tokenizer_info.vocab_size)
+        backend.fill_bitmasks([(owners[i].grammar, row) for row, i in enumerate(constrained)], bitmask)
+        return bitmask, constrained
+
     @torch.inference_mode()
     def prompt_logits(self, seq: Sequence) -> torch.Tensor:
         """Logits [L, V] at every position of a sequence whose blocks are allocated (scoring, tests)."""
@@ -205,7 +218,10 @@ class ModelRunner:
             # Forks share their parent's row: compute logits once per distinct row.
             unique, inverse = torch.unique(index, return_inverse=True)
             logits = self.model.compute_logits(hidden[unique])[inverse]  # [N, V]
-            tokens = self.sampler(logits, rows)
+            bitmask, constrained = self._grammar_bitmask(owners)
+            tokens = self.sampler(logits, rows, bitmask, constrained)
+            for i in constrained:
+                owners[i].grammar.accept_token(tokens[i].token_id)
             sampled = {seq.seq_id: [token] for seq, token in zip(owners, tokens)}
         if self.speculator is not None:
             sampled |= self.speculator.verify(self, items, hidden, meta.query_lens, sampled)

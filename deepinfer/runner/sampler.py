@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.structured.bitmask import apply_bitmask_
 
 
 @dataclass(slots=True)
@@ -64,9 +65,17 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             logits[i] -= p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
-def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Steps 1-4: a new float32 tensor [N, V]."""
+def process_logits(
+    logits: torch.Tensor,
+    rows: list[SamplingRow],
+    bitmask: torch.Tensor | None = None,
+    bitmask_rows: list[int] | None = None,
+) -> torch.Tensor:
+    """Steps 1-4: a new float32 tensor [N, V]. `bitmask` [M, V/32] packs the allowed tokens of
+    the constrained rows `bitmask_rows` (structured output)."""
     logits = logits.float().clone()
+    if bitmask is not None:
+        apply_bitmask_(logits, bitmask, bitmask_rows)
     for i, row in enumerate(rows):
         if row.params.logit_bias:
             ids = torch.tensor([int(t) for t in row.params.logit_bias], dtype=torch.long)
@@ -109,9 +118,15 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        bitmask: torch.Tensor | None = None,
+        bitmask_rows: list[int] | None = None,
+    ) -> list[SampledToken]:
         """logits: [N, V] for N rows -> one token per row."""
-        processed = process_logits(logits, rows)
+        processed = process_logits(logits, rows, bitmask, bitmask_rows)
         want_logprobs = [row.params.logprobs is not None for row in rows]
         logprobs = None
         if any(want_logprobs):

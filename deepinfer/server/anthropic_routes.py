@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -12,7 +14,7 @@ from deepinfer.recipe.api import (
     new_id,
 )
 from deepinfer.server.answer import respond
-from deepinfer.server.generation import ChoiceParsers, sampling_params
+from deepinfer.server.generation import ChoiceParsers, grammar_for, sampling_params, thinks
 from deepinfer.server.http_io import read_json
 from deepinfer.server.openai_routes import state_of
 from deepinfer.server.sinks import MessagesSink
@@ -23,6 +25,7 @@ router = APIRouter()
 @router.post("/v1/messages")
 async def messages(request: Request) -> Response:
     state = state_of(request)
+    arrival = time.monotonic()
     api_key = state.authorize(request)
     body = await read_json(request, state.config.max_body_bytes)
     model = state.model_name(body)
@@ -34,7 +37,6 @@ async def messages(request: Request) -> Response:
         num_prompt_tokens=len(prompt.token_ids),
         max_model_len=state.max_model_len,
         skip_special_tokens=False,
-        response_format=conv.response_format,
     )
     message_id = new_id("msg_")
     engine_request = state.engine_request(
@@ -45,9 +47,10 @@ async def messages(request: Request) -> Response:
         api_key=api_key,
         cache_salt=conv.cache_salt,
         traffic_class=conv.traffic_class,
+        grammar=grammar_for(conv.response_format, "output_config.format", thinks=thinks(prompt)),
     )
     state.admit("anthropic")
-    stream = state.submit([(engine_request, prompt.text)])
+    stream = state.submit([(engine_request, prompt.text)], arrival)
     sink = MessagesSink(
         message_id=message_id, model=model, prompt_tokens=len(prompt.token_ids), stream=conv.stream
     )

@@ -26,6 +26,7 @@ from deepinfer.server.protocol import (
     EngineMessage,
     EngineOutputs,
     ResetPrefixCache,
+    WireRequest,
 )
 from deepinfer.tokenizer import Tokenizer
 
@@ -137,13 +138,16 @@ class EngineClient:
 
     # -- requests ------------------------------------------------------------------------------
 
-    def submit(self, requests: list[tuple[EngineRequest, str | None]]) -> GenerationStream:
-        """Send validated requests (with their prompt text, if any) to the engine."""
+    def submit(
+        self, requests: list[tuple[EngineRequest, str | None]], arrival: float | None = None
+    ) -> GenerationStream:
+        """Send validated requests (with their prompt text, if any) to the engine. `arrival`
+        (time.monotonic() when the HTTP request came in) is where latencies start."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
-        now = time.monotonic()
+        start = time.monotonic() if arrival is None else arrival
         records = [
-            RequestRecord(r.request_id, now, len(r.prompt_token_ids), unfinished=r.params.n)
+            RequestRecord(r.request_id, start, len(r.prompt_token_ids), unfinished=r.params.n)
             for r, _ in requests
         ]
         stream = GenerationStream(self, records)
@@ -153,7 +157,7 @@ class EngineClient:
             )
             self._streams[request.request_id] = stream
             self.num_waiting += 1
-            self.transport.send(AddRequest(request))
+            self.transport.send(AddRequest(WireRequest.of(request)))
         return stream
 
     def abort(self, request_id: str, record: RequestRecord) -> None:
@@ -181,6 +185,14 @@ class EngineClient:
     # -- engine messages -----------------------------------------------------------------------
 
     def _on_message(self, message: EngineMessage) -> None:
+        try:
+            self._handle(message)
+        except Exception:
+            # Requests must never hang on a bug here: fail them all, loudly.
+            log.exception("could not process the engine's outputs")
+            self._on_death("internal error while processing the engine's outputs")
+
+    def _handle(self, message: EngineMessage) -> None:
         if isinstance(message, EngineOutputs):
             self.stats = message.stats
             if message.outputs:

@@ -151,7 +151,7 @@ class EngineLoop:
             self.emit(EngineOutputs(outputs, core.stats(), reset))
 
     def _add(self, message: AddRequest) -> list[SequenceOutput]:
-        request = message.request
+        request = message.request.to_request()
         try:
             self.core.add_request(request)
         except Exception:
@@ -159,7 +159,9 @@ class EngineLoop:
             # this request rather than the engine.
             log.exception("could not add request %s", request.request_id)
             return [
-                SequenceOutput(request.request_id, index, [], finish_reason="error")
+                SequenceOutput(
+                    request.request_id, index, [], finish_reason="error", error="internal engine error"
+                )
                 for index in range(request.params.n)
             ]
         return []
@@ -178,6 +180,7 @@ def engine_process_main(
     outbox.setsockopt(zmq.LINGER, 2000)  # let a last EngineFailed leave before the process ends
     outbox.connect(output_address)
     inbox_socket = context.socket(zmq.PULL)
+    inbox_socket.setsockopt(zmq.RCVHWM, 0)  # see ProcessTransport: never drop a request
     inbox_socket.connect(input_address)
 
     def emit(message: EngineMessage) -> None:
@@ -198,6 +201,7 @@ def engine_process_main(
         emit(EngineFailed(f"the engine failed: {type(error).__name__}: {error}"))
         raise SystemExit(1) from error
     finally:
+        core.close()  # worker threads (KV store, grammar compiles) end with the engine
         inbox_socket.close(linger=0)
         outbox.close()
         context.term()

@@ -79,6 +79,9 @@ class ProcessTransport(EngineTransport):
         self._async_context = zmq.asyncio.Context()
         self._input = self._sync_context.socket(zmq.PUSH)
         self._input.setsockopt(zmq.LINGER, 0)
+        # No high-water mark: a send must never be dropped while the engine is busy in a long
+        # step. Admission control (max waiting requests) is what bounds this queue.
+        self._input.setsockopt(zmq.SNDHWM, 0)
         self._input.bind(f"ipc://{self._dir}/input")
         self._output = self._async_context.socket(zmq.PULL)
         self._output.setsockopt(zmq.LINGER, 0)
@@ -233,6 +236,8 @@ class ThreadTransport(EngineTransport):
                 log.exception("the engine loop failed")
                 self._emit(EngineFailed(f"the engine failed: {type(error).__name__}: {error}"))
                 loop.call_soon_threadsafe(self._died, f"the engine thread failed: {error}")
+            finally:
+                core.close()
 
         self._thread = threading.Thread(target=run, name="deepinfer-engine", daemon=True)
         self._thread.start()

@@ -21,7 +21,8 @@ from deepinfer.recipe.events import (
     Usage,
 )
 from deepinfer.recipe.ir import GenerationParams, ResponseFormat
-from deepinfer.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputs
+from deepinfer.sampling_params import InvalidRequestError, SamplingParams
+from deepinfer.structured.spec import GrammarSpec
 
 _FINISH_REASONS: dict[str | None, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -54,18 +55,28 @@ def max_tokens_for(requested: int | None, num_prompt_tokens: int, max_model_len:
     return remaining if requested is None else min(requested, remaining)
 
 
-def structured_outputs(response_format: ResponseFormat | None) -> StructuredOutputs | None:
+def thinks(prompt: RenderedPrompt) -> bool:
+    """Whether the model may write a thinking section before its answer to this prompt."""
+    return prompt.parser_spec.initial != "content"
+
+
+def grammar_for(response_format: ResponseFormat | None, param: str, *, thinks: bool) -> GrammarSpec | None:
+    """The engine's constraint for a requested output format (None: free text). A model that may
+    think first is constrained only after its thinking section."""
     if response_format is None or response_format.type == "text":
         return None
-    if response_format.type == "json_object":
-        return StructuredOutputs(json_object=True)
-    if response_format.type == "json_schema":
-        return StructuredOutputs(json=response_format.json_schema)
-    if response_format.type == "regex":
-        return StructuredOutputs(regex=response_format.regex)
-    if response_format.type == "choice":
-        return StructuredOutputs(choice=response_format.choices)
-    return StructuredOutputs(grammar=response_format.grammar)
+    kind = response_format.type
+    if kind == "json_object":
+        spec = GrammarSpec.json_object(param=param)
+    elif kind == "json_schema":
+        spec = GrammarSpec.json(response_format.json_schema or {}, param=param)
+    elif kind == "regex":
+        spec = GrammarSpec.regex(response_format.regex or "", param=param)
+    elif kind == "choice":
+        spec = GrammarSpec.choice(response_format.choices or [], param=param)
+    else:
+        spec = GrammarSpec.grammar(response_format.grammar or "", param=param)
+    return spec.with_reasoning() if thinks else spec
 
 
 def sampling_params(
@@ -74,7 +85,6 @@ def sampling_params(
     num_prompt_tokens: int,
     max_model_len: int,
     skip_special_tokens: bool,
-    response_format: ResponseFormat | None = None,
 ) -> SamplingParams:
     """The engine's parameters for a request; unset fields keep the engine's defaults."""
     optional: dict[str, Any] = {
@@ -96,7 +106,6 @@ def sampling_params(
         logprobs=(params.top_logprobs or 0) if params.logprobs else None,
         logit_bias=params.logit_bias,
         skip_special_tokens=skip_special_tokens,
-        structured_outputs=structured_outputs(response_format),
         **{k: v for k, v in optional.items() if v is not None},
     )
 
@@ -144,7 +153,9 @@ class ChoiceParsers:
         if delta.finish_reason is not None:
             self._finished[index] = True
             finish = finish_of(delta)
-            events.extend(parser.finish(finish.reason, stop_sequence=finish.stop_sequence))
+            events.extend(
+                parser.finish(finish.reason, stop_sequence=finish.stop_sequence, message=finish.message)
+            )
             events.append(usage_of(delta, parser.reasoning_tokens))
         return [(index, event) for event in events]
 
@@ -168,7 +179,8 @@ def usage_of(delta: SequenceDelta, reasoning_tokens: int = 0) -> Usage:
 
 
 def finish_of(delta: SequenceDelta) -> Finish:
-    """The canonical finish of a sequence; a stop string that matched is its stop sequence."""
+    """The canonical finish of a sequence; a stop string that matched is its stop sequence, an
+    engine error (a grammar that failed to compile, ...) its message."""
     reason = _FINISH_REASONS.get(delta.finish_reason, "error")
     stop = delta.stop_reason if isinstance(delta.stop_reason, str) else None
-    return Finish(reason, stop_sequence=stop)
+    return Finish(reason, stop_sequence=stop, message=delta.error)

@@ -19,7 +19,7 @@ from deepinfer.recipe.api import (
 from deepinfer.recipe.ir import Conversation
 from deepinfer.server.answer import respond
 from deepinfer.server.completions import CompletionEncoder, TextChoices, parse_completion_request
-from deepinfer.server.generation import ChoiceParsers, check_prompt, sampling_params
+from deepinfer.server.generation import ChoiceParsers, check_prompt, grammar_for, sampling_params, thinks
 from deepinfer.server.http_io import read_json
 from deepinfer.server.sinks import ChatSink, ResponsesSink
 from deepinfer.server.state import ServerState
@@ -38,6 +38,7 @@ def _top_logprobs(conv: Conversation) -> int:
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     state = state_of(request)
+    arrival = time.monotonic()
     api_key = state.authorize(request)
     body = await read_json(request, state.config.max_body_bytes)
     model = state.model_name(body)
@@ -49,7 +50,6 @@ async def chat_completions(request: Request) -> Response:
         num_prompt_tokens=len(prompt.token_ids),
         max_model_len=state.max_model_len,
         skip_special_tokens=False,  # the recipe's parser reads (and strips) the model's markers
-        response_format=conv.response_format,
     )
     request_id = new_id("chatcmpl-")
     engine_request = state.engine_request(
@@ -60,9 +60,10 @@ async def chat_completions(request: Request) -> Response:
         api_key=api_key,
         cache_salt=conv.cache_salt,
         traffic_class=conv.traffic_class,
+        grammar=grammar_for(conv.response_format, "response_format", thinks=thinks(prompt)),
     )
     state.admit("openai")
-    stream = state.submit([(engine_request, prompt.text)])
+    stream = state.submit([(engine_request, prompt.text)], arrival)
     encoder = ChatCompletionEncoder(
         completion_id=request_id,
         model=model,
@@ -78,6 +79,7 @@ async def chat_completions(request: Request) -> Response:
 @router.post("/v1/responses")
 async def responses(request: Request) -> Response:
     state = state_of(request)
+    arrival = time.monotonic()
     api_key = state.authorize(request)
     body = await read_json(request, state.config.max_body_bytes)
     model = state.model_name(body)
@@ -90,7 +92,6 @@ async def responses(request: Request) -> Response:
         num_prompt_tokens=len(prompt.token_ids),
         max_model_len=state.max_model_len,
         skip_special_tokens=False,
-        response_format=conv.response_format,
     )
     response_id = new_id("resp_")
     engine_request = state.engine_request(
@@ -101,9 +102,10 @@ async def responses(request: Request) -> Response:
         api_key=api_key,
         cache_salt=conv.cache_salt,
         traffic_class=conv.traffic_class,
+        grammar=grammar_for(conv.response_format, "text.format", thinks=thinks(prompt)),
     )
     state.admit("openai")
-    stream = state.submit([(engine_request, prompt.text)])
+    stream = state.submit([(engine_request, prompt.text)], arrival)
     encoder = ResponsesEncoder(
         response_id=response_id,
         model=model,
@@ -118,6 +120,7 @@ async def responses(request: Request) -> Response:
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     state = state_of(request)
+    arrival = time.monotonic()
     api_key = state.authorize(request)
     body = await read_json(request, state.config.max_body_bytes)
     model = state.model_name(body)
@@ -151,7 +154,7 @@ async def completions(request: Request) -> Response:
             )
         )
     state.admit("openai")
-    stream = state.submit(engine_requests)
+    stream = state.submit(engine_requests, arrival)
     n = parsed.params.n
     encoder = CompletionEncoder(
         completion_id=completion_id,

@@ -1,6 +1,8 @@
 """Messages between the API process and the engine process (msgpack via msgspec).
 
 API -> engine: AddRequest, AbortRequest, ResetPrefixCache, Shutdown.
+A request travels as a WireRequest: EngineRequest's fields with their types resolvable at run
+time (EngineRequest itself names some types for type checkers only), one for one.
 Engine -> API: EngineReady once, then EngineOutputs per step (new tokens of every sequence that
 advanced, plus the engine's stats), and EngineFailed if the loop crashes.
 Token ids only: text never crosses this boundary.
@@ -13,10 +15,33 @@ import msgspec
 from deepinfer.engine.core import EngineStats
 from deepinfer.engine.outputs import SequenceOutput
 from deepinfer.engine.request import EngineRequest
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.structured.spec import GrammarSpec
+
+
+class WireRequest(msgspec.Struct, array_like=True):
+    """EngineRequest on the wire (a test keeps the two field lists identical)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: list[int]
+    arrival_time: float
+    priority: int
+    cache_salt: str | None
+    traffic_class: str | None
+    grammar: GrammarSpec | None
+
+    @classmethod
+    def of(cls, request: EngineRequest) -> WireRequest:
+        return cls(**{name: getattr(request, name) for name in cls.__struct_fields__})
+
+    def to_request(self) -> EngineRequest:
+        return EngineRequest(**{name: getattr(self, name) for name in self.__struct_fields__})
 
 
 class AddRequest(msgspec.Struct, tag="add", array_like=True):
-    request: EngineRequest
+    request: WireRequest
 
 
 class AbortRequest(msgspec.Struct, tag="abort", array_like=True):

@@ -19,6 +19,7 @@ from deepinfer.server.engine_client import EngineClient, EngineDeadError, Genera
 from deepinfer.server.errors import ApiError, Flavor, overloaded
 from deepinfer.server.generation import check_context
 from deepinfer.server.metrics import ServerMetrics
+from deepinfer.structured.spec import GrammarSpec
 from deepinfer.tokenizer import Tokenizer
 
 DEFAULT_TRAFFIC_CLASS = "chat"
@@ -136,6 +137,7 @@ class ServerState:
         api_key: str | None,
         cache_salt: str | None,
         traffic_class: str | None,
+        grammar: GrammarSpec | None = None,
     ) -> EngineRequest:
         params.validate(self.vocab_size)
         header_class = request.headers.get(TRAFFIC_CLASS_HEADER)
@@ -146,10 +148,11 @@ class ServerState:
             eos_token_ids=list(self.client.info.eos_token_ids),
             cache_salt=self.cache_salt(api_key, cache_salt),
             traffic_class=traffic_class or header_class or DEFAULT_TRAFFIC_CLASS,
+            grammar=grammar,
         )
 
-    def submit(self, requests: list[tuple[EngineRequest, str | None]]) -> GenerationStream:
+    def submit(self, requests: list[tuple[EngineRequest, str | None]], arrival: float) -> GenerationStream:
         try:
-            return self.client.submit(requests)
+            return self.client.submit(requests, arrival)
         except EngineDeadError as error:
             raise ApiError(503, f"the engine is not running: {error}", code="engine_unavailable") from None

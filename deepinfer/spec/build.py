@@ -35,9 +35,13 @@ def build_speculative_decoder(core: EngineCore) -> SpeculativeDecoder:
     if method not in METHODS:
         raise ValueError(f"speculative_method: expected one of {list(METHODS)} or None, got {method!r}")
     if not isinstance(config.num_speculative_tokens, int) or config.num_speculative_tokens < 1:
-        raise ValueError(f"num_speculative_tokens: must be an integer >= 1, got {config.num_speculative_tokens!r}")
+        raise ValueError(
+            f"num_speculative_tokens: must be an integer >= 1, got {config.num_speculative_tokens!r}"
+        )
     if config.speculative_length not in ("fixed", "dynamic"):
-        raise ValueError(f"speculative_length: expected 'fixed' or 'dynamic', got {config.speculative_length!r}")
+        raise ValueError(
+            f"speculative_length: expected 'fixed' or 'dynamic', got {config.speculative_length!r}"
+        )
     if config.speculative_model is not None and method != "draft":
         raise ValueError(f"speculative_model: only used with speculative_method='draft', not {method!r}")
     device, dtype = config.torch_device(), config.torch_dtype()
@@ -47,7 +51,9 @@ def build_speculative_decoder(core: EngineCore) -> SpeculativeDecoder:
     if config.speculative_length == "dynamic":
         max_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * (max_k + 1))
         cost = profile_step_cost(core.runner, proposer, max_tokens, config.max_num_seqs, core.num_blocks)
-    stats = SpecDecodeStats(method, config.speculative_length, max_k, cost_model=cost.to_dict() if cost else None)
+    stats = SpecDecodeStats(
+        method, config.speculative_length, max_k, cost_model=cost.to_dict() if cost else None
+    )
     return SpeculativeDecoder(proposer, LengthPolicy(config.speculative_length, max_k, cost), stats)
 
 
@@ -57,11 +63,20 @@ def _proposer(core: EngineCore, method: str, device: torch.device, dtype: torch.
         return NgramProposer(config.speculative_ngram_min, config.speculative_ngram_max)
     if method == "mtp":
         return MTPProposer(core.loaded.model, core.num_blocks, config.block_size, device, dtype)
-    draft = core.loaded if config.speculative_model is None else load_model(config.speculative_model, dtype, device)
+    draft = (
+        core.loaded
+        if config.speculative_model is None
+        else load_model(config.speculative_model, dtype, device)
+    )
     if draft.config.vocab_size != core.loaded.config.vocab_size:
         raise ValueError(
             f"speculative_model: vocabulary of {draft.config.vocab_size} tokens differs from the target's "
             f"{core.loaded.config.vocab_size}; a draft model must share the target's tokenizer"
+        )
+    if draft.config.max_position_embeddings < core.max_model_len:
+        raise ValueError(
+            f"speculative_model: its context of {draft.config.max_position_embeddings} tokens is shorter than "
+            f"max_model_len={core.max_model_len}; set max_model_len to at most that"
         )
     return DraftModelProposer(
         draft.model, core.num_blocks, config.block_size, device, dtype, config.attention_backend
@@ -112,7 +127,14 @@ def profile_step_cost(
     verify, overhead = cached_profile(runner.model, key, measure)
     draft_round = None
     if proposer.has_confidence:
-        draft_key = (proposer.name, min(max_seqs, 64), bs, num_blocks, str(runner.device), torch.get_num_threads())
+        draft_key = (
+            proposer.name,
+            min(max_seqs, 64),
+            bs,
+            num_blocks,
+            str(runner.device),
+            torch.get_num_threads(),
+        )
         owner = getattr(proposer, "model", runner.model)
         draft_round = cached_profile(
             owner, draft_key, lambda: proposer.profile_round(min(max_seqs, 64), PROFILE_REPEATS)

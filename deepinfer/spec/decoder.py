@@ -37,11 +37,15 @@ DRAFT_SEED_SALT = 0x5BD1E995
 
 
 def is_decode_step(seq: Sequence) -> bool:
-    """The sequence computes only its last, sampled token: the state in which it may draft."""
+    """The sequence computes only its last, sampled token: the state in which it may draft.
+
+    Constrained sequences (structured output) do not draft until the grammar matcher is wired to
+    `SpeculativeDecoder.grammar` (masks per draft position, accepted tokens fed back)."""
     return (
         seq.num_tokens - seq.num_computed_tokens == 1
         and seq.num_output_tokens > 0
         and not seq.pending_forks
+        and seq.grammar is None
     )
 
 
@@ -58,6 +62,11 @@ class SpeculativeDecoder:
         self._draft_generators: dict[int, torch.Generator] = {}
         self._threshold: float | None = None
         self._requests: dict[int, DraftRequest] = {}  # this step's drafting, by seq_id
+
+    def reset_stats(self) -> None:
+        """Start the counters afresh (benchmarks measure after a warm-up)."""
+        old = self.stats
+        self.stats = SpecDecodeStats(old.method, old.length_policy, old.max_k, cost_model=old.cost_model)
 
     # -- before the schedule --------------------------------------------------------------------
 
@@ -157,14 +166,18 @@ class SpeculativeDecoder:
         if drafted:
             index = torch.cat(
                 [
-                    torch.arange(offset + item.num_new_tokens - item.num_draft_tokens - 1, offset + item.num_new_tokens)
+                    torch.arange(
+                        offset + item.num_new_tokens - item.num_draft_tokens - 1, offset + item.num_new_tokens
+                    )
                     for item, offset in drafted
                 ]
             ).to(hidden.device)
             rows: list[SamplingRow] = []
             for item, _ in drafted:
                 seq = item.seq
-                masks = None if self.grammar is None else self.grammar.position_masks(seq, item.draft_token_ids)
+                masks = (
+                    None if self.grammar is None else self.grammar.position_masks(seq, item.draft_token_ids)
+                )
                 rows.extend(position_rows(runner._sampling_row(seq), seq, item.draft_token_ids, masks))
             processed = process_logits(runner.model.compute_logits(hidden[index]), rows)
             start = 0
@@ -179,7 +192,11 @@ class SpeculativeDecoder:
                 out[item.seq.seq_id] = tokens
                 self._observe(item.seq.seq_id, result.accept_probs, k)
         for item in items:
-            if item.sample and item.num_new_tokens - item.num_draft_tokens == 1 and item.start >= item.seq.num_prompt_tokens:
+            if (
+                item.sample
+                and item.num_new_tokens - item.num_draft_tokens == 1
+                and item.start >= item.seq.num_prompt_tokens
+            ):
                 verified = out.get(item.seq.seq_id)
                 self.stats.record(item.num_draft_tokens, len(verified) - 1 if verified else 0)
                 if not item.num_draft_tokens:

@@ -76,7 +76,9 @@ class DraftModelProposer:
         draw_drafts(self._logits(spans), requests)
         active = [r for r in requests if r.wants_more]
         while active:
-            spans = [RowSpan(r.seq.block_table, r.item.start + len(r.token_ids), [r.token_ids[-1]]) for r in active]
+            spans = [
+                RowSpan(r.seq.block_table, r.item.start + len(r.token_ids), [r.token_ids[-1]]) for r in active
+            ]
             for r in active:
                 self._fed[r.seq.seq_id] = r.item.start + len(r.token_ids) + 1
             draw_drafts(self._logits(spans), active)

@@ -109,7 +109,9 @@ class LengthPolicy:
         if self.mode == "fixed":
             return LengthChoice(bounds)
         best, goodput, threshold = self._best(candidates, bounds, other_tokens)
-        previous = {c.seq_id: min(self._previous.get(c.seq_id, best[c.seq_id]), bounds[c.seq_id]) for c in candidates}
+        previous = {
+            c.seq_id: min(self._previous.get(c.seq_id, best[c.seq_id]), bounds[c.seq_id]) for c in candidates
+        }
         if previous != best:
             kept = self.goodput(candidates, previous, other_tokens)
             if kept * (1.0 + self.hysteresis) >= goodput:

@@ -49,7 +49,12 @@ class MTPProposer:
     has_confidence = True
 
     def __init__(
-        self, model: torch.nn.Module, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype
+        self,
+        model: torch.nn.Module,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
     ) -> None:
         spec = model.mtp_kv_cache_spec(dtype) if hasattr(model, "mtp_kv_cache_spec") else None
         if spec is None:
@@ -73,7 +78,9 @@ class MTPProposer:
         """MTP over `spans` with the given previous hidden rows; logits and hidden of the last row
         of the spans listed in `logits_spans`."""
         step = build_draft_step(spans, self.block_size, self.device)
-        prev = torch.empty((step.input_ids.numel(), previous[0].shape[-1]), dtype=previous[0].dtype, device=self.device)
+        prev = torch.empty(
+            (step.input_ids.numel(), previous[0].shape[-1]), dtype=previous[0].dtype, device=self.device
+        )
         for offset, rows in zip(step.offsets, previous):
             prev[offset : offset + rows.shape[0]] = rows
         last = step.last_rows(spans)[torch.tensor(logits_spans, dtype=torch.long, device=self.device)]
@@ -111,8 +118,13 @@ class MTPProposer:
         hidden_of = {id(r): chain_hidden[i : i + 1] for i, r in enumerate(first)}
         active = [r for r in first if r.wants_more]
         while active:
-            spans = [RowSpan(r.seq.block_table, r.item.start + len(r.token_ids) - 1, [r.token_ids[-1]]) for r in active]
-            logits, chain_hidden = self._run(spans, [hidden_of[id(r)] for r in active], list(range(len(active))))
+            spans = [
+                RowSpan(r.seq.block_table, r.item.start + len(r.token_ids) - 1, [r.token_ids[-1]])
+                for r in active
+            ]
+            logits, chain_hidden = self._run(
+                spans, [hidden_of[id(r)] for r in active], list(range(len(active)))
+            )
             for i, r in enumerate(active):
                 hidden_of[id(r)] = chain_hidden[i : i + 1]
             draw_drafts(logits, active)
@@ -142,7 +154,7 @@ class MTPProposer:
                 child_tokens = sampled.get(child.seq_id)
                 if child_tokens:
                     self._pending[child.seq_id] = _PendingRows(
-                        item.start, rows, following[:-1] + [child_tokens[0].token_id]
+                        item.start, rows, [*following[:-1], child_tokens[0].token_id]
                     )
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:

@@ -43,7 +43,9 @@ class NgramProposer:
         if min_n < 1:
             raise ValueError(f"speculative_ngram_min: must be >= 1, got {min_n}")
         if max_n < min_n:
-            raise ValueError(f"speculative_ngram_max: must be >= speculative_ngram_min ({min_n}), got {max_n}")
+            raise ValueError(
+                f"speculative_ngram_max: must be >= speculative_ngram_min ({min_n}), got {max_n}"
+            )
         self.min_n, self.max_n = min_n, max_n
         self._proposals: dict[int, list[int]] = {}
 

@@ -72,7 +72,8 @@ def position_rows(
 ) -> list[SamplingRow]:
     """Rows for positions 0..len(drafts): row j decides the token after drafts[:j]."""
     return [
-        position_row(base, seq, drafts[:j], None if masks is None else masks[j]) for j in range(len(drafts) + 1)
+        position_row(base, seq, drafts[:j], None if masks is None else masks[j])
+        for j in range(len(drafts) + 1)
     ]
 
 

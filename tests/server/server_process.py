@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -106,7 +107,7 @@ def pid_alive(pid: int) -> bool:
     return state != "Z"
 
 
-def wait_until(predicate, timeout_s: float, interval_s: float = 0.1) -> bool:
+def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.1) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if predicate():

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import subprocess
-import sys
 
 import httpx
 import pytest
 
-from deepinfer.cli import build_parser, engine_config_from_args, parse_size
+from deepinfer.cli import build_parser, engine_config_from_args, main, parse_size
 from deepinfer.config import EngineConfig
 from tests.server.conftest import MODEL
 from tests.server.server_process import SMALL_KV
@@ -83,30 +81,15 @@ def http_greedy(http: httpx.Client) -> dict[str, str]:
     }
 
 
-def _generate(*args: str) -> str:
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "deepinfer.cli",
-            "generate",
-            *args,
-            "--temperature",
-            "0",
-            "--kv-cache-memory",
-            SMALL_KV,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
-    return result.stdout.removesuffix("\n")
+def _generate(capsys, *args: str) -> str:
+    # In this process (torch is imported already): the command's own code path, minus a restart.
+    assert main(["generate", *args, "--temperature", "0", "--kv-cache-memory", SMALL_KV]) == 0
+    return capsys.readouterr().out.removesuffix("\n")
 
 
-def test_generate_matches_the_server(http_greedy: dict[str, str]) -> None:
-    assert _generate(PROMPT, "--max-tokens", "5") == http_greedy["completion"]
-    assert _generate("--chat", CHAT[0]["content"], "--max-tokens", "24") == http_greedy["chat"]
+def test_generate_matches_the_server(http_greedy: dict[str, str], capsys) -> None:
+    assert _generate(capsys, PROMPT, "--max-tokens", "5") == http_greedy["completion"]
+    assert _generate(capsys, "--chat", CHAT[0]["content"], "--max-tokens", "24") == http_greedy["chat"]
 
 
 def test_engine_on_a_thread_serves_the_same_app(http_greedy: dict[str, str]) -> None:

@@ -43,7 +43,22 @@ def _check_well_formed(name: str, chunks: list) -> None:
         assert last.usage.completion_tokens == MAX_TOKENS, name
 
 
-def test_64_concurrent_streams(server) -> None:
+METRICS = (
+    "deepinfer_time_to_first_token_seconds_count",
+    "deepinfer_e2e_request_latency_seconds_count",
+    "deepinfer_prompt_tokens_total",
+    "deepinfer_generation_tokens_total",
+)
+
+
+def _counters(http: httpx.Client) -> dict[str, float]:
+    text = http.get("/metrics").text
+    return {name: metric_value(text, name) for name in METRICS}
+
+
+def test_64_concurrent_streams(server, http: httpx.Client) -> None:
+    before = _counters(http)
+
     async def run() -> list:
         client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
         try:
@@ -55,6 +70,15 @@ def test_64_concurrent_streams(server) -> None:
     assert len(results) == NUM_CLIENTS
     for name, chunks in results:
         _check_well_formed(name, chunks)
+    # Every request is in the latency histograms and token counters, exactly once.
+    after = _counters(http)
+    usages = [chunks[-1].usage for _, chunks in results]
+    assert after["deepinfer_time_to_first_token_seconds_count"] - before[METRICS[0]] == NUM_CLIENTS
+    assert after["deepinfer_e2e_request_latency_seconds_count"] - before[METRICS[1]] == NUM_CLIENTS
+    assert after["deepinfer_prompt_tokens_total"] - before[METRICS[2]] == sum(u.prompt_tokens for u in usages)
+    assert after["deepinfer_generation_tokens_total"] - before[METRICS[3]] == sum(
+        u.completion_tokens for u in usages
+    )
 
 
 def _used_blocks(http: httpx.Client) -> float:

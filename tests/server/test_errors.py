@@ -151,3 +151,10 @@ def test_tokenize_detokenize_round_trip(http: httpx.Client) -> None:
     assert http.post("/detokenize", json={"tokens": tokens}).json()["prompt"] == "Hello world"
     error = openai_error(http.post("/detokenize", json={"tokens": [10**9]}), 400)
     assert error["param"] == "tokens[0]"
+
+
+def test_reset_prefix_cache_when_idle(http: httpx.Client) -> None:
+    reply = http.post("/reset_prefix_cache")
+    assert reply.status_code == 200 and reply.json() == {"reset": True}
+    # An operator route: the API key is required like everywhere else.
+    assert openai_error(httpx.post(str(http.base_url.join("/reset_prefix_cache"))), 401)

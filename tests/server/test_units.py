@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -10,7 +11,9 @@ from starlette.requests import Request
 from deepinfer.engine.core import EngineStats
 from deepinfer.engine.outputs import SequenceOutput, TokenLogprobs
 from deepinfer.engine.request import EngineRequest
-from deepinfer.sampling_params import SamplingParams, StructuredOutputs
+from deepinfer.recipe.ir import ResponseFormat
+from deepinfer.sampling_params import InvalidRequestError, SamplingParams
+from deepinfer.server.generation import grammar_for
 from deepinfer.server.metrics import ServerMetrics
 from deepinfer.server.protocol import (
     AbortRequest,
@@ -22,8 +25,10 @@ from deepinfer.server.protocol import (
     EngineReady,
     ResetPrefixCache,
     Shutdown,
+    WireRequest,
 )
 from deepinfer.server.state import ServerConfig, ServerState
+from deepinfer.structured.spec import GrammarSpec
 
 
 def test_inputs_round_trip() -> None:
@@ -39,17 +44,47 @@ def test_inputs_round_trip() -> None:
         logprobs=2,
         logit_bias={42: -3.5},
         skip_special_tokens=False,
-        structured_outputs=StructuredOutputs(json={"type": "object"}),
     )
+    grammar = GrammarSpec.json(
+        {"type": "object", "required": ["a"]}, param="response_format"
+    ).with_reasoning()
     request = EngineRequest(
-        "req-1", [1, 2, 3], params, eos_token_ids=[2], priority=4, cache_salt="tenant", traffic_class="batch"
+        "req-1",
+        [1, 2, 3],
+        params,
+        eos_token_ids=[2],
+        priority=4,
+        cache_salt="tenant",
+        traffic_class="batch",
+        grammar=grammar,
     )
-    decoded = codec.decode_input(codec.encode(AddRequest(request)))
+    decoded = codec.decode_input(codec.encode(AddRequest(WireRequest.of(request))))
     assert isinstance(decoded, AddRequest)
-    assert decoded.request == request
+    assert decoded.request.to_request() == request
     assert decoded.request.params.logit_bias == {42: -3.5}
+    assert decoded.request.grammar == request.grammar
     for message in (AbortRequest("req-1"), AbortRequest("req-1", 2), ResetPrefixCache(), Shutdown()):
         assert codec.decode_input(codec.encode(message)) == message
+
+
+def test_wire_request_carries_every_engine_request_field() -> None:
+    # A field added to EngineRequest must be added to WireRequest too, or it never reaches the engine.
+    assert list(WireRequest.__struct_fields__) == [f.name for f in dataclasses.fields(EngineRequest)]
+
+
+def test_response_formats_become_grammars() -> None:
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    assert grammar_for(None, "response_format", thinks=False) is None
+    assert grammar_for(ResponseFormat(type="text"), "response_format", thinks=False) is None
+    spec = grammar_for(
+        ResponseFormat(type="json_schema", json_schema=schema), "response_format", thinks=False
+    )
+    assert spec is not None and spec.kind == "json" and spec.schema == schema and spec.after_reasoning is None
+    spec = grammar_for(ResponseFormat(type="json_object"), "text.format", thinks=True)
+    assert spec is not None and spec.kind == "json_object" and spec.after_reasoning == "</think>"
+    with pytest.raises(InvalidRequestError) as info:  # a bad shape is a 400 naming the field
+        grammar_for(ResponseFormat(type="regex", regex=""), "response_format", thinks=False)
+    assert info.value.param == "response_format"
 
 
 def test_engine_messages_round_trip() -> None:
@@ -122,8 +157,6 @@ def test_cache_salt_per_key() -> None:
 
 
 def test_bad_sampling_values_are_refused_before_the_engine() -> None:
-    from deepinfer.sampling_params import InvalidRequestError
-
     with pytest.raises(InvalidRequestError) as info:
         _state().engine_request(
             _request({}),

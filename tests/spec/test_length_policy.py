@@ -44,13 +44,17 @@ def choose(policy: LengthPolicy, alpha: float, num_seqs: int = 1, max_k: int = 8
 
 def test_fixed_policy_takes_the_bound():
     policy = LengthPolicy("fixed", 5)
-    choice = policy.choose([Candidate(0, [0.1] * 5, 5), Candidate(1, [0.9] * 5, 3), Candidate(2, [0.9] * 5, 0)])
+    choice = policy.choose(
+        [Candidate(0, [0.1] * 5, 5), Candidate(1, [0.9] * 5, 3), Candidate(2, [0.9] * 5, 0)]
+    )
     assert choice.lengths == {0: 5, 1: 3, 2: 0}
 
 
 def test_dynamic_k_grows_with_acceptance():
     cost = StepCostModel(CostCurve([1, 2, 4, 8], [0.010, 0.0115, 0.013, 0.016]))
-    ks = [choose(LengthPolicy("dynamic", 8, cost, hysteresis=0.0), a)[0] for a in (0.0, 0.2, 0.5, 0.7, 0.9, 1.0)]
+    ks = [
+        choose(LengthPolicy("dynamic", 8, cost, hysteresis=0.0), a)[0] for a in (0.0, 0.2, 0.5, 0.7, 0.9, 1.0)
+    ]
     assert ks == sorted(ks)
     assert ks[0] == 0 and ks[-1] == 8
 
@@ -82,7 +86,9 @@ def test_dynamic_policy_favours_sequences_that_accept_more():
 
 def test_dynamic_choice_respects_bounds():
     policy = LengthPolicy("dynamic", 4, FLAT_THEN_LINEAR, hysteresis=0.0)
-    choice = policy.choose([Candidate(0, [1.0] * 8, 2), Candidate(1, [1.0] * 8, 0), Candidate(2, [1.0] * 8, 9)])
+    choice = policy.choose(
+        [Candidate(0, [1.0] * 8, 2), Candidate(1, [1.0] * 8, 0), Candidate(2, [1.0] * 8, 9)]
+    )
     assert choice.lengths == {0: 2, 1: 0, 2: 4}
     assert all(k >= 0 for k in choose(policy, 0.0, num_seqs=3))
 

@@ -80,7 +80,10 @@ def resample_from_target(target, drafts, draft_probs, generator) -> Verification
     """A subtly broken verifier: right acceptance test, but a rejection redraws from p instead of
     the residual max(p - q, 0), which over-weights the tokens q favours."""
     for j, token in enumerate(drafts):
-        if torch.rand(1, generator=generator, dtype=torch.float64).item() * draft_probs[j, token] < target[j, token]:
+        if (
+            torch.rand(1, generator=generator, dtype=torch.float64).item() * draft_probs[j, token]
+            < target[j, token]
+        ):
             continue
         return Verification([*drafts[:j], sample_from(target[j], generator)], j, [])
     return Verification([*drafts, sample_from(target[len(drafts)], generator)], len(drafts), [])
@@ -100,7 +103,9 @@ def decode(verifier, point_mass: bool, seed: int) -> dict[tuple[int, ...], int]:
                 drafts = [(t + j) % VOCAB for j in range(k)]
                 draft_probs = None
             else:
-                drafts = [int(torch.multinomial(DRAFT[t + j].float(), 1, generator=generator)) for j in range(k)]
+                drafts = [
+                    int(torch.multinomial(DRAFT[t + j].float(), 1, generator=generator)) for j in range(k)
+                ]
                 draft_probs = DRAFT[t : t + k]
             result = verifier(TARGET[t : t + k + 1], drafts, draft_probs, generator)
             out.extend(result.token_ids)
@@ -179,5 +184,29 @@ def test_verification_uses_the_processed_target_distribution():
     logits[:, 1] = 5.0
     result, tokens = verify_processed(process_logits(logits, rows), rows, [1, 3], None)
     assert result.token_ids == [3] and result.num_accepted == 0
-    assert tokens[0].token_id == 3 and tokens[0].rank == 1 and tokens[0].logprob == pytest.approx(0.0, abs=1e-6)
+    assert (
+        tokens[0].token_id == 3 and tokens[0].rank == 1 and tokens[0].logprob == pytest.approx(0.0, abs=1e-6)
+    )
     assert [t for t, _ in tokens[0].top_logprobs] == [3, 1]
+
+
+class ForbidAfterFirst:
+    """A grammar stand-in: after the first draft, only token 6 is allowed."""
+
+    def position_masks(self, seq, drafts):
+        allowed = torch.zeros(8, dtype=torch.bool)
+        allowed[6] = True
+        return [None] + [allowed] * len(drafts)
+
+
+def test_grammar_masks_reject_drafts_per_position():
+    params = SamplingParams(temperature=0.0)
+    seq = _sequence(params, output=[7])
+    drafts = [1, 2]
+    rows = position_rows(
+        SamplingRow(params, [10, 11, 12], [7]), seq, drafts, ForbidAfterFirst().position_masks(seq, drafts)
+    )
+    logits = torch.zeros(3, 8)
+    logits[0, 1] = logits[1, 2] = 5.0  # unconstrained, the target would accept both drafts
+    result, _ = verify_processed(process_logits(logits, rows), rows, drafts, None)
+    assert result.token_ids == [1, 6] and result.num_accepted == 1

@@ -1,9 +1,4 @@
-"""End to end with the real model at temperature 1.0: every finished output validates.
-
-Enabled once the engine applies grammars: it imports `deepinfer.LLM` and needs the engine to
-declare `LLMEngine.supports_structured_outputs = True` (until then the engine would ignore the
-constraint and this test would only measure a 135M model's JSON skills).
-"""
+"""End to end with the real model at temperature 1.0: every finished output validates."""
 
 from __future__ import annotations
 
@@ -14,24 +9,6 @@ import pytest
 
 from tests.structured.schemas import SUITE, UNSUPPORTED
 from tests.structured.validation import strict_validator
-
-
-def _engine_applies_grammars() -> bool:
-    try:
-        from deepinfer import LLM  # noqa: F401
-        from deepinfer.engine.llm_engine import LLMEngine
-    except ImportError:
-        return False
-    return bool(getattr(LLMEngine, "supports_structured_outputs", False))
-
-
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        not _engine_applies_grammars(),
-        reason="the engine does not apply grammars yet (LLMEngine.supports_structured_outputs)",
-    ),
-]
 
 E2E_SCHEMAS = [
     "flat_required",
