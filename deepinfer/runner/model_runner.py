@@ -24,9 +24,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def make_attention_backend(name: str, model: CausalLM, block_size: int) -> AttentionBackend:
-    """`auto` picks the C kernel backend when it builds and fits the model, else the reference."""
-    if name == "torch":
+def make_attention_backend(
+    name: str, model: CausalLM, block_size: int, device: torch.device
+) -> AttentionBackend:
+    """`auto` picks the C kernel backend on CPU when it builds and fits the model, else the reference."""
+    if name == "torch" or (name == "auto" and device.type != "cpu"):
         return TorchReferenceBackend()
     from deepinfer.runner.attention.cpu_paged import CpuPagedBackend
 
@@ -73,7 +75,7 @@ class ModelRunner:
             torch.zeros((num_slots, *kv_spec.slot_shape), dtype=kv_spec.dtype, device=device)
             for _ in range(kv_spec.num_layers)
         ]
-        self.backend = make_attention_backend(attention_backend, model, block_size)
+        self.backend = make_attention_backend(attention_backend, model, block_size, device)
         self.sampler = Sampler()
         self._generators: dict[int, torch.Generator] = {}
         self.grammars: GrammarManager | None = None  # set by the engine core

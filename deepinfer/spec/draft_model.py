@@ -51,7 +51,7 @@ class DraftModelProposer:
             torch.zeros((num_slots, *spec.slot_shape), dtype=spec.dtype, device=device)
             for _ in range(spec.num_layers)
         ]
-        self.backend = make_attention_backend(attention_backend, model, block_size)
+        self.backend = make_attention_backend(attention_backend, model, block_size, device)
         self._computed: dict[int, int] = {}  # seq_id -> leading positions whose draft KV is valid
         self._fed: dict[int, int] = {}  # seq_id -> positions fed this step (valid if accepted)
 

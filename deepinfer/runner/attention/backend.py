@@ -37,7 +37,7 @@ class AttentionBackend(Protocol):
 def context_slots(meta: AttentionMetadata, i: int) -> torch.Tensor:
     """Cache slots [L] of sequence i's whole context, in position order."""
     length = meta.seq_lens_list[i]
-    positions = torch.arange(length)
+    positions = torch.arange(length, device=meta.block_tables.device)
     blocks = meta.block_tables[i, positions // meta.block_size]
     return blocks * meta.block_size + positions % meta.block_size
 
@@ -46,7 +46,7 @@ def attend_sequence(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
     """Causal attention of q [Q, H, D] over its context keys/values [L, KVH, D] (queries are the last Q)."""
     num_q, length = q.shape[0], keys.shape[0]
     # Query j sits at context position length - num_q + j and may see keys 0..that position.
-    mask = torch.ones(num_q, length, dtype=torch.bool).tril(diagonal=length - num_q)
+    mask = torch.ones(num_q, length, dtype=torch.bool, device=q.device).tril(diagonal=length - num_q)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1),
         keys.transpose(0, 1),
