@@ -117,6 +117,48 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return index
 
 
+def truncated_probs_batch(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """truncated_probs for many rows at once [M, V]; each row is computed independently of the
+    others, so a row's result does not depend on what shares the batch."""
+    vocab = logits.shape[-1]
+    scaled = logits / torch.tensor([p.temperature for p in params], dtype=logits.dtype)[:, None]
+    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    if any(top_k):
+        values = torch.topk(scaled, max(top_k), dim=-1).values  # [M, kmax]
+        kth = values.gather(1, torch.tensor([max(k, 1) - 1 for k in top_k])[:, None])
+        kth[torch.tensor([k == 0 for k in top_k])] = float("-inf")
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    nucleus = [i for i, p in enumerate(params) if p.top_p < 1.0]
+    if nucleus:
+        index = torch.tensor(nucleus)
+        sorted_probs, order = probs[index].sort(dim=-1, descending=True)
+        before = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly before each token
+        drop = before >= torch.tensor([params[i].top_p for i in nucleus], dtype=probs.dtype)[:, None]
+        drop[:, 0] = False
+        probs[index] = probs[index].masked_fill(torch.zeros_like(drop).scatter(1, order, drop), 0.0)
+    floor = [i for i, p in enumerate(params) if p.min_p > 0.0]
+    if floor:
+        index = torch.tensor(floor)
+        min_p = torch.tensor([params[i].min_p for i in floor], dtype=probs.dtype)[:, None]
+        selected = probs[index]
+        probs[index] = selected.masked_fill(selected < min_p * selected.max(-1, keepdim=True).values, 0.0)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def sample_rows(probs: torch.Tensor, generators: list[torch.Generator | None]) -> list[int]:
+    """Inverse-CDF draws for every row of probs [M, V] (as sample_from, batched)."""
+    uniforms = [torch.rand(1, generator=g, dtype=torch.float64).item() for g in generators]
+    cdf = probs.double().cumsum(-1)
+    targets = torch.tensor(uniforms, dtype=torch.float64)[:, None] * cdf[:, -1:]
+    picks = torch.searchsorted(cdf, targets).squeeze(1).clamp_(max=probs.shape[-1] - 1).tolist()
+    for i, index in enumerate(picks):
+        while probs[i, index] == 0.0 and index > 0:  # guard against landing on a zeroed tail entry
+            index -= 1
+        picks[i] = index
+    return picks
+
+
 class Sampler:
     def __call__(
         self,
@@ -135,14 +177,15 @@ class Sampler:
                 dtype=processed.dtype,
             )
             logprobs = torch.log_softmax(processed / temps[:, None], dim=-1)
-        greedy = processed.argmax(dim=-1).tolist()
+        tokens = processed.argmax(dim=-1).tolist()
+        drawn = [i for i, row in enumerate(rows) if not row.params.greedy]
+        if drawn:
+            probs = truncated_probs_batch(processed[drawn], [rows[i].params for i in drawn])
+            for i, token in zip(drawn, sample_rows(probs, [rows[i].generator for i in drawn])):
+                tokens[i] = token
         out: list[SampledToken] = []
         for i, row in enumerate(rows):
-            token = (
-                greedy[i]
-                if row.params.greedy
-                else sample_from(truncated_probs(processed[i], row.params), row.generator)
-            )
+            token = tokens[i]
             sampled = SampledToken(token)
             if want_logprobs[i]:
                 sampled.logprob = float(logprobs[i, token])

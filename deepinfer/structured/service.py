@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from deepinfer.structured.backend import CompiledGrammar, GrammarBackend, GrammarMatcher
@@ -28,13 +29,15 @@ from deepinfer.structured.spec import GrammarSpec
 class GrammarHandle:
     """The future result of one compilation; never blocks unless `wait` is called."""
 
-    __slots__ = ("_error", "_event", "_grammar", "spec")
+    __slots__ = ("_callbacks", "_error", "_event", "_grammar", "_lock", "spec")
 
     def __init__(self, spec: GrammarSpec) -> None:
         self.spec = spec
         self._event = threading.Event()
+        self._lock = threading.Lock()
         self._grammar: CompiledGrammar | None = None
         self._error: GrammarError | None = None
+        self._callbacks: list[Callable[[GrammarHandle], None]] = []
 
     def done(self) -> bool:
         return self._event.is_set()
@@ -59,11 +62,25 @@ class GrammarHandle:
     def new_matcher(self) -> GrammarMatcher:
         return self.result().new_matcher()
 
+    def add_done_callback(self, callback: Callable[[GrammarHandle], None]) -> None:
+        """Call `callback(handle)` once done: now if it already is, else on the thread that
+        resolves it (a compile worker or the supervisor, under the service's lock), so the
+        callback must be quick and must not block, e.g. `loop.call_soon_threadsafe`."""
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
     def _resolve(self, grammar: CompiledGrammar | None, error: GrammarError | None) -> bool:
-        if self._event.is_set():
-            return False
-        self._grammar, self._error = grammar, error
-        self._event.set()
+        with self._lock:
+            if self._event.is_set():
+                return False
+            self._grammar, self._error = grammar, error
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback(self)
         return True
 
 

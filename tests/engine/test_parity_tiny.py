@@ -38,7 +38,9 @@ CONFIGS = {
     ),
     "llama-tied": lambda: LlamaConfig(**COMMON, tie_word_embeddings=True),
     "qwen2-qkv-bias": lambda: Qwen2Config(**COMMON, tie_word_embeddings=False, use_sliding_window=False),
-    "qwen3-qk-norm": lambda: Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=True, use_sliding_window=False),
+    "qwen3-qk-norm": lambda: Qwen3Config(
+        **COMMON, head_dim=32, tie_word_embeddings=True, use_sliding_window=False
+    ),
 }
 
 
@@ -54,7 +56,9 @@ def make_checkpoint(name: str, directory, tokenizer_dir) -> torch.nn.Module:
                 param.normal_(0.0, 0.1)
     model.save_pretrained(directory, safe_serialization=True)
     shutil.copy(tokenizer_dir / "tokenizer.json", directory / "tokenizer.json")
-    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "bos_token": "<|im_start|>"}))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|im_end|>", "bos_token": "<|im_start|>"})
+    )
     return model
 
 

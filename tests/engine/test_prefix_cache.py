@@ -21,7 +21,9 @@ def test_shared_prefix_hits_and_output_is_unchanged(default_llm):
     first = llm.generate(SYSTEM + "<|im_start|>user\nHi<|im_end|>\n", GREEDY, use_tqdm=False)[0]
     second = llm.generate(SYSTEM + "<|im_start|>user\nHello there<|im_end|>\n", GREEDY, use_tqdm=False)[0]
     assert first.num_cached_tokens == 0
-    shared = next(i for i, (a, b) in enumerate(zip(first.prompt_token_ids, second.prompt_token_ids)) if a != b)
+    shared = next(
+        i for i, (a, b) in enumerate(zip(first.prompt_token_ids, second.prompt_token_ids)) if a != b
+    )
     assert second.num_cached_tokens == shared // 16 * 16  # every full block of the common prefix
     cold = fresh(default_llm, enable_prefix_caching=False)
     expected = cold.generate(SYSTEM + "<|im_start|>user\nHello there<|im_end|>\n", GREEDY, use_tqdm=False)[0]
@@ -34,7 +36,9 @@ def test_shared_prefix_hits_and_output_is_unchanged(default_llm):
 def test_next_turn_hits_the_previous_answer(default_llm):
     llm = fresh(default_llm)
     turn1 = SYSTEM + "<|im_start|>user\nCount to twenty.<|im_end|>\n<|im_start|>assistant\n"
-    out = llm.generate(turn1, SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True), use_tqdm=False)[0]
+    out = llm.generate(
+        turn1, SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True), use_tqdm=False
+    )[0]
     turn2_ids = out.prompt_token_ids + out.outputs[0].token_ids + llm.get_tokenizer().encode("<|im_end|>\n")
     again = llm.generate([turn2_ids], GREEDY, use_tqdm=False)[0]
     # Blocks filled during decode are cached too: the hit reaches into the previous answer.
@@ -65,11 +69,15 @@ def test_disabled_and_reset(default_llm):
 def test_n_choices_and_preemption_rehit_own_blocks(default_llm):
     llm = LLM(loaded=default_llm.engine.core.loaded, num_blocks=24)
     prompts = [SYSTEM + f"<|im_start|>user\nQuestion {i}<|im_end|>\n" for i in range(4)]
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), use_tqdm=False
+    )
     assert llm.engine.core.num_preemptions > 0
     assert llm.engine.core.stats().prefix_hit_tokens > 0
     cold = fresh(default_llm, enable_prefix_caching=False)
-    expected = cold.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    expected = cold.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), use_tqdm=False
+    )
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
     assert llm.engine.core.kv.num_used_blocks == 0
 
@@ -79,5 +87,7 @@ def test_hashes_identical_across_processes():
         "from deepinfer.engine.kv_cache.prefix import block_hash, namespace_root;"
         "print(block_hash(namespace_root('model-x', 'salt'), list(range(16))).hex())"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.strip()
     assert out == block_hash(namespace_root("model-x", "salt"), list(range(16))).hex()

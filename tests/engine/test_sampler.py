@@ -7,7 +7,15 @@ import math
 import pytest
 import torch
 
-from deepinfer.runner.sampler import Sampler, SamplingRow, process_logits, sample_from, truncated_probs
+from deepinfer.runner.sampler import (
+    Sampler,
+    SamplingRow,
+    process_logits,
+    sample_from,
+    sample_rows,
+    truncated_probs,
+    truncated_probs_batch,
+)
 from deepinfer.sampling_params import SamplingParams
 
 
@@ -125,3 +133,25 @@ def test_seeded_rows_ignore_their_neighbours():
         return tokens
 
     assert draw(None) == draw(7) == draw(8)
+
+
+def test_batched_truncation_equals_the_per_row_reference():
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(3))
+    params = [
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.3, top_k=20),
+        SamplingParams(temperature=1.0, top_p=0.8),
+        SamplingParams(temperature=0.9, top_k=50, top_p=0.9, min_p=0.05),
+        SamplingParams(temperature=1.0, min_p=0.2),
+    ]
+    batched = truncated_probs_batch(logits, params)
+    for i, p in enumerate(params):
+        torch.testing.assert_close(batched[i], truncated_probs(logits[i], p))
+    alone = truncated_probs_batch(logits[3:4], params[3:4])[0]
+    assert torch.equal(alone, batched[3])  # a row's result does not depend on its neighbours
+
+
+def test_batched_draws_equal_single_draws():
+    probs = torch.softmax(torch.randn(4, 100, generator=torch.Generator().manual_seed(4)), -1)
+    picks = sample_rows(probs, [torch.Generator().manual_seed(s) for s in range(4)])
+    assert picks == [sample_from(probs[i], torch.Generator().manual_seed(i)) for i in range(4)]
