@@ -38,6 +38,7 @@ _HELP = {
     "speculative_model": "draft model for --speculative-method draft (default: the target model itself)",
     "speculative_ngram_min": "shortest suffix n-gram prompt lookup matches",
     "speculative_ngram_max": "longest suffix n-gram prompt lookup tries first",
+    "grammar_compile_timeout": "seconds a structured-output grammar (JSON schema, forced tool call) may take to compile; slower ones are refused (400)",
 }
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -145,6 +146,8 @@ def _run_serve(args: argparse.Namespace) -> int:
 
     if args.max_waiting_requests < 1:
         raise SystemExit("error: --max-waiting-requests must be at least 1")
+    if not args.grammar_compile_timeout > 0:
+        raise SystemExit("error: --grammar-compile-timeout must be a positive number of seconds")
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

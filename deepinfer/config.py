@@ -41,6 +41,10 @@ class EngineConfig:
     kv_store_max_bytes: str | None = None  # size cap of the persistent store
     kv_chunk_blocks: int | None = None  # full blocks per stored chunk (default 16)
 
+    # Structured output: seconds one grammar (JSON schema, forced tool call) may take to compile
+    # before its request is refused (the server checks on the API side too, answering 400).
+    grammar_compile_timeout: float = 10.0
+
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         known = {f.name for f in fields(cls)}

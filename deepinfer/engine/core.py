@@ -91,7 +91,13 @@ class EngineCore:
             self.spec = build_speculative_decoder(self)
             self.runner.speculator = self.spec
         self.offloader = self._build_offloader()
-        self.grammars = GrammarManager(self.loaded.tokenizer, model_cfg.vocab_size)
+        # On the CPU the model has every core: masks are computed inline rather than by a pool.
+        self.grammars = GrammarManager(
+            self.loaded.tokenizer,
+            model_cfg.vocab_size,
+            config.grammar_compile_timeout,
+            mask_threads=0 if device.type == "cpu" else None,
+        )
         self.runner.grammars = self.grammars
         self.num_preemptions = 0
         log.info(

@@ -17,6 +17,7 @@ from deepinfer.structured import (
     GrammarHandle,
     GrammarSpec,
     LLGuidanceBackend,
+    LLGuidanceOptions,
     TokenizerInfo,
 )
 from deepinfer.tokenizer import Tokenizer
@@ -35,6 +36,7 @@ class GrammarManager:
     tokenizer: Tokenizer
     model_vocab_size: int
     compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S
+    mask_threads: int | None = None  # see LLGuidanceOptions; 0 when the model runs on the CPU
     _service: GrammarCompileService | None = None
     _backend: LLGuidanceBackend | None = None
     _waiting: list[_Waiting] = field(default_factory=list)
@@ -44,7 +46,7 @@ class GrammarManager:
     def backend(self) -> LLGuidanceBackend:
         if self._backend is None:
             info = TokenizerInfo.from_tokenizer(self.tokenizer, self.model_vocab_size)
-            self._backend = LLGuidanceBackend(info)
+            self._backend = LLGuidanceBackend(info, LLGuidanceOptions(mask_threads=self.mask_threads))
         return self._backend
 
     @property

@@ -14,7 +14,8 @@ from deepinfer.recipe.api import (
     new_id,
 )
 from deepinfer.server.answer import respond
-from deepinfer.server.generation import ChoiceParsers, grammar_for, sampling_params, thinks
+from deepinfer.server.constraints import MESSAGES_FORMAT
+from deepinfer.server.generation import ChoiceParsers, sampling_params
 from deepinfer.server.http_io import read_json
 from deepinfer.server.openai_routes import state_of
 from deepinfer.server.sinks import MessagesSink
@@ -38,6 +39,7 @@ async def messages(request: Request) -> Response:
         max_model_len=state.max_model_len,
         skip_special_tokens=False,
     )
+    grammar = await state.output_constraint(conv, prompt, MESSAGES_FORMAT, body)
     message_id = new_id("msg_")
     engine_request = state.engine_request(
         request,
@@ -47,7 +49,7 @@ async def messages(request: Request) -> Response:
         api_key=api_key,
         cache_salt=conv.cache_salt,
         traffic_class=conv.traffic_class,
-        grammar=grammar_for(conv.response_format, "output_config.format", thinks=thinks(prompt)),
+        grammar=grammar,
     )
     state.admit("anthropic")
     stream = state.submit([(engine_request, prompt.text)], arrival)

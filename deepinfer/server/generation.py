@@ -60,16 +60,19 @@ def thinks(prompt: RenderedPrompt) -> bool:
     return prompt.parser_spec.initial != "content"
 
 
-def grammar_for(response_format: ResponseFormat | None, param: str, *, thinks: bool) -> GrammarSpec | None:
+def grammar_for(
+    response_format: ResponseFormat | None, param: str, *, thinks: bool, schema_param: str | None = None
+) -> GrammarSpec | None:
     """The engine's constraint for a requested output format (None: free text). A model that may
-    think first is constrained only after its thinking section."""
+    think first is constrained only after its thinking section. Errors name `param`, or
+    `schema_param` (where the API puts a JSON schema) for a schema."""
     if response_format is None or response_format.type == "text":
         return None
     kind = response_format.type
     if kind == "json_object":
         spec = GrammarSpec.json_object(param=param)
     elif kind == "json_schema":
-        spec = GrammarSpec.json(response_format.json_schema or {}, param=param)
+        spec = GrammarSpec.json(response_format.json_schema or {}, param=schema_param or param)
     elif kind == "regex":
         spec = GrammarSpec.regex(response_format.regex or "", param=param)
     elif kind == "choice":

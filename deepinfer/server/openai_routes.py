@@ -19,7 +19,8 @@ from deepinfer.recipe.api import (
 from deepinfer.recipe.ir import Conversation
 from deepinfer.server.answer import respond
 from deepinfer.server.completions import CompletionEncoder, TextChoices, parse_completion_request
-from deepinfer.server.generation import ChoiceParsers, check_prompt, grammar_for, sampling_params, thinks
+from deepinfer.server.constraints import CHAT_FORMAT, RESPONSES_FORMAT
+from deepinfer.server.generation import ChoiceParsers, check_prompt, sampling_params
 from deepinfer.server.http_io import read_json
 from deepinfer.server.sinks import ChatSink, ResponsesSink
 from deepinfer.server.state import ServerState
@@ -51,6 +52,7 @@ async def chat_completions(request: Request) -> Response:
         max_model_len=state.max_model_len,
         skip_special_tokens=False,  # the recipe's parser reads (and strips) the model's markers
     )
+    grammar = await state.output_constraint(conv, prompt, CHAT_FORMAT, body)
     request_id = new_id("chatcmpl-")
     engine_request = state.engine_request(
         request,
@@ -60,7 +62,7 @@ async def chat_completions(request: Request) -> Response:
         api_key=api_key,
         cache_salt=conv.cache_salt,
         traffic_class=conv.traffic_class,
-        grammar=grammar_for(conv.response_format, "response_format", thinks=thinks(prompt)),
+        grammar=grammar,
     )
     state.admit("openai")
     stream = state.submit([(engine_request, prompt.text)], arrival)
@@ -93,6 +95,7 @@ async def responses(request: Request) -> Response:
         max_model_len=state.max_model_len,
         skip_special_tokens=False,
     )
+    grammar = await state.output_constraint(conv, prompt, RESPONSES_FORMAT, body)
     response_id = new_id("resp_")
     engine_request = state.engine_request(
         request,
@@ -102,7 +105,7 @@ async def responses(request: Request) -> Response:
         api_key=api_key,
         cache_salt=conv.cache_salt,
         traffic_class=conv.traffic_class,
-        grammar=grammar_for(conv.response_format, "text.format", thinks=thinks(prompt)),
+        grammar=grammar,
     )
     state.admit("openai")
     stream = state.submit([(engine_request, prompt.text)], arrival)

@@ -22,6 +22,7 @@ from deepinfer.config import EngineConfig
 from deepinfer.model.loader.source import DEFAULT_MODEL_NAME, converted_gguf_dir, resolve_model_path
 from deepinfer.recipe import ModelInfo, Recipe, RecipeError
 from deepinfer.server.app import build_app
+from deepinfer.server.constraints import GrammarValidator
 from deepinfer.server.engine_client import EngineClient
 from deepinfer.server.engine_transport import EngineTransport, ProcessTransport, ThreadTransport
 from deepinfer.server.metrics import ServerMetrics
@@ -75,6 +76,13 @@ async def start_state(engine_config: EngineConfig, server_config: ServerConfig) 
         info_task.cancel()
         await transport.close()
         raise
+    try:
+        grammars = await asyncio.to_thread(
+            GrammarValidator.build, tokenizer, engine_info.vocab_size, engine_config.grammar_compile_timeout
+        )
+    except BaseException:
+        await transport.close()
+        raise
     metrics = ServerMetrics()
     client = EngineClient(transport, tokenizer, on_request_done=metrics.request_done)
     metrics.attach_engine(lambda: (client.stats, client.healthy, client.num_waiting))
@@ -90,6 +98,7 @@ async def start_state(engine_config: EngineConfig, server_config: ServerConfig) 
         served_names=names,
         metrics=metrics,
         created=int(time.time()),
+        grammars=grammars,
     )
 
 
@@ -161,6 +170,8 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> Non
     finally:
         # Streams still open when the grace period ended end here with the engine.
         await state.client.close()
+        if state.grammars is not None:
+            state.grammars.close()
         sock.close()
         log.info("server stopped")
 

@@ -15,6 +15,12 @@ from deepinfer.engine.request import EngineRequest
 from deepinfer.recipe import Recipe, RenderedPrompt
 from deepinfer.recipe.ir import Conversation
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.server.constraints import (
+    FormatField,
+    GrammarValidator,
+    output_constraint,
+    parallel_calls_allowed,
+)
 from deepinfer.server.engine_client import EngineClient, EngineDeadError, GenerationStream
 from deepinfer.server.errors import ApiError, Flavor, overloaded
 from deepinfer.server.generation import check_context
@@ -50,6 +56,7 @@ class ServerState:
     served_names: list[str]
     metrics: ServerMetrics
     created: int
+    grammars: GrammarValidator | None = None  # built by start_state; needed by constrained requests
 
     @property
     def max_model_len(self) -> int:
@@ -119,6 +126,23 @@ class ServerState:
         assert prompt.token_ids is not None
         check_context(len(prompt.token_ids), self.max_model_len, param)
         return prompt
+
+    async def output_constraint(
+        self, conv: Conversation, prompt: RenderedPrompt, fmt: FormatField, body: Mapping[str, Any]
+    ) -> GrammarSpec | None:
+        """The request's response format or forced tool call as a grammar, compiled once here so
+        that a schema that cannot be enforced is a 400 before anything streams."""
+        if self.grammars is None:
+            raise RuntimeError("the server state has no grammar validator (start_state builds one)")
+        spec = output_constraint(
+            conv,
+            prompt,
+            fmt,
+            parallel_calls=parallel_calls_allowed(body),
+            special_tokens=self.grammars.special_tokens,
+        )
+        await self.grammars.check(spec)
+        return spec
 
     def cache_salt(self, api_key: str | None, body_salt: str | None) -> str | None:
         """The body's salt, scoped to the API key when the cache is isolated per key."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -100,28 +99,32 @@ def profile_step_cost(
     runner: ModelRunner, proposer: Proposer, max_tokens: int, max_seqs: int, num_blocks: int
 ) -> StepCostModel:
     """Time the target at a few batch sizes, the chunk overhead, and a drafting round; reused by
-    engines sharing the same weights in this process. Runs at startup, when every block is free."""
+    engines sharing the same weights in this process. Runs at startup, when every block is free.
+
+    The batch-size curve is taken on decode rows (n sequences of one token each, what a step
+    without speculation runs); the chunk overhead is what verifying a sequence costs beyond its
+    tokens: s sequences of 2 tokens (chunks) against 2s decode rows, per sequence."""
     bs = runner.block_size
-    counts = tuple(n for n in PROFILE_COUNTS if n <= max(max_tokens, 2))
-    key = ("target", counts, bs, num_blocks, str(runner.device), torch.get_num_threads(), os.cpu_count())
+    # Every count up to the largest step, and one beyond it, so no step is extrapolated.
+    counts = tuple(n for i, n in enumerate(PROFILE_COUNTS) if i == 0 or PROFILE_COUNTS[i - 1] < max_tokens)
+    key = ("target", counts, max_seqs, bs, num_blocks, str(runner.device), torch.get_num_threads())
     forward = _target_forward(runner)
 
     def measure() -> tuple[CostCurve, float]:
         shapes, measured = [], []
         for n in counts:
-            spans = synthetic_spans(1, n, PROFILE_CONTEXT, bs, num_blocks)
+            spans = synthetic_spans(n, 1, PROFILE_CONTEXT, bs, num_blocks)
             if spans is None:
                 break
             shapes.append(spans)
             measured.append(n)
-        # The chunk overhead: several sequences of 2 tokens against one sequence of as many.
         seqs = min(max_seqs, MAX_CHUNK_OVERHEAD_SEQS)
-        many = synthetic_spans(seqs, 2, PROFILE_CONTEXT, bs, num_blocks) if seqs > 1 else None
-        one = synthetic_spans(1, 2 * seqs, PROFILE_CONTEXT, bs, num_blocks) if many else None
-        extra = [many, one] if many and one else []
+        chunks = synthetic_spans(seqs, 2, PROFILE_CONTEXT, bs, num_blocks)
+        rows = synthetic_spans(2 * seqs, 1, PROFILE_CONTEXT, bs, num_blocks) if chunks else None
+        extra = [chunks, rows] if chunks and rows else []
         seconds = time_shapes(forward, shapes + extra, PROFILE_REPEATS)
         verify = CostCurve(measured, seconds[: len(measured)])
-        overhead = max(0.0, (seconds[-2] - seconds[-1]) / (seqs - 1)) if extra else 0.0
+        overhead = max(0.0, (seconds[-2] - seconds[-1]) / seqs) if extra else 0.0
         return verify, overhead
 
     verify, overhead = cached_profile(runner.model, key, measure)

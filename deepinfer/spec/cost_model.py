@@ -2,9 +2,9 @@
 
 The length policy weighs expected accepted tokens against time, so it needs the cost of a target
 forward as a function of the step's batch tokens (flat while the hardware is underused, then
-rising), the extra cost of verifying a sequence as a multi-token chunk instead of a single decode
-row (a separate attention call per layer in the CPU backends), and the cost of one drafting round
-as a function of the rows it drafts. A few shapes are timed (the minimum of a few interleaved runs) and everything
+rising), the extra cost of verifying a sequence as a multi-token chunk instead of decode rows (a
+separate attention call per layer in the CPU backends), and the cost of one drafting round as a
+function of the rows it drafts. A few shapes are timed (the minimum of a few interleaved runs) and everything
 in between is linear interpolation; beyond the last point the last slope continues. Curves are
 made non-decreasing: more tokens never cost less, and a dip is timing noise.
 """
@@ -58,7 +58,7 @@ class CostCurve:
 @dataclass(slots=True)
 class StepCostModel:
     verify: CostCurve  # target forward (with logits at every row) vs batch tokens
-    chunk_overhead: float = 0.0  # seconds per sequence verified as a chunk rather than a decode row
+    chunk_overhead: float = 0.0  # seconds per sequence verified as a chunk rather than as decode rows
     draft_round: CostCurve | None = None  # one drafting round vs rows drafted; None: drafting is free
 
     def step_seconds(self, batch_tokens: int, num_chunked: int, rows_per_round: Sequence[int]) -> float:

@@ -25,10 +25,10 @@ from deepinfer.spec.verifier import DraftGrammar, position_rows, verify_processe
 if TYPE_CHECKING:
     from deepinfer.runner.model_runner import ModelRunner
 
-# A new sequence starts from the engine-wide average acceptance (itself starting here). Positions a
-# sequence does not verify drift toward 1 (optimism under uncertainty) at EXPLORE_RATE per step, so
-# a sequence that stopped speculating probes again after a few dozen steps: its text may have
-# become predictable.
+# A new sequence starts from the engine-wide average acceptance (itself starting here). The first
+# position a step does not verify drifts toward 1 (optimism under uncertainty) at EXPLORE_RATE per
+# step, so a sequence that stopped speculating probes again after a few dozen steps, and a probe
+# reaches one position further than the last observation: its text may have become predictable.
 PRIOR_ACCEPTANCE = 0.6
 ENGINE_RATE = 0.05
 EXPLORE_RATE = 0.03
@@ -57,7 +57,6 @@ class SpeculativeDecoder:
         self.stats = stats
         self.grammar: DraftGrammar | None = None  # structured output: per-position masks
         self._engine_estimate = AcceptanceEstimator([PRIOR_ACCEPTANCE] * self.max_k, ENGINE_RATE)
-        self._optimistic = [1.0] * self.max_k
         self._estimators: dict[int, AcceptanceEstimator] = {}
         self._draft_generators: dict[int, torch.Generator] = {}
         self._threshold: float | None = None
@@ -207,10 +206,10 @@ class SpeculativeDecoder:
 
     def _observe(self, seq_id: int, accept_probs: list[float], num_verified: int) -> None:
         """Positions up to the first rejection are observed; those after it (verified but not
-        reached) say nothing; those not verified at all drift toward the optimistic value."""
+        reached) say nothing; the first one not verified drifts toward acceptance."""
         estimator = self.estimator(seq_id)
         estimator.observe(accept_probs)
-        estimator.relax(num_verified, self._optimistic, EXPLORE_RATE)
+        estimator.relax(num_verified, 1.0, EXPLORE_RATE)
         self._engine_estimate.observe(accept_probs)
 
     def release(self, seq_ids: list[int]) -> None:

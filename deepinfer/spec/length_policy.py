@@ -8,8 +8,9 @@ is P_r = alpha_1 * ... * alpha_r, and the expected output of a step with k draft
 
 Estimates: each sequence keeps an exponentially weighted average of its acceptance at every draft
 position, fed with the exact acceptance probability of each verified draft (sum_x min(p, q), or 0/1
-under greedy decoding). A position not verified for a while drifts back toward the prior, so a
-sequence that stopped speculating tries again once its text may have become predictable.
+under greedy decoding). The first position a step did not verify drifts toward 1, so a sequence
+that stopped speculating probes again (one position further each time) once its text may have
+become predictable.
 
 Choice: over the candidates of one step, maximize expected output tokens per second,
 sum_i (1 + E_i[k_i]) / cost(k), with cost from the startup profile: the target forward at the
@@ -61,10 +62,10 @@ class AcceptanceEstimator:
         for j, p in enumerate(accept_probs[: len(self.alphas)]):
             self.alphas[j] += self.rate * (float(p) - self.alphas[j])
 
-    def relax(self, first_unobserved: int, toward: Sequence[float], rate: float) -> None:
-        """Move the positions from `first_unobserved` (0-based) toward `toward` by `rate`."""
-        for j in range(first_unobserved, len(self.alphas)):
-            self.alphas[j] += rate * (toward[j] - self.alphas[j])
+    def relax(self, position: int, toward: float, rate: float) -> None:
+        """Move one position's (0-based) estimate toward `toward` by `rate` (no-op past the end)."""
+        if 0 <= position < len(self.alphas):
+            self.alphas[position] += rate * (toward - self.alphas[position])
 
 
 @dataclass(slots=True)

@@ -16,10 +16,12 @@ A bitmask wider than the logits is cut to the logits' width.
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Sequence
 
 import torch
 
+from deepinfer.structured.mask_timing import MASK_TIMING
 from deepinfer.structured.tokenizer_info import bitmask_words
 
 if sys.byteorder != "little":
@@ -75,11 +77,18 @@ def apply_bitmask_(
     rows: the logits row each bitmask row applies to (N of them); None means row i -> row i and
     N == B. Only constrained rows are listed, so unconstrained rows cost nothing.
     """
+    start = time.perf_counter()
+    _apply(logits, bitmask, rows)
+    MASK_TIMING.apply_s += time.perf_counter() - start
+    return logits
+
+
+def _apply(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | torch.Tensor | None) -> None:
     if logits.dim() != 2 or bitmask.dim() != 2 or bitmask.dtype != torch.int32:
         raise ValueError("apply_bitmask_ expects logits [B, V] and an int32 bitmask [N, W]")
     n, words = bitmask.shape
     if n == 0:
-        return logits
+        return
     if rows is None and n != logits.shape[0]:
         raise ValueError(f"bitmask has {n} rows for {logits.shape[0]} logits rows; pass rows=")
     if bitmask.device != logits.device:
@@ -90,7 +99,7 @@ def apply_bitmask_(
     if rows is None:
         torch.minimum(logits[:, :covered], bias, out=logits[:, :covered])
         logits[:, covered:] = float("-inf")
-        return logits
+        return
     index = torch.as_tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
     if index.numel() != n:
         raise ValueError(f"{index.numel()} row indices for {n} bitmask rows")
@@ -98,4 +107,3 @@ def apply_bitmask_(
     torch.minimum(selected[:, :covered], bias, out=selected[:, :covered])
     selected[:, covered:] = float("-inf")
     logits.index_copy_(0, index, selected)
-    return logits

@@ -6,8 +6,10 @@ a request gets a clear error instead of silently unconstrained output.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +19,7 @@ from deepinfer.structured.backend import GrammarMatcher, row_pointer
 from deepinfer.structured.errors import GrammarError, clip_message
 from deepinfer.structured.json_schema import BOUNDED_JSON_WHITESPACE, json_format_options, prepare_schema
 from deepinfer.structured.lark import lark_string
+from deepinfer.structured.mask_timing import MASK_TIMING
 from deepinfer.structured.spec import GrammarSpec, canonical_schema
 from deepinfer.structured.tokenizer_info import TokenizerInfo
 
@@ -32,7 +35,11 @@ class LLGuidanceOptions:
     whitespace_pattern: str = BOUNDED_JSON_WHITESPACE
     # Between the end of the thinking section and the constrained answer.
     reasoning_separator: str = r"[\x20\t\r\n]{1,4}"
-    mask_threads: int | None = None  # LLExecutor threads for batched masks; None: llguidance default
+    # Threads computing a step's masks: 0 computes them one after another on the calling thread
+    # (CPU inference: the cores belong to the model, and a pool's threads spinning after their
+    # work slow the model's next kernels down); None: llguidance's pool with its default size;
+    # n: a pool of n threads (accelerator inference, where CPU cores are otherwise idle).
+    mask_threads: int | None = None
     max_grammar_size: int | None = None  # llguidance default (500k symbols) when None
     initial_lexer_fuel: int | None = None
 
@@ -68,7 +75,11 @@ class LLGuidanceMatcher:
         self._matcher.unsafe_compute_mask_ptr(address, size)
 
     def accept_token(self, token_id: int) -> bool:
-        return self._matcher.consume_token(token_id)
+        start = time.perf_counter()
+        accepted = self._matcher.consume_token(token_id)
+        MASK_TIMING.accept_s += time.perf_counter() - start
+        MASK_TIMING.tokens_accepted += 1
+        return accepted
 
     def validate_tokens(self, token_ids: list[int]) -> int:
         return self._matcher.validate_tokens(token_ids)
@@ -105,14 +116,21 @@ class LLGuidanceBackend:
     name = "llguidance"
 
     def __init__(self, tokenizer_info: TokenizerInfo, options: LLGuidanceOptions | None = None) -> None:
-        self.tokenizer_info = tokenizer_info
         self.options = options or LLGuidanceOptions()
         self.ll_tokenizer = llguidance.LLTokenizer(
             tokenizer_info.tokenizer_json,
             n_vocab=tokenizer_info.vocab_size,
             eos_token=list(tokenizer_info.eos_token_ids),
         )
-        self._executor = llguidance.LLExecutor(num_threads=self.options.mask_threads)
+        # llguidance treats more tokens as special than the tokenizer marks so: every added token
+        # shaped like `<...>` (Qwen's `<tool_call>`, DeepSeek's `</think>`), whatever its flag. A
+        # grammar must name those as tokens: spelled as text it would forbid the model's own token.
+        special = _llguidance_special_tokens(tokenizer_info.tokenizer_json, self.ll_tokenizer)
+        self.tokenizer_info = dataclasses.replace(
+            tokenizer_info, special_tokens=special or tokenizer_info.special_tokens
+        )
+        threads = self.options.mask_threads
+        self._executor = None if threads == 0 else llguidance.LLExecutor(num_threads=threads)
 
     @property
     def options_key(self) -> str:
@@ -137,12 +155,19 @@ class LLGuidanceBackend:
     def fill_bitmasks(self, rows: list[tuple[GrammarMatcher, int]], bitmask: Any) -> None:
         if not rows:
             return
-        words = int(bitmask.shape[1])
-        base, _ = row_pointer(bitmask, 0)
-        for _, row in rows:
-            row_pointer(bitmask, row)  # bounds check before llguidance writes through raw pointers
-        pairs = [(m.raw, row) for m, row in rows]  # type: ignore[attr-defined]
-        self._executor.unsafe_compute_mask_ptr(pairs, base, words * 4, int(bitmask.shape[0]))
+        start = time.perf_counter()
+        if self._executor is None:
+            for matcher, row in rows:
+                matcher.fill_bitmask(bitmask, row)
+        else:
+            words = int(bitmask.shape[1])
+            base, _ = row_pointer(bitmask, 0)
+            for _, row in rows:
+                row_pointer(bitmask, row)  # bounds check before llguidance writes through raw pointers
+            pairs = [(m.raw, row) for m, row in rows]  # type: ignore[attr-defined]
+            self._executor.unsafe_compute_mask_ptr(pairs, base, words * 4, int(bitmask.shape[0]))
+        MASK_TIMING.fill_s += time.perf_counter() - start
+        MASK_TIMING.rows_filled += len(rows)
 
     def grammar_text(self, spec: GrammarSpec) -> str:
         """The llguidance grammar (a JSON `TopLevelGrammar` string) for a spec; ValueError if malformed."""
@@ -165,7 +190,7 @@ class LLGuidanceBackend:
 
     def _after_reasoning(self, inner: str, end_marker: str) -> str:
         """Free text up to the end marker, a short separator, then the inner grammar."""
-        grammars = json.loads(inner)["grammars"]
+        grammars = _grammar_list(inner)
         grammars[0]["name"] = "constrained_answer"
         if end_marker in self.tokenizer_info.special_tokens:
             # A special token never occurs inside text, so the thinking text needs no laziness.
@@ -175,6 +200,24 @@ class LLGuidanceBackend:
             head = f"start: thinking SEP? @constrained_answer\nthinking[suffix={suffix}]: /(?s:.*)/\n"
         head += f"SEP: /{self.options.reasoning_separator}/\n"
         return json.dumps({"grammars": [{"lark_grammar": head}, *grammars]})
+
+
+def _llguidance_special_tokens(tokenizer_json: str, ll_tokenizer: llguidance.LLTokenizer) -> frozenset[str]:
+    """The texts of the added tokens llguidance treats as special (matched by id, never as text)."""
+    added = json.loads(tokenizer_json).get("added_tokens") or []
+    return frozenset(
+        token["content"]
+        for token in added
+        if 0 <= token["id"] < ll_tokenizer.vocab_size and ll_tokenizer.is_special_token(token["id"])
+    )
+
+
+def _grammar_list(grammar: str) -> list[dict[str, Any]]:
+    """The sub-grammars of an llguidance grammar: a JSON `TopLevelGrammar` (what the JSON-schema
+    and regex converters return) or plain Lark text (what the Lark and GBNF converters return)."""
+    if grammar.lstrip().startswith("{"):  # a Lark grammar cannot start with "{"
+        return json.loads(grammar)["grammars"]
+    return [{"lark_grammar": grammar}]
 
 
 def translate_error(spec: GrammarSpec, message: str) -> GrammarError:

@@ -12,6 +12,9 @@ API_KEY = "sk-deepinfer-test"
 OTHER_KEY = "sk-deepinfer-other-tenant"
 MODEL = "SmolLM2-135M-Instruct"
 MAX_BODY_BYTES = 1 << 20
+# Short, so the pathological-schema test reaches the compile timeout quickly (real schemas
+# compile in milliseconds).
+GRAMMAR_COMPILE_TIMEOUT_S = 1
 
 
 @pytest.fixture(scope="session")
@@ -24,6 +27,8 @@ def server():
         "--cache-salt-per-key",
         "--max-body-bytes",
         str(MAX_BODY_BYTES),
+        "--grammar-compile-timeout",
+        str(GRAMMAR_COMPILE_TIMEOUT_S),
     ).start()
     yield process
     code = process.stop()

@@ -38,14 +38,22 @@ def tokens(outputs) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(default_llm) -> list[list[int]]:
-    return tokens(default_llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+def plain_llm(default_llm) -> LLM:
+    """Every engine here runs one torch thread: on a shared 2-core machine, two threads that wait
+    on each other's core make each step several times slower."""
+    return LLM(loaded=default_llm.engine.core.loaded, kv_cache_memory=64 << 20, num_threads=1)
+
+
+@pytest.fixture(scope="module")
+def reference(plain_llm) -> list[list[int]]:
+    return tokens(plain_llm.generate(PROMPTS, GREEDY, use_tqdm=False))
 
 
 @pytest.fixture(scope="module")
 def ngram_llm(default_llm) -> LLM:
     return LLM(
         loaded=default_llm.engine.core.loaded,
+        num_threads=1,
         kv_cache_memory=64 << 20,
         speculative_method="ngram",
         num_speculative_tokens=5,
@@ -57,6 +65,7 @@ def ngram_llm(default_llm) -> LLM:
 def draft_llm(default_llm) -> LLM:
     return LLM(
         loaded=default_llm.engine.core.loaded,
+        num_threads=1,
         kv_cache_memory=64 << 20,
         speculative_method="draft",
         num_speculative_tokens=3,
@@ -73,6 +82,7 @@ def test_ngram_greedy_is_identical_batched_and_alone(ngram_llm, reference):
 def test_dynamic_length_policy_in_the_engine(default_llm, reference):
     llm = LLM(
         loaded=default_llm.engine.core.loaded,
+        num_threads=1,
         kv_cache_memory=64 << 20,
         max_num_seqs=2,
         speculative_method="ngram",
@@ -80,7 +90,7 @@ def test_dynamic_length_policy_in_the_engine(default_llm, reference):
         speculative_length="dynamic",
     )
     profile = llm.engine.core.spec_stats().cost_model["verify"]
-    assert profile["counts"] == [1, 2, 4, 8] and all(s > 0 for s in profile["seconds"])
+    assert profile["counts"][:4] == [1, 2, 4, 8] and all(s > 0 for s in profile["seconds"])
     assert profile["seconds"] == sorted(profile["seconds"])
     # The profile of a shared machine is noise-dependent; a fixed GPU-like curve (verifying a few
     # tokens costs what one does) makes the policy's choices, and so this test, deterministic.
@@ -94,6 +104,7 @@ def test_dynamic_length_policy_in_the_engine(default_llm, reference):
 def ngram_fixed_llm(default_llm) -> LLM:
     return LLM(
         loaded=default_llm.engine.core.loaded,
+        num_threads=1,
         kv_cache_memory=64 << 20,
         speculative_method="ngram",
         speculative_length="fixed",
@@ -125,6 +136,7 @@ def test_greedy_is_identical_under_preemption_chunking_and_prefix_caching(defaul
     # The prompts need 8 + 2 + 2 blocks of 16 tokens at the end (plus draft slots); 9 forces preemption.
     llm = LLM(
         loaded=default_llm.engine.core.loaded,
+        num_threads=1,
         num_blocks=9,
         prefill_chunk_size=32,
         speculative_method=method,
@@ -151,11 +163,11 @@ def test_sampling_through_the_verifier(ngram_llm, draft_llm, reference):
         assert len(output.logprobs) == len(output.token_ids) == 12
 
 
-def test_stops_inside_an_accepted_run(default_llm, ngram_fixed_llm, reference):
+def test_stops_inside_an_accepted_run(plain_llm, ngram_fixed_llm, reference):
     """A stop string or stop token met in the middle of an accepted run (five drafts accepted per
     step while the model copies the code) ends the output exactly where plain decoding ends it."""
     stop_string = SamplingParams(temperature=0.0, max_tokens=24, stop=["<= 0"])
-    plain = default_llm.generate(REPEAT, stop_string, use_tqdm=False)[0].outputs[0]
+    plain = plain_llm.generate(REPEAT, stop_string, use_tqdm=False)[0].outputs[0]
     spec = ngram_fixed_llm.generate(REPEAT, stop_string, use_tqdm=False)[0].outputs[0]
     assert plain.text.endswith("if window ") and plain.stop_reason == "<= 0"
     assert (spec.text, spec.token_ids, spec.stop_reason) == (plain.text, plain.token_ids, plain.stop_reason)
@@ -168,8 +180,14 @@ def test_stops_inside_an_accepted_run(default_llm, ngram_fixed_llm, reference):
 def test_bad_options_are_named(default_llm, v3_ckpt_path):
     loaded = default_llm.engine.core.loaded
     with pytest.raises(ValueError, match="num_speculative_tokens"):
-        LLM(loaded=loaded, num_blocks=8, speculative_method="ngram", num_speculative_tokens=0)
+        LLM(loaded=loaded, num_blocks=8, num_threads=1, speculative_method="ngram", num_speculative_tokens=0)
     with pytest.raises(ValueError, match="speculative_method='mtp'"):
-        LLM(loaded=loaded, num_blocks=8, speculative_method="mtp")
+        LLM(loaded=loaded, num_blocks=8, num_threads=1, speculative_method="mtp")
     with pytest.raises(ValueError, match="speculative_model"):
-        LLM(loaded=loaded, num_blocks=8, speculative_method="draft", speculative_model=str(v3_ckpt_path))
+        LLM(
+            loaded=loaded,
+            num_blocks=8,
+            num_threads=1,
+            speculative_method="draft",
+            speculative_model=str(v3_ckpt_path),
+        )

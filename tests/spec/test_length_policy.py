@@ -29,11 +29,12 @@ def test_expected_accepted_length_math():
         expected_accepted([0.5], 2)
 
 
-def test_estimator_tracks_acceptance_and_relaxes_unobserved_positions():
+def test_estimator_tracks_acceptance_and_relaxes_one_position():
     estimator = AcceptanceEstimator([0.5, 0.5, 0.5], rate=0.5)
     estimator.observe([1.0, 0.0])
     assert estimator.alphas == [0.75, 0.25, 0.5]
-    estimator.relax(2, [1.0, 1.0, 1.0], 0.5)
+    estimator.relax(2, 1.0, 0.5)
+    estimator.relax(3, 1.0, 0.5)  # past the end: nothing
     assert estimator.alphas == [0.75, 0.25, 0.75]
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from deepinfer.structured.bitmask import allocate_bitmask, apply_bitmask_, unpack_bitmask
+from deepinfer.structured.llguidance_backend import LLGuidanceBackend, LLGuidanceOptions
 from deepinfer.structured.spec import GrammarSpec
 
 
@@ -149,3 +150,22 @@ def test_batched_fill_matches_single_fill(backend, hf_tokenizer, tokenizer_info)
     assert (batched[1] == -1).all() and (batched[3] == -1).all()  # unlisted rows untouched
     with pytest.raises(IndexError):
         backend.fill_bitmasks([(matchers[0], 5)], batched)
+
+
+def test_inline_fill_matches_the_pool(backend, hf_tokenizer, tokenizer_info):
+    """mask_threads=0 (CPU inference) computes on the calling thread what the pool computes."""
+    inline = LLGuidanceBackend(tokenizer_info, LLGuidanceOptions(mask_threads=0))
+    spec = GrammarSpec.json({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
+    rows = {}
+    for name, owner in (("inline", inline), ("pool", backend)):
+        matchers = [owner.compile(spec).new_matcher() for _ in range(2)]
+        for token in hf_tokenizer.encode('{"n": 4', add_special_tokens=False):
+            assert matchers[1].accept_token(token)
+        bitmask = allocate_bitmask(3, tokenizer_info.vocab_size, pin_memory=False)
+        owner.fill_bitmasks([(matchers[0], 2), (matchers[1], 0)], bitmask)
+        rows[name] = bitmask
+        assert (bitmask[1] == -1).all()  # unlisted row untouched
+        with pytest.raises(IndexError):
+            owner.fill_bitmasks([(matchers[0], 3)], bitmask)
+    assert torch.equal(rows["inline"], rows["pool"])
+    assert not torch.equal(rows["inline"][0], rows["inline"][2])  # the two states differ
