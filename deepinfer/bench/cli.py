@@ -1,4 +1,4 @@
-"""Command line of `deepinfer bench {serve,throughput,latency,prefix,kvstore,structured,roofline,economics,peers}`.
+"""Command line of `deepinfer bench {serve,throughput,latency,prefix,kvstore,spec,structured,roofline,economics,peers}`.
 
 The lead wires it into `deepinfer` with ``add_bench_parser(subparsers)`` and dispatches parsed
 arguments to ``run_bench(args)``; ``python -m deepinfer.bench`` runs the same commands.
@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from deepinfer.bench import spec_decode as spec_bench
 from deepinfer.bench import structured as structured_bench
 from deepinfer.bench.client import API_NAMES
 from deepinfer.bench.datasets import DATASET_NAMES
@@ -133,10 +134,11 @@ def add_bench_commands(parser: argparse.ArgumentParser) -> None:
     commands = parser.add_subparsers(
         dest="bench_command",
         required=True,
-        metavar="{serve,throughput,latency,prefix,kvstore,structured,roofline,economics,peers}",
+        metavar="{serve,throughput,latency,prefix,kvstore,spec,structured,roofline,economics,peers}",
     )
     _add_serve(commands)
     add_offline_parsers(commands)
+    spec_bench.add_parser(commands)
     structured_bench.add_parser(commands)
     _add_roofline(commands)
     _add_economics(commands)
@@ -321,6 +323,7 @@ _HANDLERS = {
     "latency": run_latency,
     "prefix": run_prefix,
     "kvstore": run_kvstore,
+    "spec": spec_bench.run,
     "structured": structured_bench.run,
     "roofline": _run_roofline,
     "economics": _run_economics,

@@ -53,7 +53,9 @@ class LlamaAttention(torch.nn.Module):
         qk = qkv[:, : self.num_heads + self.num_kv_heads]
         v = qkv[:, self.num_heads + self.num_kv_heads :]
         if self.q_norm is not None:
-            qk = torch.cat([self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], dim=1)
+            qk = torch.cat(
+                [self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], dim=1
+            )
         self.rotary.apply_(positions, qk)  # q and k heads rotated together, in place
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         out = backend.forward(q, k, v, cache, meta, self.scale)  # [T, H, D]
