@@ -1,8 +1,10 @@
 """The fast CPU backend: a C kernel for decode rows, SDPA over gathered context for prefill chunks.
 
 Decode is memory bound: the kernel reads each sequence's K/V once, straight from the paged cache,
-without gathering or padding. Prefill chunks are compute bound and few per step, so they go
-through PyTorch's fused SDPA (GEMM-based) on their gathered context.
+without gathering or padding. Short chunks (speculative verification, the tail of a chunked
+prompt) are cheaper the same way: each of their tokens becomes a kernel row whose context ends at
+its own position, which is the causal mask. Long prefill chunks are compute bound and few per
+step, so they go through PyTorch's fused SDPA (GEMM-based) on their gathered context.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from deepinfer.runner.attention.metadata import AttentionMetadata
 from deepinfer.runner.kernels.build import load_kernel_library
 
 _MAX_GROUP, _MAX_HEAD_DIM, _MAX_BLOCK = 32, 512, 256
+# Chunks up to this many tokens run as kernel rows: below it, reading the context once per token
+# (from cache) costs less than gathering it and a per-sequence SDPA call.
+KERNEL_CHUNK_TOKENS = 16
 
 
 def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
@@ -41,9 +46,32 @@ class CpuPagedBackend:
 
     def prepare(self, meta: AttentionMetadata) -> None:
         d = meta.num_decodes
-        meta.extra["decode_tables"] = meta.block_tables[:d].contiguous()
-        meta.extra["decode_lens"] = meta.seq_lens[:d].contiguous()
-        meta.extra["prefill_slots"] = [context_slots(meta, i) for i in range(d, meta.num_seqs)]
+        row_tokens = list(range(d))  # step token index of each kernel row
+        row_seqs = list(range(d))  # the sequence whose block table a row reads
+        row_lens = meta.seq_lens_list[:d]  # context length a row attends to
+        sdpa_chunks = []  # (first token, query length, context slots)
+        start = d
+        for i in range(d, meta.num_seqs):
+            num_q, length = meta.query_lens[i], meta.seq_lens_list[i]
+            if num_q <= KERNEL_CHUNK_TOKENS:
+                row_tokens.extend(range(start, start + num_q))
+                row_seqs.extend([i] * num_q)
+                row_lens.extend(range(length - num_q + 1, length + 1))
+            else:
+                sdpa_chunks.append((start, num_q, context_slots(meta, i)))
+            start += num_q
+        rows = len(row_tokens)
+        meta.extra["kernel_rows"] = rows
+        # Kernel rows that are exactly tokens 0..rows-1 need no gather (the common case: no long prefill).
+        contiguous = row_tokens == list(range(rows))
+        meta.extra["kernel_tokens"] = None if contiguous else torch.tensor(row_tokens, dtype=torch.int64)
+        if rows == d:
+            meta.extra["kernel_tables"] = meta.block_tables[:d].contiguous()
+            meta.extra["kernel_lens"] = meta.seq_lens[:d].contiguous()
+        else:
+            meta.extra["kernel_tables"] = meta.block_tables[torch.tensor(row_seqs, dtype=torch.int64)]
+            meta.extra["kernel_lens"] = torch.tensor(row_lens, dtype=torch.int64)
+        meta.extra["sdpa_chunks"] = sdpa_chunks
 
     def forward(
         self,
@@ -57,18 +85,21 @@ class CpuPagedBackend:
         write_kv(cache, k, v, meta.slot_mapping)
         q = q.contiguous()
         out = torch.empty_like(q)
-        d = meta.num_decodes
-        if d:
-            tables = meta.extra["decode_tables"]
+        rows = meta.extra["kernel_rows"]
+        if rows:
+            tokens = meta.extra["kernel_tokens"]
+            q_rows = q[:rows] if tokens is None else q.index_select(0, tokens)
+            out_rows = out[:rows] if tokens is None else torch.empty_like(q_rows)
+            tables = meta.extra["kernel_tables"]
             _, num_heads, head_dim = q.shape
             self._decode(
-                _ptr(q),
+                _ptr(q_rows),
                 _ptr(cache[:, 0]),
                 _ptr(cache[:, 1]),
-                _ptr(out),
+                _ptr(out_rows),
                 _ptr(tables),
-                _ptr(meta.extra["decode_lens"]),
-                d,
+                _ptr(meta.extra["kernel_lens"]),
+                rows,
                 num_heads,
                 cache.shape[2],
                 head_dim,
@@ -77,10 +108,10 @@ class CpuPagedBackend:
                 tables.shape[1],
                 scale,
             )
-        start = d
-        for slots, num_q in zip(meta.extra["prefill_slots"], meta.query_lens[d:]):
+            if tokens is not None:
+                out.index_copy_(0, tokens, out_rows)
+        for start, num_q, slots in meta.extra["sdpa_chunks"]:
             out[start : start + num_q] = attend_sequence(
                 q[start : start + num_q], cache[slots, 0], cache[slots, 1], scale
             )
-            start += num_q
         return out
