@@ -64,6 +64,19 @@ void paged_decode_attention(const float *q, const float *k_cache, const float *v
         for (int64_t start = 0; start < len; start += block_size) {
             const int64_t n = (len - start < block_size) ? len - start : block_size;
             const int64_t base = table[start / block_size] * block_size;
+            if (start + block_size < len) {
+                /* The next block's rows are scattered (one per slot, slot_stride apart): ask for
+                 * them now so the loads overlap this block's arithmetic. */
+                const int64_t next = table[start / block_size + 1] * block_size;
+                for (int64_t j = 0; j < block_size; ++j) {
+                    const float *nk = k_cache + (next + j) * slot_stride + kvh * head_dim;
+                    const float *nv = v_cache + (next + j) * slot_stride + kvh * head_dim;
+                    for (int64_t d = 0; d < head_dim; d += 16) {
+                        __builtin_prefetch(nk + d);
+                        __builtin_prefetch(nv + d);
+                    }
+                }
+            }
             for (int64_t j = 0; j < n; ++j) {
                 const float *k = k_cache + (base + j) * slot_stride + kvh * head_dim;
                 for (int64_t g = 0; g < group; ++g) {
