@@ -30,7 +30,7 @@ from deepinfer.bench.serve_command import ServeOptions, run_serve
 from deepinfer.bench.server_process import running_server
 from deepinfer.bench.stats import Slo
 
-PEER_NAMES: tuple[str, ...] = ("deepinfer", "llama.cpp", "transformers")
+PEER_NAMES: tuple[str, ...] = ("deepinfer", "deepinfer-offline", "llama.cpp", "transformers")
 DOC_SECTION = "peers"
 BUILD_HINT = "pip install 'deepinfer[peers]' (llama-cpp-python) or bench/build_llama_server.sh (llama-server)"
 
@@ -222,7 +222,29 @@ def _transformers(options: PeersOptions, gguf: Path) -> PeerOutcome:
     )
 
 
-_RUNNERS = {"deepinfer": _ours, "llama.cpp": _llama_cpp, "transformers": _transformers}
+def _ours_offline(options: PeersOptions, gguf: Path) -> PeerOutcome:
+    from deepinfer.bench.peer_offline import run_offline
+
+    dataset = build_dataset(
+        "random", options.num_prompts, options.seed, options.input_len, options.output_len
+    )
+    outcome = run_offline(gguf, dataset, options.max_concurrency, options.threads)
+    return PeerOutcome(
+        "deepinfer-offline",
+        "measured",
+        "our engine in process, no HTTP: what the server layer costs",
+        package_versions(["deepinfer"])["deepinfer"],
+        "in process: LLM(gguf).engine, the server's rendering, greedy, ignore_eos",
+        summarize_run(outcome, Slo()),
+    )
+
+
+_RUNNERS = {
+    "deepinfer": _ours,
+    "deepinfer-offline": _ours_offline,
+    "llama.cpp": _llama_cpp,
+    "transformers": _transformers,
+}
 
 
 def _ratio(value: float | None, ours: float | None) -> str:

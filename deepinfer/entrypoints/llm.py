@@ -104,17 +104,25 @@ class LLM:
         """Generate replies to OpenAI-style conversations, rendered by the model's recipe
         (its chat template, or DeepSeek's native format) exactly as the server renders them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        recipe = self._recipe()
-        prompts: list[PromptInput] = []
-        for conversation in conversations:
-            body = {"model": "offline", "messages": conversation, **({"tools": tools} if tools else {})}
-            rendered = recipe.render(
-                chat_completion_to_conversation(body),
-                tokenizer=self.engine.tokenizer.backend,
-                template_kwargs=chat_template_kwargs,
-            )
-            prompts.append(rendered.token_ids)
+        prompts: list[PromptInput] = [
+            self.render_chat(conversation, tools, chat_template_kwargs) for conversation in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """The prompt token ids of one OpenAI-style conversation, as the server renders it."""
+        body = {"model": "offline", "messages": messages, **({"tools": tools} if tools else {})}
+        rendered = self._recipe().render(
+            chat_completion_to_conversation(body),
+            tokenizer=self.engine.tokenizer.backend,
+            template_kwargs=chat_template_kwargs,
+        )
+        return rendered.token_ids
 
     def _recipe(self) -> Recipe:
         if self._chat_recipe is None:

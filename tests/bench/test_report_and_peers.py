@@ -96,3 +96,20 @@ def test_run_peers_reports_a_peer_that_cannot_start(tmp_path: Path) -> None:
     assert saved["peers"][0]["status"] == "failed" and saved["model"].endswith(".gguf")
     with pytest.raises(ValueError, match="unknown vllm"):
         run_peers(PeersOptions(peers=["vllm"], doc=None))
+
+
+def test_offline_peer_runs_the_server_workload_in_process(default_model_path: Path) -> None:
+    from deepinfer.bench.datasets import build_dataset
+    from deepinfer.bench.peer_offline import run_offline
+    from deepinfer.bench.serve import summarize_run
+    from deepinfer.bench.stats import Slo
+
+    dataset = build_dataset("random", 3, 0, 24, 6)
+    outcome = run_offline(default_model_path, dataset, max_concurrency=2, threads=2)
+    summary = summarize_run(outcome, Slo())
+    assert summary["completed"] == 3 and summary["failed"] == 0
+    assert [r.output_tokens for r in outcome.results] == [6, 6, 6]
+    assert all(len(r.itl_s) == 5 and r.ttft_s > 0 and r.e2e_s >= r.ttft_s for r in outcome.results)
+    # Concurrency 2: the third request starts only after one of the first two has finished.
+    first_done = min(r.start_s + r.e2e_s for r in outcome.results[:2])
+    assert outcome.results[2].start_s >= first_done
