@@ -1,5 +1,6 @@
 """The C kernel backend against the PyTorch reference on one mixed step: decodes, short chunks
-that run as kernel rows (speculative verification) and long prefill chunks that go through SDPA."""
+that run as kernel rows (speculative verification) and long prefill chunks that go through tiled
+GEMMs."""
 
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ def _step(query_lens: list[int], seq_lens: list[int], num_blocks: int, seed: int
         ([1, 1, 1], [5, 40, 129]),  # decodes only
         ([1, 6, 3, KERNEL_CHUNK_TOKENS], [70, 300, 17, 16]),  # verification chunks: kernel rows, contiguous
         ([1, 1, 64, 6, 40, 2], [33, 200, 64, 90, 500, 2]),  # long chunks between short ones: gathered rows
-        ([KERNEL_CHUNK_TOKENS + 1], [KERNEL_CHUNK_TOKENS + 30]),  # just over the threshold: SDPA
+        ([KERNEL_CHUNK_TOKENS + 1], [KERNEL_CHUNK_TOKENS + 30]),  # just over the threshold: tiled GEMMs
+        ([1, 300, 200], [50, 800, 200]),  # chunks longer than a query tile, after a prefix and from 0
     ],
 )
 def test_cpu_kernel_matches_reference(query_lens: list[int], seq_lens: list[int]) -> None:

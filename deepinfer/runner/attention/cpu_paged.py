@@ -1,10 +1,10 @@
-"""The fast CPU backend: a C kernel for decode rows, SDPA over gathered context for prefill chunks.
+"""The fast CPU backend: a C kernel for decode rows, tiled GEMMs over gathered context for prefill chunks.
 
 Decode is memory bound: the kernel reads each sequence's K/V once, straight from the paged cache,
 without gathering or padding. Short chunks (speculative verification, the tail of a chunked
 prompt) are cheaper the same way: each of their tokens becomes a kernel row whose context ends at
 its own position, which is the causal mask. Long prefill chunks are compute bound and few per
-step, so they go through PyTorch's fused SDPA (GEMM-based) on their gathered context.
+step: their gathered context goes through tiled GEMMs that skip the masked half (prefill_tiled.py).
 """
 
 from __future__ import annotations
@@ -13,13 +13,14 @@ import ctypes
 
 import torch
 
-from deepinfer.runner.attention.backend import attend_sequence, context_slots, write_kv
+from deepinfer.runner.attention.backend import context_slots, write_kv
 from deepinfer.runner.attention.metadata import AttentionMetadata
+from deepinfer.runner.attention.prefill_tiled import attend_chunk_tiled
 from deepinfer.runner.kernels.build import load_kernel_library
 
 _MAX_GROUP, _MAX_HEAD_DIM, _MAX_BLOCK = 32, 512, 256
 # Chunks up to this many tokens run as kernel rows: below it, reading the context once per token
-# (from cache) costs less than gathering it and a per-sequence SDPA call.
+# (from cache) costs less than gathering it and a per-sequence attention call.
 KERNEL_CHUNK_TOKENS = 16
 
 
@@ -111,7 +112,7 @@ class CpuPagedBackend:
             if tokens is not None:
                 out.index_copy_(0, tokens, out_rows)
         for start, num_q, slots in meta.extra["sdpa_chunks"]:
-            out[start : start + num_q] = attend_sequence(
+            out[start : start + num_q] = attend_chunk_tiled(
                 q[start : start + num_q], cache[slots, 0], cache[slots, 1], scale
             )
         return out

@@ -1,0 +1,47 @@
+"""A server restarted on the same KV store serves a prefix it saw before its restart as a hit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.server.server_process import ServerProcess
+
+# About 900 prompt tokens: several full storage chunks of 256 tokens.
+DOCUMENT = " ".join(
+    f"Clause {i}: the tenant keeps the premises clean and returns every key." for i in range(60)
+)
+
+
+def _ask(server: ServerProcess) -> dict:
+    body = {
+        "model": "SmolLM2-135M-Instruct",
+        "messages": [{"role": "user", "content": f"{DOCUMENT}\n\nSummarize the clauses."}],
+        "max_tokens": 12,
+        "temperature": 0,
+    }
+    with server.client() as client:
+        response = client.post("/v1/chat/completions", json=body, headers={"x-traffic-class": "agent"})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_prefix_survives_a_server_restart(tmp_path: Path) -> None:
+    store = tmp_path / "kv-store"
+    first = ServerProcess("--kv-store", str(store)).start()
+    try:
+        cold = _ask(first)
+    finally:
+        assert first.stop() == 0, first.log_tail()  # SIGTERM flushes the write-behind queue
+    assert (cold["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) < 256
+    assert any(store.rglob("*")), "nothing was written to the store"
+
+    second = ServerProcess("--kv-store", str(store)).start()
+    try:
+        warm = _ask(second)
+    finally:
+        assert second.stop() == 0, second.log_tail()
+    prompt_tokens = warm["usage"]["prompt_tokens"]
+    cached = warm["usage"]["prompt_tokens_details"]["cached_tokens"]
+    # Every full chunk of the prompt comes back from the store; only the tail is recomputed.
+    assert cached >= ((prompt_tokens - 1) // 256) * 256 > 0, warm["usage"]
+    assert warm["choices"][0]["message"]["content"] == cold["choices"][0]["message"]["content"]
