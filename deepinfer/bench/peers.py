@@ -30,7 +30,13 @@ from deepinfer.bench.serve_command import ServeOptions, run_serve
 from deepinfer.bench.server_process import running_server
 from deepinfer.bench.stats import Slo
 
-PEER_NAMES: tuple[str, ...] = ("deepinfer", "deepinfer-offline", "llama.cpp", "transformers")
+PEER_NAMES: tuple[str, ...] = (
+    "deepinfer",
+    "deepinfer-int8",
+    "deepinfer-offline",
+    "llama.cpp",
+    "transformers",
+)
 DOC_SECTION = "peers"
 BUILD_HINT = "pip install 'deepinfer[peers]' (llama-cpp-python) or bench/build_llama_server.sh (llama-server)"
 
@@ -100,7 +106,9 @@ def _measure_server(
     return summary
 
 
-def _ours(options: PeersOptions, gguf: Path) -> PeerOutcome:
+def _ours(
+    options: PeersOptions, gguf: Path, name: str = "deepinfer", extra: tuple[str, ...] = ()
+) -> PeerOutcome:
     if importlib.util.find_spec("deepinfer.cli") is None:
         return PeerOutcome(
             "deepinfer", "not available", "deepinfer.cli does not exist yet (no `deepinfer serve`)"
@@ -115,15 +123,19 @@ def _ours(options: PeersOptions, gguf: Path) -> PeerOutcome:
         return PeerOutcome(
             "deepinfer", "not available", "`python -m deepinfer.cli serve` is not available yet"
         )
-    command = [sys.executable, "-m", "deepinfer.cli", "serve", "--port", str(options.port)]
+    command = [sys.executable, "-m", "deepinfer.cli", "serve", "--port", str(options.port), *extra]
     return PeerOutcome(
-        "deepinfer",
+        name,
         "measured",
-        "",
+        " ".join(extra),
         package_versions(["deepinfer"])["deepinfer"],
         "python " + " ".join(command[1:]),
-        _measure_server("deepinfer", command, options),
+        _measure_server(name, command, options),
     )
+
+
+def _ours_int8(options: PeersOptions, gguf: Path) -> PeerOutcome:
+    return _ours(options, gguf, "deepinfer-int8", ("--quantization", "int8"))
 
 
 def _eos_token_ids(gguf: Path) -> list[int]:
@@ -241,6 +253,7 @@ def _ours_offline(options: PeersOptions, gguf: Path) -> PeerOutcome:
 
 _RUNNERS = {
     "deepinfer": _ours,
+    "deepinfer-int8": _ours_int8,
     "deepinfer-offline": _ours_offline,
     "llama.cpp": _llama_cpp,
     "transformers": _transformers,

@@ -57,7 +57,12 @@ class EngineCore:
         self.config = config
         torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
         device, dtype = config.torch_device(), config.torch_dtype()
-        self.loaded = loaded or load_model(config.model, dtype, device)
+        self.loaded = loaded or load_model(config.model, dtype, device, config.quantization)
+        if self.loaded.quantization != config.quantization:
+            raise ValueError(
+                f"quantization={config.quantization!r} but the model given was loaded with "
+                f"{self.loaded.quantization!r}"
+            )
         model_cfg = self.loaded.config
         self.kv_spec = self.loaded.model.kv_cache_spec(dtype)
         self.max_model_len = min(

@@ -58,3 +58,7 @@ class CausalLM(torch.nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
         raise NotImplementedError
+
+    def quantize(self, method: str) -> None:
+        """Convert the weights in place (after loading) to a quantized `method`."""
+        raise ValueError(f"quantization: {type(self).__name__} does not support {method!r}")

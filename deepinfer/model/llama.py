@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from deepinfer.model.base import CausalLM, KVCacheSpec
 from deepinfer.model.config import ModelConfig
+from deepinfer.model.layers.int8_linear import Int8Linear, quantize_linears_
 from deepinfer.model.layers.norm import RMSNorm
 from deepinfer.model.layers.rotary import RotaryEmbedding
 from deepinfer.model.registry import register_model
@@ -136,8 +137,18 @@ class LlamaForCausalLM(CausalLM):
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        if self.lm_head is None:  # tied to the embedding
+            return F.linear(hidden, self.embed_tokens.weight)
+        return self.lm_head(hidden)
+
+    def quantize(self, method: str) -> None:
+        """int8: every projection and the LM head (a tied head gets its own int8 copy; the
+        embedding lookup stays in float)."""
+        if method != "int8":
+            super().quantize(method)
+        quantize_linears_(self.layers)
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.lm_head = Int8Linear(head)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named weights, fusing q/k/v and gate/up into their combined matrices."""

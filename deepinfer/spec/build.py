@@ -65,7 +65,7 @@ def _proposer(core: EngineCore, method: str, device: torch.device, dtype: torch.
     draft = (
         core.loaded
         if config.speculative_model is None
-        else load_model(config.speculative_model, dtype, device)
+        else load_model(config.speculative_model, dtype, device, config.quantization)
     )
     if draft.config.vocab_size != core.loaded.config.vocab_size:
         raise ValueError(

@@ -24,7 +24,8 @@ class LoadedModel:
     config: ModelConfig
     tokenizer: Tokenizer
     name: str
-    weights_fingerprint: str  # content identity of weights + tokenizer
+    weights_fingerprint: str  # content identity of weights + tokenizer (+ quantization)
+    quantization: str | None = None
 
 
 def iter_safetensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -37,7 +38,11 @@ def iter_safetensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def load_model(
+    model: str | Path | None, dtype: torch.dtype, device: torch.device, quantization: str | None = None
+) -> LoadedModel:
+    if quantization is not None and device.type != "cpu":
+        raise ValueError(f"quantization={quantization!r} runs on the CPU only (device {device.type})")
     path = resolve_model_path(model)
     if path.is_file() and path.suffix == ".gguf":
         directory = converted_gguf_dir(path)
@@ -61,5 +66,9 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
     net = net.to_empty(device=device).to(dtype)
     net.load_weights(iter_safetensors(directory))
     net.eval()
-    fingerprint = hashlib.sha256(f"{weights_id}:{config.model_type}".encode()).hexdigest()
-    return LoadedModel(net, config, tokenizer, name, fingerprint)
+    identity = f"{weights_id}:{config.model_type}"
+    if quantization is not None:
+        net.quantize(quantization)
+        identity += f":{quantization}"  # other numerics, other KV: never a prefix hit across them
+    fingerprint = hashlib.sha256(identity.encode()).hexdigest()
+    return LoadedModel(net, config, tokenizer, name, fingerprint, quantization)

@@ -1,0 +1,73 @@
+"""quantization="int8": W8A8 linears that are close to fp32 and exactly batch-invariant."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.model.layers.int8_linear import Int8Linear
+
+CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_int8_linear_is_close_to_fp32_and_rows_are_independent() -> None:
+    torch.manual_seed(0)
+    weight, bias = torch.randn(300, 128) * 0.05, torch.randn(300)
+    layer = Int8Linear(weight, bias)
+    x = torch.randn(33, 128)
+    reference = F.linear(x, weight, bias)
+    y = layer(x)
+    assert ((y - reference).norm() / reference.norm()).item() < 0.02
+    # Per-token scales and exact integer sums: a row's result does not depend on its neighbours.
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
+    assert torch.equal(alone, y)
+    # A row with a huge outlier elsewhere in the batch leaves the other rows untouched.
+    spiked = x.clone()
+    spiked[0] *= 1000
+    assert torch.equal(layer(spiked)[1:], y[1:])
+
+
+@pytest.fixture(scope="module")
+def int8_llm() -> Iterator[LLM]:
+    llm = LLM(kv_cache_memory=64 << 20, quantization="int8")
+    yield llm
+    llm.close()
+
+
+def test_int8_model_stays_close_to_fp32(default_llm: LLM, int8_llm: LLM) -> None:
+    text = CHAT.format("What is the capital of France? Explain briefly.") + (
+        "The capital of France is Paris. It is known for the Eiffel Tower and its museums."
+    )
+    ids = default_llm.get_tokenizer().encode(text)
+    reference = torch.log_softmax(default_llm.engine.core.score(ids), dim=-1)
+    quantized = torch.log_softmax(int8_llm.engine.core.score(ids), dim=-1)
+    kl = (reference.exp() * (reference - quantized)).sum(-1).mean().item()
+    agreement = (reference.argmax(-1) == quantized.argmax(-1)).float().mean().item()
+    assert kl < 0.1 and agreement >= 0.75, (kl, agreement)
+    prompt = CHAT.format("What is the capital of France?")
+    params = SamplingParams(temperature=0, max_tokens=8)
+    [fp32_out] = default_llm.generate([prompt], params, use_tqdm=False)
+    [int8_out] = int8_llm.generate([prompt], params, use_tqdm=False)
+    assert "Paris" in fp32_out.outputs[0].text and "Paris" in int8_out.outputs[0].text
+
+
+def test_int8_greedy_is_identical_alone_and_batched(int8_llm: LLM) -> None:
+    prompts = [
+        CHAT.format(q) for q in ("Name a fruit.", "Count to five.", "Say hello in French.", "What is 2+2?")
+    ]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    int8_llm.reset_prefix_cache()
+    batched = [o.outputs[0].token_ids for o in int8_llm.generate(prompts, params, use_tqdm=False)]
+    int8_llm.reset_prefix_cache()
+    alone = [int8_llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert alone == batched
+
+
+def test_int8_never_shares_prefix_blocks_with_fp32(default_llm: LLM, int8_llm: LLM) -> None:
+    assert int8_llm.engine.core.fingerprint != default_llm.engine.core.fingerprint
+    with pytest.raises(ValueError, match="quantization"):
+        LLM(loaded=default_llm.engine.core.loaded, quantization="int8")
