@@ -123,6 +123,19 @@ def measure_gemm_flops(sizes: Sequence[int], threads: int, repeats: int = 5) -> 
     return results
 
 
+def measure_int8_gemm_ops(sizes: Sequence[int], threads: int, repeats: int = 5) -> float:
+    """Best int8 x int8 -> int32 square matmul rate (2·n³ ops each): the peak for int8 weights."""
+    import torch
+
+    torch.set_num_threads(threads)
+    best = 0.0
+    for n in sizes:
+        a = torch.randint(-127, 128, (n, n), dtype=torch.int8)
+        b = torch.randint(-127, 128, (n, n), dtype=torch.int8)
+        best = max(best, 2.0 * n**3 / _best_time(lambda a=a, b=b: torch._int_mm(a, b), repeats))
+    return best
+
+
 def measure_memory_bandwidth(size_mib: int, threads: int, repeats: int = 5) -> tuple[float, float]:
     """Best-of (copy, add) bandwidth in bytes/s on fp32 buffers far larger than the caches.
 
