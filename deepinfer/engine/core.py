@@ -182,6 +182,7 @@ class EngineCore:
     # -- the loop ------------------------------------------------------------------------------
 
     def step(self) -> list[SequenceOutput]:
+        began = time.perf_counter()
         failed = self._poll_pending()
         draft_lengths = self.spec.plan(self.scheduler) if self.spec is not None else None
         plan = self.scheduler.schedule(draft_lengths)
@@ -195,7 +196,10 @@ class EngineCore:
             return failed
         result = self.runner.execute(plan)
         updates = self.scheduler.update(plan, {k: [t.token_id for t in v] for k, v in result.sampled.items()})
-        return failed + [self._output(update, result) for update in updates]
+        outputs = failed + [self._output(update, result) for update in updates]
+        if self.spec is not None:
+            self.spec.observe_step(time.perf_counter() - began, plan)
+        return outputs
 
     def _poll_pending(self) -> list[SequenceOutput]:
         """Land finished KV loads and grammar compiles; a grammar that failed ends its request."""

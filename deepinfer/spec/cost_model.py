@@ -55,24 +55,48 @@ class CostCurve:
         return {"counts": list(self.counts), "seconds": list(self.seconds)}
 
 
+# Weight of one observed step in the running corrections (about the last 20 steps count).
+CALIBRATION_RATE = 0.05
+
+
 @dataclass(slots=True)
 class StepCostModel:
+    """The startup profile plus two corrections learned from real steps: time every step spends
+    outside the profiled forward (scheduling, sampling, outputs), and the extra time per verified
+    sequence (its verification rows, the proposer's lookup, the rollback). The profile alone
+    underestimates a verifying step, and the policy then speculates where it does not pay."""
+
     verify: CostCurve  # target forward (with logits at every row) vs batch tokens
     chunk_overhead: float = 0.0  # seconds per sequence verified as a chunk rather than as decode rows
     draft_round: CostCurve | None = None  # one drafting round vs rows drafted; None: drafting is free
+    step_overhead: float = 0.0  # seconds of every step outside the forward (learned)
 
     def step_seconds(self, batch_tokens: int, num_chunked: int, rows_per_round: Sequence[int]) -> float:
         """A step that verifies `num_chunked` sequences with drafts among `batch_tokens` tokens,
         after drafting rounds of the given row counts."""
-        seconds = self.verify(max(batch_tokens, 1)) + self.chunk_overhead * num_chunked
+        seconds = self.verify(max(batch_tokens, 1)) + self.step_overhead + self.chunk_overhead * num_chunked
         if self.draft_round is not None:
             seconds += sum(self.draft_round(rows) for rows in rows_per_round if rows)
         return seconds
+
+    def observe(
+        self, seconds: float, batch_tokens: int, num_chunked: int, rows_per_round: Sequence[int]
+    ) -> None:
+        """Fold in a measured decode step (no prefill in it): a step without drafts updates the
+        per-step overhead, one with drafts the per-sequence verification overhead."""
+        predicted = self.step_seconds(batch_tokens, 0, rows_per_round) - self.step_overhead
+        residual = seconds - predicted
+        if num_chunked == 0:
+            self.step_overhead += CALIBRATION_RATE * (max(residual, 0.0) - self.step_overhead)
+        else:
+            per_sequence = max(residual - self.step_overhead, 0.0) / num_chunked
+            self.chunk_overhead += CALIBRATION_RATE * (per_sequence - self.chunk_overhead)
 
     def to_dict(self) -> dict:
         return {
             "verify": self.verify.to_dict(),
             "chunk_overhead_s": self.chunk_overhead,
+            "step_overhead_s": self.step_overhead,
             "draft_round": None if self.draft_round is None else self.draft_round.to_dict(),
         }
 

@@ -212,6 +212,15 @@ class SpeculativeDecoder:
         estimator.relax(num_verified, 1.0, EXPLORE_RATE)
         self._engine_estimate.observe(accept_probs)
 
+    def observe_step(self, seconds: float, plan: SchedulerOutput) -> None:
+        """Calibrate the dynamic policy's cost model with the measured time of a decode step."""
+        cost = self.policy.cost
+        items = plan.scheduled
+        if cost is None or any(item.num_new_tokens - item.num_draft_tokens != 1 for item in items):
+            return  # fixed lengths, or a prefill chunk in the step: not the shape the model prices
+        rows = [sum(1 for item in items if item.num_draft_tokens >= r) for r in range(1, self.max_k + 1)]
+        cost.observe(seconds, sum(item.num_new_tokens for item in items), rows[0], rows)
+
     def release(self, seq_ids: list[int]) -> None:
         self.proposer.forget(seq_ids)
         for seq_id in seq_ids:

@@ -156,7 +156,12 @@ class LengthPolicy:
         draft_round = cost.draft_round
 
         def seconds() -> float:
-            return cost.verify(max(batch_tokens, 1)) + cost.chunk_overhead * num_chunked + draft_seconds
+            return (
+                cost.verify(max(batch_tokens, 1))
+                + cost.step_overhead
+                + cost.chunk_overhead * num_chunked
+                + draft_seconds
+            )
 
         best_count, best_goodput = 0, tokens / seconds() if candidates else 0.0
         best_tokens = batch_tokens

@@ -41,7 +41,10 @@ def test_overload_is_429_for_openai_and_529_for_anthropic(small_server) -> None:
         httpx.Client(base_url=url, timeout=120) as client,
         client.stream("POST", "/v1/chat/completions", json=body) as running,
     ):
-        next(line for line in running.iter_lines() if '"content":"' in line and '"content":""' not in line)
+        # Keep the line iterator alive: closing it (as a discarded generator would be) closes the
+        # stream, and the server rightly aborts the long request of a client that went away.
+        lines = running.iter_lines()
+        next(line for line in lines if '"content":"' in line and '"content":""' not in line)
         # The engine is busy with that one; two short requests queue behind it.
         replies: list[httpx.Response] = []
         queued = [
@@ -58,7 +61,7 @@ def test_overload_is_429_for_openai_and_529_for_anthropic(small_server) -> None:
         ]
         for thread in queued:
             thread.start()
-        assert wait_until(lambda: _waiting(url) == 2, 30.0)
+        assert wait_until(lambda: _waiting(url) == 2, 30.0), [(r.status_code, r.text) for r in replies]
         refused = httpx.post(
             url + "/v1/chat/completions", json={"model": MODEL, "messages": HI, "max_tokens": 1}
         )

@@ -145,3 +145,17 @@ def test_policy_rejects_bad_options():
         LengthPolicy("adaptive", 4)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="cost model"):
         LengthPolicy("dynamic", 4)
+
+
+def test_measured_step_times_calibrate_the_choice():
+    """A profile that misses what verification really costs is corrected by measured steps."""
+    cost = StepCostModel(CostCurve([1, 8, 64], [0.010, 0.011, 0.030]))
+    policy = LengthPolicy("dynamic", 4, cost, hysteresis=0.0)
+    candidates = [Candidate(i, [0.5] * 4, 4) for i in range(8)]
+    assert sum(policy.choose(candidates).lengths.values()) > 0  # by the profile alone, drafts pay
+    for _ in range(200):
+        cost.observe(0.012, 8, 0, [0, 0, 0, 0])  # plain decode steps: 1 ms beyond the forward
+        cost.observe(0.060, 24, 8, [8, 8, 0, 0])  # verifying steps: far dearer than profiled
+    assert cost.step_overhead == pytest.approx(0.001, rel=0.05)
+    assert cost.chunk_overhead == pytest.approx((0.060 - cost.verify(24) - 0.001) / 8, rel=0.05)
+    assert sum(policy.choose(candidates).lengths.values()) == 0
