@@ -110,9 +110,7 @@ def _ours(
     options: PeersOptions, gguf: Path, name: str = "deepinfer", extra: tuple[str, ...] = ()
 ) -> PeerOutcome:
     if importlib.util.find_spec("deepinfer.cli") is None:
-        return PeerOutcome(
-            "deepinfer", "not available", "deepinfer.cli does not exist yet (no `deepinfer serve`)"
-        )
+        return PeerOutcome(name, "not available", "deepinfer.cli does not exist yet (no `deepinfer serve`)")
     probe = subprocess.run(
         [sys.executable, "-m", "deepinfer.cli", "serve", "--help"],
         capture_output=True,
@@ -120,9 +118,7 @@ def _ours(
         timeout=120,
     )
     if probe.returncode != 0 or "usage" not in probe.stdout.lower():
-        return PeerOutcome(
-            "deepinfer", "not available", "`python -m deepinfer.cli serve` is not available yet"
-        )
+        return PeerOutcome(name, "not available", "`python -m deepinfer.cli serve` is not available yet")
     command = [sys.executable, "-m", "deepinfer.cli", "serve", "--port", str(options.port), *extra]
     return PeerOutcome(
         name,

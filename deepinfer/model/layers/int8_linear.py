@@ -47,13 +47,10 @@ class Int8Linear(torch.nn.Module):
         return y.view(*shape[:-1], self.out_features)
 
 
-def quantize_linears_(module: torch.nn.Module) -> int:
-    """Replace every nn.Linear below `module` by an Int8Linear, in place; returns how many."""
-    count = 0
+def quantize_linears_(module: torch.nn.Module) -> None:
+    """Replace every nn.Linear below `module` by an Int8Linear, in place."""
     for name, child in list(module.named_children()):
         if isinstance(child, torch.nn.Linear):
             setattr(module, name, Int8Linear.from_linear(child))
-            count += 1
         else:
-            count += quantize_linears_(child)
-    return count
+            quantize_linears_(child)

@@ -50,7 +50,7 @@ class CpuPagedBackend:
         row_tokens = list(range(d))  # step token index of each kernel row
         row_seqs = list(range(d))  # the sequence whose block table a row reads
         row_lens = meta.seq_lens_list[:d]  # context length a row attends to
-        sdpa_chunks = []  # (first token, query length, context slots)
+        long_chunks = []  # (first token, query length, context slots)
         start = d
         for i in range(d, meta.num_seqs):
             num_q, length = meta.query_lens[i], meta.seq_lens_list[i]
@@ -59,7 +59,7 @@ class CpuPagedBackend:
                 row_seqs.extend([i] * num_q)
                 row_lens.extend(range(length - num_q + 1, length + 1))
             else:
-                sdpa_chunks.append((start, num_q, context_slots(meta, i)))
+                long_chunks.append((start, num_q, context_slots(meta, i)))
             start += num_q
         rows = len(row_tokens)
         meta.extra["kernel_rows"] = rows
@@ -72,7 +72,7 @@ class CpuPagedBackend:
         else:
             meta.extra["kernel_tables"] = meta.block_tables[torch.tensor(row_seqs, dtype=torch.int64)]
             meta.extra["kernel_lens"] = torch.tensor(row_lens, dtype=torch.int64)
-        meta.extra["sdpa_chunks"] = sdpa_chunks
+        meta.extra["long_chunks"] = long_chunks
 
     def forward(
         self,
@@ -111,7 +111,7 @@ class CpuPagedBackend:
             )
             if tokens is not None:
                 out.index_copy_(0, tokens, out_rows)
-        for start, num_q, slots in meta.extra["sdpa_chunks"]:
+        for start, num_q, slots in meta.extra["long_chunks"]:
             out[start : start + num_q] = attend_chunk_tiled(
                 q[start : start + num_q], cache[slots, 0], cache[slots, 1], scale
             )

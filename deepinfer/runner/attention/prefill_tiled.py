@@ -37,8 +37,8 @@ def attend_chunk_tiled(
         scores = scores.view(num_kv_heads, group, tile, visible)
         # Only the last `tile` key columns hold positions some query of the tile may not see yet.
         diagonal = scores[..., visible - tile :]
-        hidden = torch.ones(tile, tile, dtype=torch.bool, device=q.device).triu(1)
-        diagonal.masked_fill_(hidden, float("-inf"))
+        future = torch.ones(tile, tile, dtype=torch.bool, device=q.device).triu(1)
+        diagonal.masked_fill_(future, float("-inf"))
         probs = torch.softmax(scores, dim=-1).view(num_kv_heads, group * tile, visible)
         out[:, :, start:stop] = torch.bmm(probs, v[:, :visible]).view(num_kv_heads, group, tile, head_dim)
     return out.permute(2, 0, 1, 3).reshape(num_q, num_heads, head_dim)

@@ -71,7 +71,7 @@ void paged_decode_attention(const float *q, const float *k_cache, const float *v
                 for (int64_t j = 0; j < block_size; ++j) {
                     const float *nk = k_cache + (next + j) * slot_stride + kvh * head_dim;
                     const float *nv = v_cache + (next + j) * slot_stride + kvh * head_dim;
-                    for (int64_t d = 0; d < head_dim; d += 16) {
+                    for (int64_t d = 0; d < head_dim; d += 16) { /* one per 64-byte line */
                         __builtin_prefetch(nk + d);
                         __builtin_prefetch(nv + d);
                     }
