@@ -29,6 +29,9 @@ class EngineConfig:
     # int8: W8A8 linears on the CPU (int8 weights per channel, per-token activation scales);
     # several times faster than fp32, not bit-equal to it. None: the weights' dtype as loaded.
     quantization: Literal["int8"] | None = None
+    # float16: the KV cache in half precision (half the bytes decode attention reads, twice the
+    # tokens per GiB); attention still computes in fp32. auto: the model's dtype.
+    kv_cache_dtype: Literal["auto", "float16"] = "auto"
     # Speculative decoding (deepinfer/spec): drafts verified by the target in one forward, lossless.
     speculative_method: Literal["ngram", "draft", "mtp"] | None = None
     num_speculative_tokens: int = 5  # most drafts verified per step

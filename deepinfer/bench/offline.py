@@ -65,7 +65,8 @@ def random_prompts(tokenizer: Any, count: int, min_len: int, max_len: int, seed:
 
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     options: dict[str, Any] = {"num_threads": args.threads}
-    for name in ("max_num_batched_tokens", "max_num_seqs", "kv_cache_memory", "block_size", "quantization"):
+    names = ("max_num_batched_tokens", "max_num_seqs", "kv_cache_memory", "block_size", "quantization")
+    for name in (*names, "kv_cache_dtype"):
         value = getattr(args, name, None)
         if value is not None:
             options[name] = value
@@ -388,6 +389,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--quantization", choices=["int8"], help="W8A8 int8 linears (default: fp32)")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "float16"], help="default: the model dtype")
     parser.add_argument("--result-json")
     parser.add_argument("--quiet", action="store_true")
 

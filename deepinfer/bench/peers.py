@@ -131,7 +131,7 @@ def _ours(
 
 
 def _ours_int8(options: PeersOptions, gguf: Path) -> PeerOutcome:
-    return _ours(options, gguf, "deepinfer-int8", ("--quantization", "int8"))
+    return _ours(options, gguf, "deepinfer-int8", ("--quantization", "int8", "--kv-cache-dtype", "float16"))
 
 
 def _eos_token_ids(gguf: Path) -> list[int]:

@@ -64,7 +64,7 @@ class EngineCore:
                 f"{self.loaded.quantization!r}"
             )
         model_cfg = self.loaded.config
-        self.kv_spec = self.loaded.model.kv_cache_spec(dtype)
+        self.kv_spec = self.loaded.model.kv_cache_spec(self._kv_dtype(dtype))
         self.max_model_len = min(
             config.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings
         )
@@ -113,6 +113,19 @@ class EngineCore:
             self.kv_spec.bytes_per_token,
             self.runner.backend.name,
         )
+
+    def _kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        choice = self.config.kv_cache_dtype
+        if choice == "auto":
+            return model_dtype
+        if choice != "float16":
+            raise ValueError(f"kv_cache_dtype: expected 'auto' or 'float16', got {choice!r}")
+        if not self.loaded.model.supports_kv_cache_dtype:
+            raise ValueError(
+                f"kv_cache_dtype={choice!r}: {type(self.loaded.model).__name__} keeps its KV cache "
+                "in the model's dtype"
+            )
+        return torch.float16
 
     def _build_offloader(self) -> KVOffloader | None:
         c = self.config

@@ -35,6 +35,8 @@ class KVCacheSpec:
 
 class CausalLM(torch.nn.Module):
     config: ModelConfig
+    # Whether the attention of this model reads a KV cache whose dtype differs from its weights'.
+    supports_kv_cache_dtype = False
 
     @classmethod
     def from_config(cls, config: ModelConfig) -> CausalLM:

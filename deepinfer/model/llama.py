@@ -103,6 +103,8 @@ class LlamaDecoderLayer(torch.nn.Module):
 
 @register_model("llama", "qwen2", "qwen3", "mistral", "smollm")
 class LlamaForCausalLM(CausalLM):
+    supports_kv_cache_dtype = True
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg

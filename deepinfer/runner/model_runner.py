@@ -25,7 +25,11 @@ log = logging.getLogger(__name__)
 
 
 def make_attention_backend(
-    name: str, model: CausalLM, block_size: int, device: torch.device
+    name: str,
+    model: CausalLM,
+    block_size: int,
+    device: torch.device,
+    kv_dtype: torch.dtype = torch.float32,
 ) -> AttentionBackend:
     """`auto` picks the C kernel backend on CPU when it builds and fits the model, else the reference."""
     if name == "torch" or (name == "auto" and device.type != "cpu"):
@@ -33,7 +37,7 @@ def make_attention_backend(
     from deepinfer.runner.attention.cpu_paged import CpuPagedBackend
 
     cfg = model.config
-    fits = CpuPagedBackend.supports(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size)
+    fits = CpuPagedBackend.supports(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size, kv_dtype)
     try:
         if fits or name == "cpu_paged":
             return CpuPagedBackend()
@@ -75,7 +79,7 @@ class ModelRunner:
             torch.zeros((num_slots, *kv_spec.slot_shape), dtype=kv_spec.dtype, device=device)
             for _ in range(kv_spec.num_layers)
         ]
-        self.backend = make_attention_backend(attention_backend, model, block_size, device)
+        self.backend = make_attention_backend(attention_backend, model, block_size, device, kv_spec.dtype)
         self.sampler = Sampler()
         self._generators: dict[int, torch.Generator] = {}
         self.grammars: GrammarManager | None = None  # set by the engine core

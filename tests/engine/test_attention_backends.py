@@ -1,6 +1,6 @@
 """The C kernel backend against the PyTorch reference on one mixed step: decodes, short chunks
 that run as kernel rows (speculative verification) and long prefill chunks that go through tiled
-GEMMs."""
+GEMMs; with an fp32 and an fp16 KV cache (both read the same fp16 values, so they still agree)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,10 @@ def _step(query_lens: list[int], seq_lens: list[int], num_blocks: int, seed: int
         ([1, 300, 200], [50, 800, 200]),  # chunks longer than a query tile, after a prefix and from 0
     ],
 )
-def test_cpu_kernel_matches_reference(query_lens: list[int], seq_lens: list[int]) -> None:
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_cpu_kernel_matches_reference(
+    query_lens: list[int], seq_lens: list[int], kv_dtype: torch.dtype
+) -> None:
     try:
         fast = CpuPagedBackend()
     except RuntimeError as exc:
@@ -57,7 +60,7 @@ def test_cpu_kernel_matches_reference(query_lens: list[int], seq_lens: list[int]
     reference = TorchReferenceBackend()
     torch.manual_seed(0)
     num_blocks = sum(-(-n // BLOCK) for n in seq_lens) + 8
-    cache = torch.randn(num_blocks * BLOCK, 2, KV_HEADS, HEAD_DIM)
+    cache = torch.randn(num_blocks * BLOCK, 2, KV_HEADS, HEAD_DIM).to(kv_dtype)
     tokens = sum(query_lens)
     q = torch.randn(tokens, HEADS, HEAD_DIM)
     k = torch.randn(tokens, KV_HEADS, HEAD_DIM)

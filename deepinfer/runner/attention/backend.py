@@ -81,12 +81,13 @@ class TorchReferenceBackend:
         for i, num_q in enumerate(meta.query_lens):
             slots = meta.extra["slots"][i]
             out[start : start + num_q] = attend_sequence(
-                q[start : start + num_q], cache[slots, 0], cache[slots, 1], scale
+                q[start : start + num_q], cache[slots, 0].to(q.dtype), cache[slots, 1].to(q.dtype), scale
             )
             start += num_q
         return out
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    cache[:, 0].index_copy_(0, slot_mapping, k)
-    cache[:, 1].index_copy_(0, slot_mapping, v)
+    """Store the step's K/V [T, KVH, D] at their slots (converted to the cache's dtype)."""
+    cache[:, 0].index_copy_(0, slot_mapping, k.to(cache.dtype))
+    cache[:, 1].index_copy_(0, slot_mapping, v.to(cache.dtype))

@@ -18,7 +18,7 @@ from deepinfer.runner.attention.metadata import AttentionMetadata
 from deepinfer.runner.attention.prefill_tiled import attend_chunk_tiled
 from deepinfer.runner.kernels.build import load_kernel_library
 
-_MAX_GROUP, _MAX_HEAD_DIM, _MAX_BLOCK = 32, 512, 256
+_MAX_GROUP, _MAX_HEAD_DIM, _MAX_BLOCK, _MAX_HALF_ROWS = 32, 512, 256, 8192
 # Chunks up to this many tokens run as kernel rows: below it, reading the context once per token
 # (from cache) costs less than gathering it and a per-sequence attention call.
 KERNEL_CHUNK_TOKENS = 16
@@ -37,13 +37,20 @@ class CpuPagedBackend:
             raise RuntimeError("the paged_attention C kernel could not be built")
         self._decode = lib.paged_decode_attention
         self._decode.restype = None
-        self._decode.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float]
+        self._decode.argtypes = (
+            [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int64]
+        )
 
     @staticmethod
-    def supports(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
-        return (
+    def supports(
+        num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, kv_dtype: torch.dtype
+    ) -> bool:
+        fits = (
             num_heads // num_kv_heads <= _MAX_GROUP and head_dim <= _MAX_HEAD_DIM and block_size <= _MAX_BLOCK
         )
+        if kv_dtype == torch.float16:  # a block's rows are converted into a fixed-size buffer
+            return fits and block_size * head_dim <= _MAX_HALF_ROWS
+        return fits and kv_dtype == torch.float32
 
     def prepare(self, meta: AttentionMetadata) -> None:
         d = meta.num_decodes
@@ -108,11 +115,12 @@ class CpuPagedBackend:
                 meta.block_size,
                 tables.shape[1],
                 scale,
+                int(cache.dtype == torch.float16),
             )
             if tokens is not None:
                 out.index_copy_(0, tokens, out_rows)
         for start, num_q, slots in meta.extra["long_chunks"]:
             out[start : start + num_q] = attend_chunk_tiled(
-                q[start : start + num_q], cache[slots, 0], cache[slots, 1], scale
+                q[start : start + num_q], cache[slots, 0].to(q.dtype), cache[slots, 1].to(q.dtype), scale
             )
         return out

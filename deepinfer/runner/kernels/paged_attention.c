@@ -1,19 +1,25 @@
-/* Decode attention over a paged KV cache, fp32, for CPUs.
+/* Decode attention over a paged KV cache (fp32 or fp16 K/V, fp32 arithmetic), for CPUs.
  *
  * One query token per sequence. Work is split over (sequence, kv head): the G query heads that
  * share a kv head (GQA) are processed together, so each key and value row is read from memory
  * once. Keys are visited block by block with an online softmax (running max and sum), so nothing
  * is gathered or padded: the cost is one pass over the sequence's KV. Within a block, scores,
  * exponentials and the value sum are separate loops the compiler vectorizes; exp is a polynomial
- * (relative error ~2e-7) so no vector math library is needed.
+ * (relative error ~2e-7) so no vector math library is needed. An fp16 cache halves the bytes read
+ * (decode attention is bound by them): each block's rows of the kv head are converted into a small
+ * fp32 buffer first, and the same loops run on it.
  */
 #include <float.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
 
 #define MAX_GROUP 32
 #define MAX_HEAD_DIM 512
 #define MAX_BLOCK 256
+#define MAX_HALF_ROWS 8192 /* block_size * head_dim of an fp16 cache (the caller checks) */
 
 /* exp(x) for x <= 0 (the only case here: scores minus their running max). */
 static inline float exp_nonpositive(float x) {
@@ -36,11 +42,38 @@ static inline float exp_nonpositive(float x) {
     return p;
 }
 
-void paged_decode_attention(const float *q, const float *k_cache, const float *v_cache, float *out,
+/* The rows j = 0..n-1 of one block for kv head kvh, as fp32 rows `*row_stride` floats apart:
+ * pointers into an fp32 cache, or an fp16 cache's rows converted into `buffer`. */
+static inline const float *block_rows(const void *cache, int64_t kv_half, int64_t first_slot, int64_t n,
+                                      int64_t slot_stride, int64_t offset, int64_t head_dim, float *buffer,
+                                      int64_t *row_stride) {
+    if (!kv_half) {
+        *row_stride = slot_stride;
+        return (const float *)cache + first_slot * slot_stride + offset;
+    }
+    const _Float16 *half = (const _Float16 *)cache + first_slot * slot_stride + offset;
+    for (int64_t j = 0; j < n; ++j) {
+        const _Float16 *src = half + j * slot_stride;
+        float *dst = buffer + j * head_dim;
+        int64_t d = 0;
+#ifdef __F16C__
+        /* The compiler converts _Float16 one element at a time; F16C does 8 per instruction. */
+        for (; d + 8 <= head_dim; d += 8)
+            _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + d))));
+#endif
+        for (; d < head_dim; ++d) dst[d] = (float)src[d];
+    }
+    *row_stride = head_dim;
+    return buffer;
+}
+
+void paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, float *out,
                             const int64_t *block_tables, const int64_t *seq_lens, int64_t num_seqs,
                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t slot_stride,
-                            int64_t block_size, int64_t max_blocks, float scale) {
-    /* k_cache/v_cache point at slot 0's K and V; consecutive slots are slot_stride floats apart. */
+                            int64_t block_size, int64_t max_blocks, float scale, int64_t kv_half) {
+    /* k_cache/v_cache point at slot 0's K and V; consecutive slots are slot_stride elements apart
+     * (float, or _Float16 when kv_half). */
+    const int64_t element = kv_half ? 2 : 4;
     const int64_t group = num_heads / num_kv_heads;
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t work = 0; work < num_seqs * num_kv_heads; ++work) {
@@ -52,6 +85,7 @@ void paged_decode_attention(const float *q, const float *k_cache, const float *v
         float qs[MAX_GROUP][MAX_HEAD_DIM];
         float m[MAX_GROUP], l[MAX_GROUP];
         float scores[MAX_GROUP][MAX_BLOCK];
+        float k_buffer[MAX_HALF_ROWS], v_buffer[MAX_HALF_ROWS];
         for (int64_t g = 0; g < group; ++g) {
             const float *src = q + (s * num_heads + kvh * group + g) * head_dim;
             for (int64_t d = 0; d < head_dim; ++d) {
@@ -69,16 +103,18 @@ void paged_decode_attention(const float *q, const float *k_cache, const float *v
                  * them now so the loads overlap this block's arithmetic. */
                 const int64_t next = table[start / block_size + 1] * block_size;
                 for (int64_t j = 0; j < block_size; ++j) {
-                    const float *nk = k_cache + (next + j) * slot_stride + kvh * head_dim;
-                    const float *nv = v_cache + (next + j) * slot_stride + kvh * head_dim;
-                    for (int64_t d = 0; d < head_dim; d += 16) { /* one per 64-byte line */
-                        __builtin_prefetch(nk + d);
-                        __builtin_prefetch(nv + d);
+                    const int64_t at = ((next + j) * slot_stride + kvh * head_dim) * element;
+                    for (int64_t b = 0; b < head_dim * element; b += 64) { /* one per 64-byte line */
+                        __builtin_prefetch((const char *)k_cache + at + b);
+                        __builtin_prefetch((const char *)v_cache + at + b);
                     }
                 }
             }
+            int64_t k_stride, v_stride;
+            const float *k_rows = block_rows(k_cache, kv_half, base, n, slot_stride, kvh * head_dim, head_dim,
+                                             k_buffer, &k_stride);
             for (int64_t j = 0; j < n; ++j) {
-                const float *k = k_cache + (base + j) * slot_stride + kvh * head_dim;
+                const float *k = k_rows + j * k_stride;
                 for (int64_t g = 0; g < group; ++g) {
                     const float *qg = qs[g];
                     float dot = 0.0f;
@@ -106,8 +142,10 @@ void paged_decode_attention(const float *q, const float *k_cache, const float *v
                     for (int64_t d = 0; d < head_dim; ++d) a[d] *= correction;
                 }
             }
+            const float *v_rows = block_rows(v_cache, kv_half, base, n, slot_stride, kvh * head_dim, head_dim,
+                                             v_buffer, &v_stride);
             for (int64_t j = 0; j < n; ++j) {
-                const float *v = v_cache + (base + j) * slot_stride + kvh * head_dim;
+                const float *v = v_rows + j * v_stride;
                 for (int64_t g = 0; g < group; ++g) {
                     const float p = scores[g][j];
                     float *a = acc[g];

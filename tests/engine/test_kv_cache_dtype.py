@@ -1,0 +1,65 @@
+"""kv_cache_dtype="float16": half the KV bytes, fp32 attention, greedy output batch-invariant."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams
+
+CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def half_kv_llm(default_llm: LLM) -> Iterator[LLM]:
+    llm = LLM(loaded=default_llm.engine.core.loaded, kv_cache_memory=64 << 20, kv_cache_dtype="float16")
+    yield llm
+    llm.close()
+
+
+def test_half_kv_holds_twice_the_tokens_and_stays_close(default_llm: LLM, half_kv_llm: LLM) -> None:
+    full = default_llm.engine.core
+    half = half_kv_llm.engine.core
+    assert half.kv_spec.dtype == torch.float16
+    assert half.kv_bytes_per_token * 2 == full.kv_bytes_per_token
+    assert half.fingerprint != full.fingerprint  # other KV bytes: never a prefix hit across them
+    text = CHAT.format("What is the capital of France?") + "The capital of France is Paris, on the Seine."
+    ids = default_llm.get_tokenizer().encode(text)
+    reference, halved = full.score(ids), half.score(ids)
+    assert (reference - halved).abs().max().item() < 0.1
+    assert torch.equal(reference.argmax(-1), halved.argmax(-1))
+
+
+def test_half_kv_greedy_is_identical_alone_and_batched(half_kv_llm: LLM) -> None:
+    prompts = [
+        CHAT.format(q) for q in ("Name a fruit.", "Count to five.", "Say hello in French.", "What is 2+2?")
+    ]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    half_kv_llm.reset_prefix_cache()
+    batched = [o.outputs[0].token_ids for o in half_kv_llm.generate(prompts, params, use_tqdm=False)]
+    half_kv_llm.reset_prefix_cache()
+    alone = [half_kv_llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert alone == batched
+
+
+def test_half_kv_round_trips_through_the_store(default_llm: LLM, tmp_path: Path) -> None:
+    loaded = default_llm.engine.core.loaded
+    prompt = default_llm.get_tokenizer().encode(" ".join(f"word{i}" for i in range(400)))
+    params = SamplingParams(temperature=0, max_tokens=8)
+    options = {"kv_cache_memory": 64 << 20, "kv_cache_dtype": "float16", "kv_store": str(tmp_path)}
+    first = LLM(loaded=loaded, **options)
+    [cold] = first.generate([prompt], params, use_tqdm=False)
+    first.close()  # flushes the write-behind queue
+    second = LLM(loaded=loaded, **options)
+    [warm] = second.generate([prompt], params, use_tqdm=False)
+    second.close()
+    assert warm.num_cached_tokens >= 256 and cold.num_cached_tokens == 0
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+
+
+def test_bad_kv_cache_dtype_is_named(default_llm: LLM) -> None:
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        LLM(loaded=default_llm.engine.core.loaded, kv_cache_memory=16 << 20, kv_cache_dtype="int4")
