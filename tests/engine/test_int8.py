@@ -10,8 +10,7 @@ import torch.nn.functional as F
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.model.layers.int8_linear import Int8Linear
-
-CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+from tests.engine.greedy import CHAT, assert_greedy_batch_invariant
 
 
 def test_int8_linear_is_close_to_fp32_and_rows_are_independent() -> None:
@@ -56,15 +55,7 @@ def test_int8_model_stays_close_to_fp32(default_llm: LLM, int8_llm: LLM) -> None
 
 
 def test_int8_greedy_is_identical_alone_and_batched(int8_llm: LLM) -> None:
-    prompts = [
-        CHAT.format(q) for q in ("Name a fruit.", "Count to five.", "Say hello in French.", "What is 2+2?")
-    ]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    int8_llm.reset_prefix_cache()
-    batched = [o.outputs[0].token_ids for o in int8_llm.generate(prompts, params, use_tqdm=False)]
-    int8_llm.reset_prefix_cache()
-    alone = [int8_llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
-    assert alone == batched
+    assert_greedy_batch_invariant(int8_llm)
 
 
 def test_int8_never_shares_prefix_blocks_with_fp32(default_llm: LLM, int8_llm: LLM) -> None:

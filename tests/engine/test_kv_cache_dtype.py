@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
-
-CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+from tests.engine.greedy import CHAT, assert_greedy_batch_invariant
 
 
 @pytest.fixture(scope="module")
@@ -34,15 +33,7 @@ def test_half_kv_holds_twice_the_tokens_and_stays_close(default_llm: LLM, half_k
 
 
 def test_half_kv_greedy_is_identical_alone_and_batched(half_kv_llm: LLM) -> None:
-    prompts = [
-        CHAT.format(q) for q in ("Name a fruit.", "Count to five.", "Say hello in French.", "What is 2+2?")
-    ]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    half_kv_llm.reset_prefix_cache()
-    batched = [o.outputs[0].token_ids for o in half_kv_llm.generate(prompts, params, use_tqdm=False)]
-    half_kv_llm.reset_prefix_cache()
-    alone = [half_kv_llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
-    assert alone == batched
+    assert_greedy_batch_invariant(half_kv_llm)
 
 
 def test_half_kv_round_trips_through_the_store(default_llm: LLM, tmp_path: Path) -> None:
