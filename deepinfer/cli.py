@@ -53,6 +53,17 @@ def parse_size(text: str) -> int:
     return int(number * (1024 ** " kmgt".index(unit or " ")))
 
 
+def positive_int_list(text: str) -> list[int]:
+    """`1,4,16` -> [1, 4, 16]; every value must be a positive integer."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
 def _is_optional(hint: Any) -> tuple[Any, bool]:
     args = typing.get_args(hint)
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:

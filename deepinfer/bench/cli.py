@@ -21,16 +21,7 @@ from deepinfer.bench.datasets import DATASET_NAMES
 from deepinfer.bench.offline import add_offline_parsers, run_kvstore, run_latency, run_prefix, run_throughput
 from deepinfer.bench.report import markdown_table, provenance, read_json, write_json
 from deepinfer.bench.serve import BenchError
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
+from deepinfer.cli import positive_int_list
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -60,7 +51,7 @@ def _add_serve(commands: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-concurrency", type=int, help="cap on requests in flight")
     p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals/s (default inf)")
-    p.add_argument("--sweep-concurrency", type=_int_list, help="e.g. 1,4,16,32: one run per level")
+    p.add_argument("--sweep-concurrency", type=positive_int_list, help="e.g. 1,4,16,32: one run per level")
     p.add_argument("--slo-ttft-ms", type=float)
     p.add_argument("--slo-tpot-ms", type=float)
     p.add_argument("--slo-e2e-ms", type=float)
@@ -79,7 +70,7 @@ def _add_serve(commands: Any) -> None:
 def _add_roofline(commands: Any) -> None:
     p = commands.add_parser("roofline", help="measure FLOP/s and memory bandwidth; MFU/MBU of a result")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--sizes", type=_int_list, default=[256, 512, 1024, 2048], help="GEMM sizes")
+    p.add_argument("--sizes", type=positive_int_list, default=[256, 512, 1024, 2048], help="GEMM sizes")
     p.add_argument("--bandwidth-mib", type=int, default=256, help="buffer size for copy/add")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--result", help="a `bench serve` result JSON to convert into MFU/MBU")

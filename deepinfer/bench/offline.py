@@ -65,8 +65,15 @@ def random_prompts(tokenizer: Any, count: int, min_len: int, max_len: int, seed:
 
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     options: dict[str, Any] = {"num_threads": args.threads}
-    names = ("max_num_batched_tokens", "max_num_seqs", "kv_cache_memory", "block_size", "quantization")
-    for name in (*names, "kv_cache_dtype"):
+    forwarded = (
+        "max_num_batched_tokens",
+        "max_num_seqs",
+        "kv_cache_memory",
+        "block_size",
+        "quantization",
+        "kv_cache_dtype",
+    )
+    for name in forwarded:
         value = getattr(args, name, None)
         if value is not None:
             options[name] = value

@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from deepinfer.bench.report import markdown_table, provenance, write_json
-from deepinfer.cli import parse_size
+from deepinfer.cli import parse_size, positive_int_list
 
 CODE_FILE = '''"""A small inventory service: items, stock levels and reorder rules."""
 
@@ -124,16 +124,6 @@ def mixed_prompts(count: int) -> list[str]:
     return prompts
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "spec",
@@ -155,7 +145,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--dynamic-max-k", type=int, default=5, help="upper bound of the dynamic policy")
     p.add_argument("--repeat-output-len", type=int, default=192, help="max tokens of each repeat request")
     p.add_argument("--mixed-output-len", type=int, default=64, help="max tokens of each mixed request")
-    p.add_argument("--batch-sizes", type=_int_list, default=[1, 4, 16], help="mixed part: e.g. 1,4,16")
+    p.add_argument(
+        "--batch-sizes", type=positive_int_list, default=[1, 4, 16], help="mixed part: e.g. 1,4,16"
+    )
     p.add_argument("--repeats", type=int, default=3, help="runs per config (interleaved; the fastest counts)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument(

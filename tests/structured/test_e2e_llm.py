@@ -14,21 +14,14 @@ SAMPLES_PER_SCHEMA = 5
 MAX_TOKENS = 256
 
 
-def _prompt(llm, schema: dict) -> str:
+def _prompt(llm, schema: dict) -> list[int]:
     messages = [
         {
             "role": "user",
             "content": f"Reply with one JSON value that matches this JSON Schema:\n{json.dumps(schema)}",
         }
     ]
-    return _chat(llm, messages)
-
-
-def _chat(llm, messages: list[dict]) -> str:
-    from jinja2 import Template
-
-    template = llm.get_tokenizer().chat_template
-    return Template(template).render(messages=messages, add_generation_prompt=True)
+    return llm.render_chat(messages)
 
 
 def test_generated_json_always_validates(default_llm):
@@ -66,7 +59,7 @@ def test_generated_json_always_validates(default_llm):
 def test_choice_and_regex(default_llm):
     from deepinfer import SamplingParams, StructuredOutputs
 
-    prompt = _chat(default_llm, [{"role": "user", "content": "Is the sky blue? Answer yes or no."}])
+    prompt = default_llm.render_chat([{"role": "user", "content": "Is the sky blue? Answer yes or no."}])
     choice = SamplingParams(
         structured_outputs=StructuredOutputs(choice=["yes", "no"]), temperature=1.0, seed=1
     )
