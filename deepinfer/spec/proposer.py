@@ -16,7 +16,13 @@ import torch
 
 from deepinfer.engine.request import Sequence
 from deepinfer.engine.scheduler import ScheduledSequence, SchedulerOutput
-from deepinfer.runner.sampler import SampledToken, SamplingRow, process_logits, sample_from, truncated_probs
+from deepinfer.runner.sampler import (
+    SampledToken,
+    SamplingRow,
+    process_logits,
+    sample_rows,
+    truncated_probs_batch,
+)
 from deepinfer.spec.cost_model import CostCurve
 from deepinfer.spec.verifier import position_row
 
@@ -67,15 +73,20 @@ def draw_drafts(logits: torch.Tensor, requests: list[DraftRequest]) -> None:
     greedy requests take the argmax, sampled ones draw from q with the draft's generator."""
     rows = [r.next_row() for r in requests]
     processed = process_logits(logits, rows)
+    # Sampled rows are truncated and drawn in one batch, exactly as the sampler does.
+    drawn = [i for i, row in enumerate(rows) if not row.params.greedy]
+    draws: dict[int, tuple[int, torch.Tensor]] = {}  # row -> (token, q [V])
+    if drawn:
+        q = truncated_probs_batch(processed[drawn], [rows[i].params for i in drawn])
+        draws = dict(zip(drawn, zip(sample_rows(q, [rows[i].generator for i in drawn]), q)))
     for i, (request, row) in enumerate(zip(requests, rows)):
         if row.params.greedy:
             token = int(processed[i].argmax())
             confidence = float(torch.softmax(processed[i], dim=-1)[token])
             request.offer(token, None, confidence)
         else:
-            q = truncated_probs(processed[i], row.params)
-            token = sample_from(q, row.generator)
-            request.offer(token, q, float(q[token]))
+            token, probs = draws[i]
+            request.offer(token, probs, float(probs[token]))
 
 
 class Proposer(Protocol):

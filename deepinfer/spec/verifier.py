@@ -27,7 +27,7 @@ from typing import Protocol
 import torch
 
 from deepinfer.engine.request import Sequence as EngineSequence
-from deepinfer.runner.sampler import SampledToken, SamplingRow, sample_from, truncated_probs
+from deepinfer.runner.sampler import SampledToken, SamplingRow, sample_from, truncated_probs_batch
 
 
 @dataclass(slots=True)
@@ -151,7 +151,7 @@ def verify_processed(
     if params.greedy:
         result = verify_greedy(processed.argmax(dim=-1).tolist(), drafts)
     else:
-        target = torch.stack([truncated_probs(processed[j], params) for j in range(len(rows))])
+        target = truncated_probs_batch(processed, [params] * len(rows))  # [k + 1, V]
         result = verify_sampled(target, drafts, draft_probs, rows[0].generator)
     tokens = [with_logprobs(t, processed[j], rows[j]) for j, t in enumerate(result.token_ids)]
     return result, tokens
