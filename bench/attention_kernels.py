@@ -19,10 +19,10 @@ from functools import partial
 
 import torch
 
-from deepinfer.runner.attention.backend import attend_sequence
-from deepinfer.runner.attention.cpu_paged import CpuPagedBackend
-from deepinfer.runner.attention.metadata import AttentionMetadata
-from deepinfer.runner.attention.prefill_tiled import attend_chunk_tiled
+from deepinfer.attention.backend import attend_sequence
+from deepinfer.attention.cpu_paged import CpuPagedBackend
+from deepinfer.attention.metadata import AttentionMetadata
+from deepinfer.attention.prefill_tiled import attend_chunk_tiled
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # SmolLM2-135M
 

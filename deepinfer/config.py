@@ -32,7 +32,7 @@ class EngineConfig:
     # float16: the KV cache in half precision (half the bytes decode attention reads, twice the
     # tokens per GiB); attention still computes in fp32. auto: the model's dtype.
     kv_cache_dtype: Literal["auto", "float16"] = "auto"
-    # Speculative decoding (deepinfer/spec): drafts verified by the target in one forward, lossless.
+    # Speculative decoding (deepinfer/speculative): drafts verified by the target in one forward, lossless.
     speculative_method: Literal["ngram", "draft", "mtp"] | None = None
     num_speculative_tokens: int = 5  # most drafts verified per step
     speculative_length: Literal["fixed", "dynamic"] = "dynamic"

@@ -16,16 +16,16 @@ from deepinfer.engine.kv_cache.manager import KVCacheManager
 from deepinfer.engine.kv_cache.prefix import namespace_root
 from deepinfer.engine.kv_offload import KVOffloader
 from deepinfer.engine.outputs import SequenceOutput, TokenLogprobs
-from deepinfer.engine.request import EngineRequest, Sequence
 from deepinfer.engine.scheduler import Scheduler, SchedulerConfig, SequenceUpdate
 from deepinfer.model.loader.load import LoadedModel, load_model
 from deepinfer.runner.model_runner import ModelRunner, StepResult
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.sequence import EngineRequest, Sequence
 from deepinfer.store import KVStoreConfig, build_kv_store
 
 if TYPE_CHECKING:
-    from deepinfer.spec.decoder import SpeculativeDecoder
-    from deepinfer.spec.stats import SpecDecodeStats
+    from deepinfer.speculative.decoder import SpeculativeDecoder
+    from deepinfer.speculative.stats import SpecDecodeStats
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class EngineCore:
         )
         self.spec: SpeculativeDecoder | None = None
         if config.speculative_method is not None:
-            from deepinfer.spec.build import build_speculative_decoder
+            from deepinfer.speculative.build import build_speculative_decoder
 
             self.spec = build_speculative_decoder(self)
             self.runner.speculator = self.spec

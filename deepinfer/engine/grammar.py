@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from deepinfer.engine.request import Sequence
+from deepinfer.sequence import Sequence
 from deepinfer.structured import (
     GrammarCompileService,
     GrammarHandle,

@@ -20,7 +20,7 @@ from typing import Protocol
 import numpy as np
 
 from deepinfer.engine.kv_cache.manager import KVCacheManager
-from deepinfer.engine.request import Sequence
+from deepinfer.sequence import Sequence
 from deepinfer.store import TieredKVStore
 
 log = logging.getLogger(__name__)

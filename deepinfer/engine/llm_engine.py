@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from deepinfer.config import EngineConfig
 from deepinfer.engine.core import EngineCore
 from deepinfer.engine.output_processor import OutputProcessor, SequenceDelta
-from deepinfer.engine.request import EngineRequest
 from deepinfer.model.loader.load import LoadedModel
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import InvalidRequestError, SamplingParams
+from deepinfer.sequence import EngineRequest
 from deepinfer.structured import GrammarSpec
 
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from deepinfer.engine.kv_cache.manager import KVCacheManager
-from deepinfer.engine.request import EngineRequest, FinishReason, Sequence, SequenceStatus
+from deepinfer.sequence import EngineRequest, FinishReason, Sequence, SequenceStatus
+from deepinfer.step import ScheduledSequence, SchedulerOutput
 
 
 @dataclass(slots=True)
@@ -26,43 +27,6 @@ class SchedulerConfig:
     prefill_chunk_size: int | None = None  # cap on one sequence's prefill chunk (None: budget)
     max_model_len: int = 8192
     policy: Literal["fcfs", "priority"] = "fcfs"
-
-
-@dataclass(slots=True)
-class ScheduledSequence:
-    seq: Sequence
-    num_new_tokens: int
-    start: int  # position of the first new token (tokens computed before this step)
-    sample: bool  # this step ends at the sequence's last token, so it yields a new token
-    forks: list[Sequence] = field(default_factory=list)  # siblings sampled from the same logits
-    # Speculative decoding: the last num_draft_tokens of num_new_tokens are draft tokens (filled in
-    # by the proposer after allocation), verified by the target in this step's forward.
-    num_draft_tokens: int = 0
-    draft_token_ids: list[int] = field(default_factory=list)
-    speculative: bool = False  # draft slots were reserved (even if the proposer then used none)
-
-    def truncate_drafts(self, keep: int) -> None:
-        """Verify only the first `keep` reserved drafts (the proposer stopped early); the slots
-        left unused are released with the rejected ones after the step."""
-        drop = self.num_draft_tokens - keep
-        self.num_draft_tokens = keep
-        self.num_new_tokens -= drop
-        self.seq.num_computed_tokens -= drop
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledSequence]
-    block_copies: list[tuple[int, int]]
-    preempted: list[Sequence]
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 @dataclass(slots=True)

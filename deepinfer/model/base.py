@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.attention.backend import AttentionBackend
+from deepinfer.attention.metadata import AttentionMetadata
 from deepinfer.model.config import ModelConfig
-from deepinfer.runner.attention.backend import AttentionBackend
-from deepinfer.runner.attention.metadata import AttentionMetadata
 
 
 @dataclass(slots=True, frozen=True)

@@ -1,7 +1,7 @@
 """The DeepSeek-V3 family (V3, R1, V3.1, V3.2 with dense attention) and DeepSeek-V2, in plain PyTorch.
 
 Multi-head Latent Attention caches one latent vector per token and layer (see
-runner/attention/mla.py); DeepSeekMoE routes each token to a few experts (layers/moe.py); the
+attention/mla.py); DeepSeekMoE routes each token to a few experts (layers/moe.py); the
 optional MTP modules draft the token after next for speculative decoding.
 
 Checkpoints load from HF safetensors with the official tensor names, BF16/FP32 or FP8 with
@@ -28,6 +28,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from deepinfer.attention.backend import AttentionBackend
+from deepinfer.attention.metadata import AttentionMetadata
+from deepinfer.attention.mla import MLAStepMetadata, mla_attention
 from deepinfer.model.base import CausalLM, KVCacheSpec
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.layers.fp8 import dequantize_checkpoint, weight_block_size
@@ -36,9 +39,6 @@ from deepinfer.model.layers.moe import DeepseekMoE, RouterConfig
 from deepinfer.model.layers.norm import RMSNorm
 from deepinfer.model.layers.rotary import RotaryEmbedding, yarn_get_mscale
 from deepinfer.model.registry import register_model
-from deepinfer.runner.attention.backend import AttentionBackend
-from deepinfer.runner.attention.metadata import AttentionMetadata
-from deepinfer.runner.attention.mla import MLAStepMetadata, mla_attention
 
 log = logging.getLogger(__name__)
 

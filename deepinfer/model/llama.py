@@ -11,14 +11,14 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
+from deepinfer.attention.backend import AttentionBackend
+from deepinfer.attention.metadata import AttentionMetadata
 from deepinfer.model.base import CausalLM, KVCacheSpec
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.layers.int8_linear import Int8Linear, quantize_linears_
 from deepinfer.model.layers.norm import RMSNorm
 from deepinfer.model.layers.rotary import RotaryEmbedding
 from deepinfer.model.registry import register_model
-from deepinfer.runner.attention.backend import AttentionBackend
-from deepinfer.runner.attention.metadata import AttentionMetadata
 
 
 def _linear(rows: int, cols: int, bias: bool = False) -> torch.nn.Linear:

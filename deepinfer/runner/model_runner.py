@@ -9,17 +9,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from deepinfer.attention.backend import AttentionBackend, TorchReferenceBackend
+from deepinfer.attention.metadata import AttentionMetadata
 from deepinfer.engine.grammar import GrammarManager
-from deepinfer.engine.request import Sequence
-from deepinfer.engine.scheduler import ScheduledSequence, SchedulerOutput
 from deepinfer.model.base import CausalLM, KVCacheSpec
-from deepinfer.runner.attention.backend import AttentionBackend, TorchReferenceBackend
-from deepinfer.runner.attention.metadata import AttentionMetadata
 from deepinfer.runner.sampler import SampledToken, Sampler, SamplingRow
+from deepinfer.sequence import Sequence
+from deepinfer.step import ScheduledSequence, SchedulerOutput
 from deepinfer.structured.bitmask import allocate_bitmask
 
 if TYPE_CHECKING:
-    from deepinfer.spec.decoder import SpeculativeDecoder
+    from deepinfer.speculative.decoder import SpeculativeDecoder
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ def make_attention_backend(
     """`auto` picks the C kernel backend on CPU when it builds and fits the model, else the reference."""
     if name == "torch" or (name == "auto" and device.type != "cpu"):
         return TorchReferenceBackend()
-    from deepinfer.runner.attention.cpu_paged import CpuPagedBackend
+    from deepinfer.attention.cpu_paged import CpuPagedBackend
 
     cfg = model.config
     fits = CpuPagedBackend.supports(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size, kv_dtype)
@@ -83,7 +83,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self._generators: dict[int, torch.Generator] = {}
         self.grammars: GrammarManager | None = None  # set by the engine core
-        # Speculative decoding (deepinfer.spec.decoder.SpeculativeDecoder), set by the engine core:
+        # Speculative decoding (deepinfer.speculative.decoder.SpeculativeDecoder), set by the engine core:
         # drafts the reserved slots before the forward and verifies them after it.
         self.speculator: SpeculativeDecoder | None = None
 

@@ -12,10 +12,10 @@ from typing import Any, Protocol
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from deepinfer.engine.ipc.client import EngineDeadError, GenerationStream
 from deepinfer.engine.output_processor import SequenceDelta
 from deepinfer.recipe.api import GenerationError
 from deepinfer.recipe.events import Event
-from deepinfer.server.engine_client import EngineDeadError, GenerationStream
 from deepinfer.server.errors import ApiError
 from deepinfer.server.generation import Choices
 from deepinfer.server.http_io import EventStreamResponse, until_disconnect

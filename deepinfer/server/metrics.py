@@ -14,7 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from deepinfer.engine.core import EngineStats
-from deepinfer.server.engine_client import RequestRecord
+from deepinfer.engine.ipc.client import RequestRecord
 
 PREFIX = "deepinfer_"
 

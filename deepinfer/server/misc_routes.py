@@ -8,9 +8,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from deepinfer.engine.ipc.client import EngineDeadError
 from deepinfer.recipe.api import chat_completion_to_conversation
 from deepinfer.recipe.api._validation import ApiModel, require, validate
-from deepinfer.server.engine_client import EngineDeadError
 from deepinfer.server.errors import ApiError
 from deepinfer.server.http_io import read_json
 from deepinfer.server.openai_routes import state_of

@@ -19,12 +19,12 @@ from pathlib import Path
 import uvicorn
 
 from deepinfer.config import EngineConfig
+from deepinfer.engine.ipc.client import EngineClient
+from deepinfer.engine.ipc.transport import EngineTransport, ProcessTransport, ThreadTransport
 from deepinfer.model.loader.source import DEFAULT_MODEL_NAME, converted_gguf_dir, resolve_model_path
 from deepinfer.recipe import ModelInfo, Recipe, RecipeError
 from deepinfer.server.app import build_app
 from deepinfer.server.constraints import GrammarValidator
-from deepinfer.server.engine_client import EngineClient
-from deepinfer.server.engine_transport import EngineTransport, ProcessTransport, ThreadTransport
 from deepinfer.server.metrics import ServerMetrics
 from deepinfer.server.state import ServerConfig, ServerState
 from deepinfer.tokenizer import Tokenizer

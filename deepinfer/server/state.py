@@ -11,17 +11,17 @@ from typing import Any, Literal
 
 from fastapi import Request
 
-from deepinfer.engine.request import EngineRequest
+from deepinfer.engine.ipc.client import EngineClient, EngineDeadError, GenerationStream
 from deepinfer.recipe import Recipe, RenderedPrompt
 from deepinfer.recipe.ir import Conversation
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.sequence import EngineRequest
 from deepinfer.server.constraints import (
     FormatField,
     GrammarValidator,
     output_constraint,
     parallel_calls_allowed,
 )
-from deepinfer.server.engine_client import EngineClient, EngineDeadError, GenerationStream
 from deepinfer.server.errors import ApiError, Flavor, overloaded
 from deepinfer.server.generation import check_context
 from deepinfer.server.metrics import ServerMetrics

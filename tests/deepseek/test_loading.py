@@ -73,7 +73,7 @@ def test_rope_without_interleave_matches_hf(tmp_path):
         tmp_path, {"rope_interleave": False, "num_nextn_predict_layers": 0}, fp8=False, seed=5
     )
     model = load_model(str(checkpoint.path), torch.float32, torch.device("cpu")).model
-    from deepinfer.runner.attention.metadata import AttentionMetadata
+    from deepinfer.attention.metadata import AttentionMetadata
 
     ids = [0, 11, 23, 57, 101, 250, 3, 77]
     meta = AttentionMetadata(

@@ -14,9 +14,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from deepinfer.attention.metadata import AttentionMetadata
 from deepinfer.model.base import KVCacheSpec
 from deepinfer.model.loader.load import load_model
-from deepinfer.runner.attention.metadata import AttentionMetadata
 
 BLOCK = 4
 TABLE = [3, 0, 5, 1, 7, 2, 6, 4]  # non-contiguous blocks: 32 slots

@@ -6,9 +6,9 @@ import itertools
 
 from deepinfer.engine.kv_cache.manager import KVCacheManager
 from deepinfer.engine.kv_cache.prefix import namespace_root
-from deepinfer.engine.request import EngineRequest, Sequence
 from deepinfer.engine.scheduler import Scheduler, SchedulerConfig
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.sequence import EngineRequest, Sequence
 
 ROOT = namespace_root("test-model")
 _ids = itertools.count()

@@ -9,9 +9,9 @@ import random
 import pytest
 import torch
 
-from deepinfer.runner.attention.backend import TorchReferenceBackend
-from deepinfer.runner.attention.cpu_paged import KERNEL_CHUNK_TOKENS, CpuPagedBackend
-from deepinfer.runner.attention.metadata import AttentionMetadata
+from deepinfer.attention.backend import TorchReferenceBackend
+from deepinfer.attention.cpu_paged import KERNEL_CHUNK_TOKENS, CpuPagedBackend
+from deepinfer.attention.metadata import AttentionMetadata
 
 BLOCK = 16
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64

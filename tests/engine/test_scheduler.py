@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from deepinfer.engine.request import FinishReason, SequenceStatus
+from deepinfer.sequence import FinishReason, SequenceStatus
 
 from .helpers import ROOT, make_scheduler, request, run_step
 

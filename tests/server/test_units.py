@@ -9,13 +9,7 @@ import pytest
 from starlette.requests import Request
 
 from deepinfer.engine.core import EngineStats
-from deepinfer.engine.outputs import SequenceOutput, TokenLogprobs
-from deepinfer.engine.request import EngineRequest
-from deepinfer.recipe.ir import ResponseFormat
-from deepinfer.sampling_params import InvalidRequestError, SamplingParams
-from deepinfer.server.generation import grammar_for
-from deepinfer.server.metrics import ServerMetrics
-from deepinfer.server.protocol import (
+from deepinfer.engine.ipc.protocol import (
     AbortRequest,
     AddRequest,
     Codec,
@@ -27,6 +21,12 @@ from deepinfer.server.protocol import (
     Shutdown,
     WireRequest,
 )
+from deepinfer.engine.outputs import SequenceOutput, TokenLogprobs
+from deepinfer.recipe.ir import ResponseFormat
+from deepinfer.sampling_params import InvalidRequestError, SamplingParams
+from deepinfer.sequence import EngineRequest
+from deepinfer.server.generation import grammar_for
+from deepinfer.server.metrics import ServerMetrics
 from deepinfer.server.state import ServerConfig, ServerState
 from deepinfer.structured.spec import GrammarSpec
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from deepinfer.engine.kv_cache.block_pool import BlockPool
 from deepinfer.engine.kv_cache.prefix import extend_block_hashes
-from deepinfer.engine.request import Sequence
+from deepinfer.sequence import Sequence
 from deepinfer.utils import cdiv
 
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.engine.request import EngineRequest, Sequence
-from deepinfer.engine.scheduler import ScheduledSequence
 from deepinfer.runner.sampler import SamplingRow
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.spec.proposer import DraftRequest, draw_drafts
+from deepinfer.sequence import EngineRequest, Sequence
+from deepinfer.speculative.proposer import DraftRequest, draw_drafts
+from deepinfer.step import ScheduledSequence
 
 
 def _request(k: int, threshold: float | None, alphas: list[float]) -> DraftRequest:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from deepinfer.runner.attention.metadata import AttentionMetadata
+from deepinfer.attention.metadata import AttentionMetadata
 
 
 @dataclass(slots=True)

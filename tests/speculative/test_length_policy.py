@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from deepinfer.spec.cost_model import CostCurve, StepCostModel
-from deepinfer.spec.length_policy import (
+from deepinfer.speculative.cost_model import CostCurve, StepCostModel
+from deepinfer.speculative.length_policy import (
     AcceptanceEstimator,
     Candidate,
     LengthPolicy,

@@ -22,7 +22,7 @@ import zmq
 import zmq.asyncio
 
 from deepinfer.config import EngineConfig
-from deepinfer.server.protocol import (
+from deepinfer.engine.ipc.protocol import (
     Codec,
     EngineFailed,
     EngineInfo,
@@ -98,7 +98,7 @@ class ProcessTransport(EngineTransport):
         return self._process.pid if self._process is not None else None
 
     async def start(self) -> EngineInfo:
-        from deepinfer.server.engine_loop import engine_process_main
+        from deepinfer.engine.ipc.loop import engine_process_main
 
         # spawn: the child must not inherit this process's event loop, threads or sockets.
         context = multiprocessing.get_context("spawn")
@@ -200,7 +200,7 @@ class ThreadTransport(EngineTransport):
     """The engine core on a thread of the API process: for tests and embedding."""
 
     def __init__(self, config: EngineConfig) -> None:
-        from deepinfer.server.engine_loop import QueueInbox
+        from deepinfer.engine.ipc.loop import QueueInbox
 
         self.config = config
         self._inbox = QueueInbox()
@@ -216,7 +216,7 @@ class ThreadTransport(EngineTransport):
 
     async def start(self) -> EngineInfo:
         from deepinfer.engine.core import EngineCore
-        from deepinfer.server.engine_loop import EngineLoop, engine_info
+        from deepinfer.engine.ipc.loop import EngineLoop, engine_info
 
         loop = self._loop = asyncio.get_running_loop()
         ready: asyncio.Future[EngineInfo] = loop.create_future()

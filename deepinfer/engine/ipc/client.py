@@ -15,10 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from deepinfer.engine.core import EngineStats
-from deepinfer.engine.output_processor import OutputProcessor, SequenceDelta
-from deepinfer.engine.request import EngineRequest
-from deepinfer.server.engine_transport import EngineTransport
-from deepinfer.server.protocol import (
+from deepinfer.engine.ipc.protocol import (
     AbortRequest,
     AddRequest,
     EngineFailed,
@@ -28,6 +25,9 @@ from deepinfer.server.protocol import (
     ResetPrefixCache,
     WireRequest,
 )
+from deepinfer.engine.ipc.transport import EngineTransport
+from deepinfer.engine.output_processor import OutputProcessor, SequenceDelta
+from deepinfer.sequence import EngineRequest
 from deepinfer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

@@ -13,10 +13,10 @@ import ctypes
 
 import torch
 
-from deepinfer.runner.attention.backend import context_slots, write_kv
-from deepinfer.runner.attention.metadata import AttentionMetadata
-from deepinfer.runner.attention.prefill_tiled import attend_chunk_tiled
-from deepinfer.runner.kernels.build import load_kernel_library
+from deepinfer.attention.backend import context_slots, write_kv
+from deepinfer.attention.metadata import AttentionMetadata
+from deepinfer.attention.prefill_tiled import attend_chunk_tiled
+from deepinfer.kernels.build import load_kernel_library
 
 _MAX_GROUP, _MAX_HEAD_DIM, _MAX_BLOCK, _MAX_HALF_ROWS = 32, 512, 256, 8192
 # Chunks up to this many tokens run as kernel rows: below it, reading the context once per token

@@ -26,8 +26,8 @@ from typing import Protocol
 
 import torch
 
-from deepinfer.engine.request import Sequence as EngineSequence
 from deepinfer.runner.sampler import SampledToken, SamplingRow, sample_from, truncated_probs_batch
+from deepinfer.sequence import Sequence as EngineSequence
 
 
 @dataclass(slots=True)

@@ -13,14 +13,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from deepinfer.engine.request import Sequence
-from deepinfer.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
+from deepinfer.engine.scheduler import Scheduler
 from deepinfer.runner.model_runner import seed_generator
 from deepinfer.runner.sampler import SampledToken, SamplingRow, process_logits
-from deepinfer.spec.length_policy import AcceptanceEstimator, Candidate, LengthPolicy
-from deepinfer.spec.proposer import DraftRequest, Proposer
-from deepinfer.spec.stats import SpecDecodeStats
-from deepinfer.spec.verifier import DraftGrammar, position_rows, verify_processed
+from deepinfer.sequence import Sequence
+from deepinfer.speculative.length_policy import AcceptanceEstimator, Candidate, LengthPolicy
+from deepinfer.speculative.proposer import DraftRequest, Proposer
+from deepinfer.speculative.stats import SpecDecodeStats
+from deepinfer.speculative.verifier import DraftGrammar, position_rows, verify_processed
+from deepinfer.step import ScheduledSequence, SchedulerOutput
 
 if TYPE_CHECKING:
     from deepinfer.runner.model_runner import ModelRunner

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.spec.batch import RowSpan
+from deepinfer.speculative.batch import RowSpan
 from deepinfer.utils import cdiv
 
 

@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from deepinfer.runner.attention.metadata import AttentionMetadata
+from deepinfer.attention.metadata import AttentionMetadata
 
 
 class AttentionBackend(Protocol):

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from deepinfer.spec.cost_model import StepCostModel
+from deepinfer.speculative.cost_model import StepCostModel
 
 
 def all_accepted_probs(alphas: Sequence[float]) -> list[float]:

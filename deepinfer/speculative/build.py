@@ -7,15 +7,21 @@ from typing import TYPE_CHECKING
 import torch
 
 from deepinfer.model.loader.load import load_model
-from deepinfer.spec.batch import RowSpan, build_draft_step
-from deepinfer.spec.cost_model import CostCurve, StepCostModel, cached_profile, synthetic_spans, time_shapes
-from deepinfer.spec.decoder import SpeculativeDecoder
-from deepinfer.spec.draft_model import DraftModelProposer
-from deepinfer.spec.length_policy import LengthPolicy
-from deepinfer.spec.mtp import MTPProposer
-from deepinfer.spec.ngram import NgramProposer
-from deepinfer.spec.proposer import Proposer
-from deepinfer.spec.stats import SpecDecodeStats
+from deepinfer.speculative.batch import RowSpan, build_draft_step
+from deepinfer.speculative.cost_model import (
+    CostCurve,
+    StepCostModel,
+    cached_profile,
+    synthetic_spans,
+    time_shapes,
+)
+from deepinfer.speculative.decoder import SpeculativeDecoder
+from deepinfer.speculative.draft_model import DraftModelProposer
+from deepinfer.speculative.length_policy import LengthPolicy
+from deepinfer.speculative.mtp import MTPProposer
+from deepinfer.speculative.ngram import NgramProposer
+from deepinfer.speculative.proposer import Proposer
+from deepinfer.speculative.stats import SpecDecodeStats
 
 if TYPE_CHECKING:
     from deepinfer.engine.core import EngineCore

@@ -14,8 +14,6 @@ from typing import Protocol
 
 import torch
 
-from deepinfer.engine.request import Sequence
-from deepinfer.engine.scheduler import ScheduledSequence, SchedulerOutput
 from deepinfer.runner.sampler import (
     SampledToken,
     SamplingRow,
@@ -23,8 +21,10 @@ from deepinfer.runner.sampler import (
     sample_rows,
     truncated_probs_batch,
 )
-from deepinfer.spec.cost_model import CostCurve
-from deepinfer.spec.verifier import position_row
+from deepinfer.sequence import Sequence
+from deepinfer.speculative.cost_model import CostCurve
+from deepinfer.speculative.verifier import position_row
+from deepinfer.step import ScheduledSequence, SchedulerOutput
 
 
 @dataclass(slots=True, eq=False)

@@ -3,7 +3,7 @@ release, prefix-cache registration of verified tokens only, stops inside an acce
 
 from __future__ import annotations
 
-from deepinfer.engine.request import FinishReason
+from deepinfer.sequence import FinishReason
 from tests.engine.helpers import ROOT, make_scheduler, request, run_step
 
 

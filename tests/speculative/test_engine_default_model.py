@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.spec.cost_model import CostCurve, StepCostModel
+from deepinfer.speculative.cost_model import CostCurve, StepCostModel
 
 CODE = """def moving_average(values, window):
     if window <= 0:

@@ -11,11 +11,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from deepinfer.engine.request import Sequence
-from deepinfer.engine.scheduler import ScheduledSequence, SchedulerOutput
 from deepinfer.runner.sampler import SampledToken
-from deepinfer.spec.cost_model import CostCurve
-from deepinfer.spec.proposer import DraftRequest
+from deepinfer.sequence import Sequence
+from deepinfer.speculative.cost_model import CostCurve
+from deepinfer.speculative.proposer import DraftRequest
+from deepinfer.step import ScheduledSequence, SchedulerOutput
 
 
 def ngram_continuation(token_ids: list[int], min_n: int, max_n: int, k: int) -> list[int]:

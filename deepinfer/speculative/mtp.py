@@ -23,12 +23,12 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.engine.request import Sequence
-from deepinfer.engine.scheduler import ScheduledSequence, SchedulerOutput
 from deepinfer.runner.sampler import SampledToken
-from deepinfer.spec.batch import RowSpan, build_draft_step
-from deepinfer.spec.cost_model import CostCurve, profile_curve, synthetic_spans
-from deepinfer.spec.proposer import DraftRequest, draw_drafts
+from deepinfer.sequence import Sequence
+from deepinfer.speculative.batch import RowSpan, build_draft_step
+from deepinfer.speculative.cost_model import CostCurve, profile_curve, synthetic_spans
+from deepinfer.speculative.proposer import DraftRequest, draw_drafts
+from deepinfer.step import ScheduledSequence, SchedulerOutput
 
 PROFILE_CONTEXT = 64
 

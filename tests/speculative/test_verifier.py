@@ -16,10 +16,10 @@ import random
 import pytest
 import torch
 
-from deepinfer.engine.request import EngineRequest, Sequence
 from deepinfer.runner.sampler import SamplingRow, process_logits, sample_from
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.spec.verifier import (
+from deepinfer.sequence import EngineRequest, Sequence
+from deepinfer.speculative.verifier import (
     Verification,
     position_rows,
     verify_greedy,

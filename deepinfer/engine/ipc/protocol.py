@@ -14,8 +14,8 @@ import msgspec
 
 from deepinfer.engine.core import EngineStats
 from deepinfer.engine.outputs import SequenceOutput
-from deepinfer.engine.request import EngineRequest
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.sequence import EngineRequest
 from deepinfer.structured.spec import GrammarSpec
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deepinfer.spec.ngram import NgramProposer, ngram_continuation
+from deepinfer.speculative.ngram import NgramProposer, ngram_continuation
 
 
 def test_longest_suffix_match_wins():

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from deepinfer.runner.attention.metadata import AttentionMetadata
+from deepinfer.attention.metadata import AttentionMetadata
 
 
 @dataclass(slots=True)

@@ -19,8 +19,7 @@ import zmq
 
 from deepinfer.config import EngineConfig
 from deepinfer.engine.core import EngineCore
-from deepinfer.engine.outputs import SequenceOutput
-from deepinfer.server.protocol import (
+from deepinfer.engine.ipc.protocol import (
     AbortRequest,
     AddRequest,
     Codec,
@@ -33,6 +32,7 @@ from deepinfer.server.protocol import (
     ResetPrefixCache,
     Shutdown,
 )
+from deepinfer.engine.outputs import SequenceOutput
 
 log = logging.getLogger(__name__)
 
