@@ -56,9 +56,11 @@ class Sequence:
     prefix_root: bytes
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)
-    num_registered_blocks: int = 0  # leading blocks already indexed in the prefix cache
+    # One block table per cache group (the KV manager's order), and per group how many leading
+    # blocks are already indexed in the prefix cache.
+    block_tables: list[list[int]] = field(default_factory=list)
+    num_registered: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix hashes of its full blocks
     num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
@@ -75,6 +77,11 @@ class Sequence:
     @property
     def params(self) -> SamplingParams:
         return self.request.params
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first cache group's table: the only one of a single-group model."""
+        return self.block_tables[0] if self.block_tables else []
 
     @property
     def num_tokens(self) -> int:

@@ -38,7 +38,7 @@ class CpuPagedBackend:
         self._decode = lib.paged_decode_attention
         self._decode.restype = None
         self._decode.argtypes = (
-            [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int64]
+            [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int64]
         )
 
     @staticmethod
@@ -68,6 +68,12 @@ class CpuPagedBackend:
             else:
                 long_chunks.append((start, num_q, context_slots(meta, i)))
             start += num_q
+        # A sliding window makes each row start later: at its own length - window.
+        meta.extra["kernel_starts"] = (
+            None
+            if meta.window is None
+            else torch.tensor([max(n - meta.window, 0) for n in row_lens], dtype=torch.int64)
+        )
         rows = len(row_tokens)
         meta.extra["kernel_rows"] = rows
         # Kernel rows that are exactly tokens 0..rows-1 need no gather (the common case: no long prefill).
@@ -99,6 +105,7 @@ class CpuPagedBackend:
             q_rows = q[:rows] if tokens is None else q.index_select(0, tokens)
             out_rows = out[:rows] if tokens is None else torch.empty_like(q_rows)
             tables = meta.extra["kernel_tables"]
+            starts = meta.extra["kernel_starts"]
             _, num_heads, head_dim = q.shape
             self._decode(
                 _ptr(q_rows),
@@ -107,6 +114,7 @@ class CpuPagedBackend:
                 _ptr(out_rows),
                 _ptr(tables),
                 _ptr(meta.extra["kernel_lens"]),
+                ctypes.c_void_p(None) if starts is None else _ptr(starts),
                 rows,
                 num_heads,
                 cache.shape[2],
@@ -121,6 +129,10 @@ class CpuPagedBackend:
                 out.index_copy_(0, tokens, out_rows)
         for start, num_q, slots in meta.extra["long_chunks"]:
             out[start : start + num_q] = attend_chunk_tiled(
-                q[start : start + num_q], cache[slots, 0].to(q.dtype), cache[slots, 1].to(q.dtype), scale
+                q[start : start + num_q],
+                cache[slots, 0].to(q.dtype),
+                cache[slots, 1].to(q.dtype),
+                scale,
+                meta.window,
             )
         return out

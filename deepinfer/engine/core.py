@@ -6,26 +6,29 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from deepinfer.cache_layout import CacheGroup, CacheLayout, plan_cache_layout
 from deepinfer.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from deepinfer.engine.grammar import GrammarManager
 from deepinfer.engine.kv_cache.manager import KVCacheManager
 from deepinfer.engine.kv_cache.prefix import namespace_root
+from deepinfer.engine.kv_connector import KVConnector
 from deepinfer.engine.kv_offload import KVOffloader
 from deepinfer.engine.outputs import SequenceOutput, TokenLogprobs
-from deepinfer.engine.scheduler import Scheduler, SchedulerConfig, SequenceUpdate
+from deepinfer.engine.scheduler import Scheduler, SequenceUpdate
 from deepinfer.model.loader.load import LoadedModel, load_model
+from deepinfer.runner.device import torch_device, torch_dtype
+from deepinfer.runner.kv_caches import KVCaches
 from deepinfer.runner.model_runner import ModelRunner, StepResult
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.sequence import EngineRequest, Sequence
-from deepinfer.store import KVStoreConfig, build_kv_store
-
-if TYPE_CHECKING:
-    from deepinfer.speculative.decoder import SpeculativeDecoder
-    from deepinfer.speculative.stats import SpecDecodeStats
+from deepinfer.speculative.build import build_speculative_decoder, load_draft_model, proposer_cache_groups
+from deepinfer.speculative.decoder import SpeculativeDecoder
+from deepinfer.speculative.stats import SpecDecodeStats
+from deepinfer.step import SchedulerOutput
+from deepinfer.store import build_kv_store
 
 log = logging.getLogger(__name__)
 
@@ -52,116 +55,106 @@ class EngineStats:
         return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
 
 
+def check_model_options(config: EngineConfig, loaded: LoadedModel) -> None:
+    """Options that depend on the model, checked before any cache is allocated."""
+    if loaded.quantization != config.quantization:
+        raise ValueError(
+            f"quantization={config.quantization!r} but the model given was loaded with {loaded.quantization!r}"
+        )
+    if config.cache.kv_cache_dtype != "auto" and not loaded.model.supports_kv_cache_dtype:
+        raise ValueError(
+            f"kv_cache_dtype={config.cache.kv_cache_dtype!r}: {type(loaded.model).__name__} keeps its KV "
+            "cache in the model's dtype"
+        )
+
+
 class EngineCore:
+    """Builds every collaborator from one validated config (or takes weights already loaded),
+    then steps: schedule -> execute -> update -> outputs."""
+
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
-        device, dtype = config.torch_device(), config.torch_dtype()
+        device = torch_device(config.device)
+        dtype = torch_dtype(config.dtype, device)
         self.loaded = loaded or load_model(config.model, dtype, device, config.quantization)
-        if self.loaded.quantization != config.quantization:
-            raise ValueError(
-                f"quantization={config.quantization!r} but the model given was loaded with "
-                f"{self.loaded.quantization!r}"
-            )
-        model_cfg = self.loaded.config
-        self.kv_spec = self.loaded.model.kv_cache_spec(self._kv_dtype(dtype))
-        self.max_model_len = min(
-            config.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings
-        )
-        self.num_blocks = self._num_blocks(device)
-        self.fingerprint = f"{self.loaded.weights_fingerprint}:{self.kv_spec.layout()}"
-        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                prefill_chunk_size=config.prefill_chunk_size,
-                max_model_len=self.max_model_len,
-                policy=config.scheduling_policy,
-            ),
-            self.kv,
-        )
-        self.runner = ModelRunner(
-            self.loaded.model,
-            self.kv_spec,
-            self.num_blocks,
-            config.block_size,
-            device,
-            config.attention_backend,
-        )
-        self.spec: SpeculativeDecoder | None = None
-        if config.speculative_method is not None:
-            from deepinfer.speculative.build import build_speculative_decoder
+        check_model_options(config, self.loaded)
+        model = self.loaded.model
+        kv_dtype = torch.float16 if config.cache.kv_cache_dtype == "float16" else dtype
+        max_positions = self.loaded.config.max_position_embeddings
+        self.max_model_len = min(config.scheduler.max_model_len or max_positions, max_positions)
 
-            self.spec = build_speculative_decoder(self)
-            self.runner.speculator = self.spec
-        self.offloader = self._build_offloader()
+        draft = load_draft_model(config, self.loaded, self.max_model_len, dtype, device)
+        declared: dict[str, list[CacheGroup]] = {
+            "target": model.cache_groups(kv_dtype),
+            **proposer_cache_groups(config.speculative.speculative_method, model, draft, kv_dtype),
+        }
+        self.layout = self._plan_caches([g for groups in declared.values() for g in groups], device)
+        self.fingerprint = f"{self.loaded.weights_fingerprint}:{self.layout.fingerprint()}"
+        self.kv = KVCacheManager(self.layout, config.cache.enable_prefix_caching)
+        caches = KVCaches(self.layout, declared, device)
         # On the CPU the model has every core: masks are computed inline rather than by a pool.
         self.grammars = GrammarManager(
             self.loaded.tokenizer,
-            model_cfg.vocab_size,
+            self.loaded.config.vocab_size,
             config.grammar_compile_timeout,
             mask_threads=0 if device.type == "cpu" else None,
         )
-        self.runner.grammars = self.grammars
+        self.runner = ModelRunner(model, caches, device, config.attention_backend, self.grammars.bitmask)
+        self.spec: SpeculativeDecoder | None = (
+            build_speculative_decoder(config, self.runner, caches, draft)
+            if config.speculative.enabled
+            else None
+        )
+        self.connector: KVConnector | None = self._build_connector(caches)
+        self.scheduler = Scheduler(config.scheduler, self.max_model_len, self.kv)
         self.num_preemptions = 0
         log.info(
-            "engine ready: %s, %d KV blocks of %d tokens (%d bytes/token), attention=%s",
+            "engine ready: %s, %d KV blocks in %d cache group(s) (%.0f bytes/token), attention=%s",
             self.loaded.name,
-            self.num_blocks,
-            config.block_size,
-            self.kv_spec.bytes_per_token,
+            self.kv.num_blocks,
+            len(self.layout.groups),
+            self.layout.bytes_per_token,
             self.runner.backend.name,
         )
 
-    def _kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        choice = self.config.kv_cache_dtype
-        if choice == "auto":
-            return model_dtype
-        if choice != "float16":
-            raise ValueError(f"kv_cache_dtype: expected 'auto' or 'float16', got {choice!r}")
-        if not self.loaded.model.supports_kv_cache_dtype:
-            raise ValueError(
-                f"kv_cache_dtype={choice!r}: {type(self.loaded.model).__name__} keeps its KV cache "
-                "in the model's dtype"
-            )
-        return torch.float16
-
-    def _build_offloader(self) -> KVOffloader | None:
-        c = self.config
-        store = build_kv_store(
-            KVStoreConfig.from_cli(
-                c.kv_store, c.kv_host_cache_bytes, c.kv_retention, c.kv_store_max_bytes, c.kv_chunk_blocks
-            )
-        )
-        if store is None:
-            return None
-        if not c.enable_prefix_caching:
-            raise ValueError("kv_store / kv_host_cache_bytes need prefix caching (enable_prefix_caching)")
-        return KVOffloader(store, self.kv, self.runner)
-
-    def close(self) -> None:
-        """Flush pending KV-store writes and stop background threads."""
-        if self.offloader is not None:
-            self.offloader.close()
-            self.offloader = None
-        self.grammars.close()
-
-    def _num_blocks(self, device: torch.device) -> int:
-        if self.config.num_blocks is not None:
-            return self.config.num_blocks
-        budget = self.config.kv_cache_memory
-        if budget is None:
+    def _plan_caches(self, groups: list[CacheGroup], device: torch.device) -> CacheLayout:
+        """One budget for every cache of the engine (target, draft model, MTP)."""
+        cache, scheduler = self.config.cache, self.config.scheduler
+        budget = cache.kv_cache_memory
+        if budget is None and cache.num_blocks is None:
             if device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(device)
                 budget = int(free * 0.9)
             else:
                 budget = DEFAULT_CPU_KV_CACHE_BYTES
-        return max(budget // (self.config.block_size * self.kv_spec.bytes_per_token), 1)
+        return plan_cache_layout(
+            groups,
+            cache.block_size,
+            budget_bytes=budget,
+            num_blocks=cache.num_blocks,
+            max_num_seqs=scheduler.max_num_seqs,
+            max_num_batched_tokens=scheduler.max_num_batched_tokens,
+        )
+
+    def _build_connector(self, caches: KVCaches) -> KVConnector | None:
+        store = build_kv_store(self.config.store.settings())
+        return None if store is None else KVOffloader(store, self.kv, caches)
+
+    def close(self) -> None:
+        """Flush pending KV-store writes and stop background threads."""
+        if self.connector is not None:
+            self.connector.close()
+            self.connector = None
+        self.grammars.close()
 
     @property
-    def kv_bytes_per_token(self) -> int:
-        return self.kv_spec.bytes_per_token
+    def num_blocks(self) -> int:
+        return self.kv.num_blocks
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return self.layout.bytes_per_token
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -170,15 +163,15 @@ class EngineCore:
         seq = self.scheduler.add_request(request, root)
         if request.grammar is not None:
             self.grammars.attach(seq, request.grammar)
-        if self.offloader is not None:
-            self.offloader.prefetch(seq)
+        if self.connector is not None:
+            self.connector.prefetch(seq)
 
     def abort(self, request_id: str, index: int | None = None) -> list[SequenceOutput]:
         """Abort a request (or one of its sequences); its blocks are free when this returns."""
         seqs = self.scheduler.abort_request(request_id, index)
         if index is None:
             self.grammars.release(request_id)
-        self.runner.release([s.seq_id for s in seqs])
+        self._release([s.seq_id for s in seqs])
         return [
             SequenceOutput(
                 request_id, s.index, [], finish_reason="abort", num_prompt_tokens=s.num_prompt_tokens
@@ -197,33 +190,61 @@ class EngineCore:
     def step(self) -> list[SequenceOutput]:
         began = time.perf_counter()
         failed = self._poll_pending()
-        draft_lengths = self.spec.plan(self.scheduler) if self.spec is not None else None
-        plan = self.scheduler.schedule(draft_lengths)
+        plan = self.scheduler.schedule(self._draft_lengths())
         self.num_preemptions += len(plan.preempted)
+        if plan.is_empty:
+            return self._idle(failed)
+        result = self._execute(plan)
+        updates = self.scheduler.update(plan, result.token_ids())
+        self._after_step(plan, time.perf_counter() - began)
+        return failed + [self._output(update, result) for update in updates]
+
+    def _draft_lengths(self) -> dict[int, int] | None:
+        if self.spec is None:
+            return None
+        s = self.scheduler
+        return self.spec.plan(s.running, s.max_model_len, s.expected_prefill_tokens())
+
+    def _idle(self, failed: list[SequenceOutput]) -> list[SequenceOutput]:
+        if self.scheduler.waiting and not failed:
+            time.sleep(0.001)  # everything waits on a KV load or a grammar: don't spin a core
+        return failed
+
+    def _execute(self, plan: SchedulerOutput) -> StepResult:
+        """Forks get their grammar matchers; drafts are proposed into the reserved slots, the
+        target runs the step, and the drafts are verified."""
         for item in plan.scheduled:
             for child in item.forks:
                 self.grammars.fork(child)
-        if plan.is_empty:
-            if self.scheduler.waiting and not failed:
-                time.sleep(0.001)  # everything waits on a KV load or a grammar: don't spin a core
-            return failed
-        result = self.runner.execute(plan)
-        updates = self.scheduler.update(plan, {k: [t.token_id for t in v] for k, v in result.sampled.items()})
-        outputs = failed + [self._output(update, result) for update in updates]
         if self.spec is not None:
-            self.spec.observe_step(time.perf_counter() - began, plan)
-        return outputs
+            self.spec.propose(plan)
+        result = self.runner.execute(plan)
+        if self.spec is not None:
+            self.spec.verify(result)
+        return result
+
+    def _after_step(self, plan: SchedulerOutput, seconds: float) -> None:
+        """Hand newly computed chunks to the KV connector; calibrate speculation's cost model."""
+        if self.connector is not None:
+            self.connector.save_completed([s for item in plan.scheduled for s in (item.seq, *item.forks)])
+        if self.spec is not None:
+            self.spec.observe_step(seconds, plan)
 
     def _poll_pending(self) -> list[SequenceOutput]:
         """Land finished KV loads and grammar compiles; a grammar that failed ends its request."""
-        if self.offloader is not None:
-            self.offloader.poll()
+        if self.connector is not None:
+            self.connector.poll()
         outputs = []
         for seq, error in self.grammars.poll():
             for out in self.abort(seq.request_id):
                 out.finish_reason, out.error = "error", error
                 outputs.append(out)
         return outputs
+
+    def _release(self, seq_ids: list[int]) -> None:
+        self.runner.release(seq_ids)
+        if self.spec is not None:
+            self.spec.release(seq_ids)
 
     def _output(self, update: SequenceUpdate, result: StepResult) -> SequenceOutput:
         seq: Sequence = update.seq
@@ -248,7 +269,7 @@ class EngineCore:
         if update.finished:
             out.finish_reason = str(seq.finish_reason)
             out.stop_reason = seq.stop_reason
-            self.runner.release([seq.seq_id])
+            self._release([seq.seq_id])
             if not self.scheduler.sequences_of(seq.request_id):
                 self.grammars.release(seq.request_id)
         return out
@@ -271,16 +292,16 @@ class EngineCore:
         return self.spec.stats if self.spec is not None else None
 
     def stats(self) -> EngineStats:
-        pool = self.kv.pool
+        kv = self.kv
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
-            num_free_blocks=pool.num_free,
-            num_blocks=pool.num_blocks,
-            prefix_lookups=pool.stats.lookups,
-            prefix_queried_tokens=pool.stats.queried_tokens,
-            prefix_hit_tokens=pool.stats.hit_tokens,
-            prefix_evictions=pool.stats.evictions,
-            prefix_cached_blocks=pool.num_cached,
+            num_free_blocks=kv.num_free_blocks,
+            num_blocks=kv.num_blocks,
+            prefix_lookups=kv.stats.lookups,
+            prefix_queried_tokens=kv.stats.queried_tokens,
+            prefix_hit_tokens=kv.stats.hit_tokens,
+            prefix_evictions=kv.num_evictions,
+            prefix_cached_blocks=kv.num_cached_blocks,
             num_preemptions=self.num_preemptions,
         )

@@ -10,6 +10,7 @@ the request has been accepted.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from deepinfer.sequence import Sequence
 from deepinfer.structured import (
@@ -20,6 +21,11 @@ from deepinfer.structured import (
     LLGuidanceOptions,
     TokenizerInfo,
 )
+from deepinfer.structured.backend import GrammarMatcher
+from deepinfer.structured.bitmask import allocate_bitmask
+
+if TYPE_CHECKING:
+    import torch
 from deepinfer.tokenizer import Tokenizer
 
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
@@ -54,6 +60,13 @@ class GrammarManager:
         if self._service is None:
             self._service = GrammarCompileService(self.backend, timeout_s=self.compile_timeout_s)
         return self._service
+
+    def bitmask(self, matchers: list[GrammarMatcher]) -> torch.Tensor:
+        """One packed allowed-token bitmask row per matcher (their current states)."""
+        backend = self.backend
+        bitmask = allocate_bitmask(len(matchers), backend.tokenizer_info.vocab_size)
+        backend.fill_bitmasks([(matcher, row) for row, matcher in enumerate(matchers)], bitmask)
+        return bitmask
 
     def validate(self, spec: GrammarSpec) -> None:
         """Compile now (cached for the engine's later submit); raises an InvalidRequestError subclass

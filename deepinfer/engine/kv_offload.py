@@ -7,12 +7,17 @@ ordinary admission path finds them as device hits and computes only the rest.
 
 Writes: when a sequence's computed, full blocks complete a chunk, the chunk's KV is copied off
 the device (synchronously: the blocks may be reused after this step) and handed to the store's
-write-behind queue, tagged with the request's traffic class for retention.
+write-behind queue, tagged with the request's traffic class for retention. The blocks are found
+through the prefix-cache index, so a sequence that finished this step (its blocks freed but still
+indexed) is saved like any other.
+
+One KVConnector implementation (kv_connector.py). Models with one cache group only, for now.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
@@ -21,19 +26,18 @@ import numpy as np
 
 from deepinfer.engine.kv_cache.manager import KVCacheManager
 from deepinfer.sequence import Sequence
-from deepinfer.store import TieredKVStore
+from deepinfer.store import DEFAULT_TRAFFIC_CLASS, TieredKVStore
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TRAFFIC_CLASS = "chat"
-
 
 class BlockTransfer(Protocol):
-    """The runner's side: KV of whole blocks to and from host arrays [layers, tokens, *slot]."""
+    """The caches' side: one group's KV of whole blocks to and from host arrays
+    [tensors, tokens, *slot]."""
 
-    def read_blocks(self, block_ids: list[int]) -> np.ndarray: ...
+    def read_blocks(self, group: int, block_ids: list[int]) -> np.ndarray: ...
 
-    def write_blocks(self, block_ids: list[int], kv: np.ndarray) -> None: ...
+    def write_blocks(self, group: int, block_ids: list[int], kv: np.ndarray) -> None: ...
 
 
 @dataclass(slots=True)
@@ -45,18 +49,23 @@ class _PendingLoad:
 
 class KVOffloader:
     def __init__(self, store: TieredKVStore, kv: KVCacheManager, transfer: BlockTransfer) -> None:
+        if len(kv.groups) != 1:
+            raise ValueError(
+                "kv_store: the KV store holds models with one cache group; this model has "
+                f"{len(kv.groups)} ({', '.join(g.layout.group.kind for g in kv.groups)})"
+            )
         self.store = store
         self.kv = kv
+        self.pool = kv.groups[0].pool
         self.transfer = transfer
         self.chunk_blocks = store.blocks_per_chunk
         self._pending: list[_PendingLoad] = []
         self.loaded_chunks = 0
         self.saved_chunks = 0
-        kv.on_blocks_cached = self._on_blocks_cached
 
     def prefetch(self, seq: Sequence) -> None:
         """Start loading the stored chunks beyond the device hits; the sequence waits for them."""
-        hits = len(self.kv.find_cached_prefix(seq))
+        hits = self.kv.find_cached_prefix(seq).num_tokens // self.kv.block_size
         usable = (seq.num_tokens - 1) // self.kv.block_size  # the last token is always computed
         keys = self.store.chunk_keys(seq.block_hashes[:usable])
         first = hits // self.chunk_blocks
@@ -90,33 +99,43 @@ class KVOffloader:
         self._pending = still
 
     def _install(self, seq: Sequence, first_chunk: int, arrays: list[np.ndarray]) -> None:
-        pool, c = self.kv.pool, self.chunk_blocks
+        pool, c = self.pool, self.chunk_blocks
         for i, kv in enumerate(arrays):
             if pool.num_free < c:
                 break  # never evict running work to make room for a prefetch
             chunk = first_chunk + i
             hashes = seq.block_hashes[chunk * c : (chunk + 1) * c]
             blocks = [pool.allocate() for _ in hashes]
-            self.transfer.write_blocks(blocks, kv)
+            self.transfer.write_blocks(0, blocks, kv)
             for block_id, prefix_hash in zip(blocks, hashes):
                 pool.register(block_id, prefix_hash)
             pool.release(list(reversed(blocks)))  # cached and free, tail first, like any freed chain
             seq.num_stored_chunks = chunk + 1
             self.loaded_chunks += 1
 
-    def _on_blocks_cached(self, seq: Sequence) -> None:
+    def save_completed(self, seqs: Iterable[Sequence]) -> None:
+        for seq in seqs:
+            self._save(seq)
+
+    def _save(self, seq: Sequence) -> None:
+        """Queue every chunk of `seq` whose blocks are all indexed and that is not stored yet."""
         c = self.chunk_blocks
-        complete = seq.num_registered_blocks // c
-        for chunk in range(seq.num_stored_chunks, complete):
-            blocks = seq.block_table[chunk * c : (chunk + 1) * c]
-            key = seq.block_hashes[(chunk + 1) * c - 1]
-            kv = self.transfer.read_blocks(blocks)
+        for chunk in range(seq.num_stored_chunks, len(seq.block_hashes) // c):
+            hashes = seq.block_hashes[chunk * c : (chunk + 1) * c]
+            blocks = [self.pool.lookup(h) for h in hashes]
+            if None in blocks:
+                return  # not computed yet (or evicted): later chunks cannot be complete either
+            kv = self.transfer.read_blocks(0, blocks)
             traffic_class = seq.request.traffic_class or DEFAULT_TRAFFIC_CLASS
             self.store.save(
-                key, seq.prefix_root, kv, num_tokens=c * self.kv.block_size, traffic_class=traffic_class
+                hashes[-1],
+                seq.prefix_root,
+                kv,
+                num_tokens=c * self.kv.block_size,
+                traffic_class=traffic_class,
             )
             self.saved_chunks += 1
-        seq.num_stored_chunks = max(seq.num_stored_chunks, complete)
+            seq.num_stored_chunks = chunk + 1
 
     def metrics(self) -> dict[str, float]:
         return {

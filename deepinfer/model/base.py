@@ -1,36 +1,23 @@
-"""What every model gives the runner: a forward over flattened tokens, logits, and its KV layout."""
+"""What every model gives the runner: a forward over flattened tokens, logits, and its caches."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 
 from deepinfer.attention.backend import AttentionBackend
-from deepinfer.attention.metadata import AttentionMetadata
+from deepinfer.attention.metadata import ForwardMetadata
+from deepinfer.cache_layout import CacheGroup, CacheTensor
 from deepinfer.model.config import ModelConfig
 
 
-@dataclass(slots=True, frozen=True)
-class KVCacheSpec:
-    """Per layer, each cache slot holds a tensor of `slot_shape` (e.g. (2, kv_heads, head_dim) or
-    a latent vector (kv_lora_rank + rope_dim,) for MLA); a layer's cache is [num_slots, *slot_shape]."""
-
-    num_layers: int
-    slot_shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def bytes_per_token(self) -> int:
-        numel = 1
-        for dim in self.slot_shape:
-            numel *= dim
-        return self.num_layers * numel * torch.tensor([], dtype=self.dtype).element_size()
-
-    def layout(self) -> str:
-        """Part of the model fingerprint: KV from another layout or dtype must never match."""
-        return f"{self.num_layers}x{self.slot_shape}:{self.dtype}"
+def cache_tensor(
+    name: str, slot_shape: tuple[int, ...], dtype: torch.dtype, owner: str = "target"
+) -> CacheTensor:
+    """A layer's cache declaration: slots of `slot_shape` in `dtype` (e.g. (2, kv_heads, head_dim)
+    for K and V, or MLA's latent (kv_lora_rank + rope_dim,))."""
+    return CacheTensor(name, tuple(slot_shape), str(dtype).removeprefix("torch."), dtype.itemsize, owner)
 
 
 class CausalLM(torch.nn.Module):
@@ -42,7 +29,10 @@ class CausalLM(torch.nn.Module):
     def from_config(cls, config: ModelConfig) -> CausalLM:
         raise NotImplementedError
 
-    def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
+    def cache_groups(self, dtype: torch.dtype, owner: str = "target") -> list[CacheGroup]:
+        """The caches this model keeps between steps, one group per kind of block table (tagged
+        with `owner`, the role the model plays in the engine); `forward` takes their tensors
+        flattened in this order."""
         raise NotImplementedError
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -52,8 +42,8 @@ class CausalLM(torch.nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
+        kv_caches: list[torch.Tensor],  # the tensors of cache_groups(), in order
+        meta: ForwardMetadata,  # one AttentionMetadata per cache group
         backend: AttentionBackend,
     ) -> torch.Tensor:  # hidden states [T, hidden]
         raise NotImplementedError

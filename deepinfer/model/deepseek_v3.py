@@ -29,9 +29,10 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.attention.backend import AttentionBackend
-from deepinfer.attention.metadata import AttentionMetadata
+from deepinfer.attention.metadata import AttentionMetadata, ForwardMetadata
 from deepinfer.attention.mla import MLAStepMetadata, mla_attention
-from deepinfer.model.base import CausalLM, KVCacheSpec
+from deepinfer.cache_layout import CacheGroup
+from deepinfer.model.base import CausalLM, cache_tensor
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.layers.fp8 import dequantize_checkpoint, weight_block_size
 from deepinfer.model.layers.mlp import GatedMLP
@@ -325,8 +326,12 @@ class DeepseekV3ForCausalLM(CausalLM):
     def from_config(cls, config: ModelConfig) -> DeepseekV3ForCausalLM:
         return cls(config)
 
-    def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
-        return KVCacheSpec(self.arch.num_layers, (self.arch.latent_dim,), dtype)
+    def cache_groups(self, dtype: torch.dtype, owner: str = "target") -> list[CacheGroup]:
+        latent = (self.arch.latent_dim,)
+        tensors = tuple(
+            cache_tensor(f"layers.{i}.latent", latent, dtype, owner) for i in range(self.arch.num_layers)
+        )
+        return [CacheGroup("full", tensors)]
 
     # -- main model ----------------------------------------------------------------------------
 
@@ -335,11 +340,12 @@ class DeepseekV3ForCausalLM(CausalLM):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
+        forward_meta: ForwardMetadata,
         backend: AttentionBackend,  # unused: MLA reads and writes its latent cache itself
     ) -> torch.Tensor:
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} KV caches, got {len(kv_caches)}")
+        [meta] = forward_meta.groups
         step = MLAStepMetadata.build(meta)
         h = self.embed_tokens(input_ids)  # [T, hidden]
         residual = None
@@ -361,8 +367,12 @@ class DeepseekV3ForCausalLM(CausalLM):
         """MTP modules loaded (0 when the config has none or the checkpoint omits their weights)."""
         return len(self.mtp)
 
-    def mtp_kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec | None:
-        return KVCacheSpec(len(self.mtp), (self.arch.latent_dim,), dtype) if self.mtp else None
+    def mtp_cache_groups(self, dtype: torch.dtype) -> list[CacheGroup]:
+        """The MTP modules' latent caches (one tensor per depth), sharing the main model's block
+        tables; empty without MTP weights."""
+        latent = (self.arch.latent_dim,)
+        tensors = tuple(cache_tensor(f"mtp.{d}.latent", latent, dtype, "mtp") for d in range(len(self.mtp)))
+        return [CacheGroup("full", tensors)] if tensors else []
 
     def mtp_draft_logits(
         self,
@@ -370,7 +380,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         positions: torch.Tensor,  # [T] position i of each row
         previous_hidden: torch.Tensor,  # [T, hidden] h_i from the main model (or the previous depth)
         kv_cache: torch.Tensor,  # this depth's MTP cache [num_slots, latent_dim]
-        meta: AttentionMetadata,  # the step's metadata: rows laid out and cached like a main-model step
+        forward_meta: ForwardMetadata,  # rows laid out and cached like a main-model step
         depth: int = 0,
         logits_rows: torch.Tensor | None = None,  # rows to compute logits for (default: all)
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -379,6 +389,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         if not 0 <= depth < len(self.mtp):
             raise ValueError(f"MTP depth {depth} out of range: the model has {len(self.mtp)} MTP modules")
         layer = self.mtp[depth]
+        [meta] = forward_meta.groups
         step = MLAStepMetadata.build(meta)
         embeds = layer.enorm(self.embed_tokens(next_token_ids))
         x = F.linear(torch.cat([embeds, layer.hnorm(previous_hidden)], dim=-1), layer.eh_proj)

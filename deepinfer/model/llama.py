@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.attention.backend import AttentionBackend
-from deepinfer.attention.metadata import AttentionMetadata
-from deepinfer.model.base import CausalLM, KVCacheSpec
+from deepinfer.attention.metadata import AttentionMetadata, ForwardMetadata
+from deepinfer.cache_layout import CacheGroup
+from deepinfer.model.base import CausalLM, cache_tensor
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.layers.int8_linear import Int8Linear, quantize_linears_
 from deepinfer.model.layers.norm import RMSNorm
@@ -114,27 +115,44 @@ class LlamaForCausalLM(CausalLM):
         self.layers = torch.nn.ModuleList(LlamaDecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.vocab_size, cfg.hidden_size)
+        # Layers with the same window (None: full attention) share a cache group; groups in order
+        # of first appearance, layers in order within their group.
+        windows = cfg.layer_windows or [None] * cfg.num_layers
+        self.group_windows: list[int | None] = list(dict.fromkeys(windows))
+        self.layer_groups = [self.group_windows.index(w) for w in windows]
+        order = sorted(range(cfg.num_layers), key=lambda i: (self.layer_groups[i], i))
+        self.cache_index = [order.index(i) for i in range(cfg.num_layers)]  # layer -> flat cache tensor
 
     @classmethod
     def from_config(cls, config: ModelConfig) -> LlamaForCausalLM:
         return cls(config)
 
-    def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
+    def cache_groups(self, dtype: torch.dtype, owner: str = "target") -> list[CacheGroup]:
         cfg = self.config
-        return KVCacheSpec(cfg.num_layers, (2, cfg.num_kv_heads, cfg.head_dim), dtype)
+        slot = (2, cfg.num_kv_heads, cfg.head_dim)  # K then V
+        groups = []
+        for g, window in enumerate(self.group_windows):
+            tensors = tuple(
+                cache_tensor(f"layers.{i}.kv", slot, dtype, owner)
+                for i in range(cfg.num_layers)
+                if self.layer_groups[i] == g
+            )
+            groups.append(CacheGroup("full" if window is None else "sliding", tensors, window=window))
+        return groups
 
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
+        meta: ForwardMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)  # [T, hidden]
         residual = None
-        for layer, cache in zip(self.layers, kv_caches):
-            h, residual = layer(h, residual, positions, cache, meta, backend)
+        for i, layer in enumerate(self.layers):
+            cache, group = kv_caches[self.cache_index[i]], meta.groups[self.layer_groups[i]]
+            h, residual = layer(h, residual, positions, cache, group, backend)
         h, _ = self.norm.add_forward(h, residual)
         return h
 

@@ -21,38 +21,11 @@ from deepinfer.recipe.events import (
     Usage,
 )
 from deepinfer.recipe.ir import GenerationParams, ResponseFormat
-from deepinfer.sampling_params import InvalidRequestError, SamplingParams
+from deepinfer.sampling_params import SamplingParams
 from deepinfer.structured.spec import GrammarSpec
+from deepinfer.validation import max_tokens_for
 
 _FINISH_REASONS: dict[str | None, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
-
-
-def check_context(num_prompt_tokens: int, max_model_len: int, param: str) -> None:
-    """400 when the prompt leaves no room for even one generated token."""
-    if num_prompt_tokens >= max_model_len:
-        raise InvalidRequestError(
-            f"{param}: the prompt is {num_prompt_tokens} tokens, which leaves no room to generate within "
-            f"the model's context length of {max_model_len} tokens",
-            param=param,
-        )
-
-
-def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int, param: str) -> None:
-    """A raw token-id prompt: not empty, inside the vocabulary, shorter than the context."""
-    if not token_ids:
-        raise InvalidRequestError(f"{param}: must not be empty", param=param)
-    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise InvalidRequestError(
-            f"{param}: token id {bad} is outside the vocabulary [0, {vocab_size})", param=param
-        )
-    check_context(len(token_ids), max_model_len, param)
-
-
-def max_tokens_for(requested: int | None, num_prompt_tokens: int, max_model_len: int) -> int:
-    """The client's limit, capped by the context left after the prompt (the whole of it if unset)."""
-    remaining = max_model_len - num_prompt_tokens
-    return remaining if requested is None else min(requested, remaining)
 
 
 def thinks(prompt: RenderedPrompt) -> bool:

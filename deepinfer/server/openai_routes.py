@@ -20,10 +20,11 @@ from deepinfer.recipe.ir import Conversation
 from deepinfer.server.answer import respond
 from deepinfer.server.completions import CompletionEncoder, TextChoices, parse_completion_request
 from deepinfer.server.constraints import CHAT_FORMAT, RESPONSES_FORMAT
-from deepinfer.server.generation import ChoiceParsers, check_prompt, sampling_params
+from deepinfer.server.generation import ChoiceParsers, sampling_params
 from deepinfer.server.http_io import read_json
 from deepinfer.server.sinks import ChatSink, ResponsesSink
 from deepinfer.server.state import ServerState
+from deepinfer.validation import check_prompt
 
 router = APIRouter()
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import uvicorn
 
-from deepinfer.config import EngineConfig
+from deepinfer.config import EngineConfig, ServerConfig
 from deepinfer.engine.ipc.client import EngineClient
 from deepinfer.engine.ipc.transport import EngineTransport, ProcessTransport, ThreadTransport
 from deepinfer.model.loader.source import DEFAULT_MODEL_NAME, converted_gguf_dir, resolve_model_path
@@ -26,7 +26,7 @@ from deepinfer.recipe import ModelInfo, Recipe, RecipeError
 from deepinfer.server.app import build_app
 from deepinfer.server.constraints import GrammarValidator
 from deepinfer.server.metrics import ServerMetrics
-from deepinfer.server.state import ServerConfig, ServerState
+from deepinfer.server.state import ServerState
 from deepinfer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

@@ -6,11 +6,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 
+from deepinfer.config import ServerConfig
 from deepinfer.engine.ipc.client import EngineClient, EngineDeadError, GenerationStream
 from deepinfer.recipe import Recipe, RenderedPrompt
 from deepinfer.recipe.ir import Conversation
@@ -23,27 +24,13 @@ from deepinfer.server.constraints import (
     parallel_calls_allowed,
 )
 from deepinfer.server.errors import ApiError, Flavor, overloaded
-from deepinfer.server.generation import check_context
 from deepinfer.server.metrics import ServerMetrics
+from deepinfer.store.retention import DEFAULT_TRAFFIC_CLASS
 from deepinfer.structured.spec import GrammarSpec
 from deepinfer.tokenizer import Tokenizer
+from deepinfer.validation import check_context
 
-DEFAULT_TRAFFIC_CLASS = "chat"
 TRAFFIC_CLASS_HEADER = "x-traffic-class"
-
-
-@dataclass(slots=True)
-class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_keys: list[str] = field(default_factory=list)  # empty: no authentication
-    served_model_names: list[str] = field(default_factory=list)  # empty: the model's own name
-    max_waiting_requests: int = 512  # requests waiting for their first token before 429/529
-    max_body_bytes: int = 32 << 20
-    cache_salt_per_key: bool = False  # isolate the prefix cache between API keys
-    recipe_family: str | None = None  # override the detected prompt/parse family
-    engine_mode: Literal["process", "thread"] = "process"
-    log_level: str = "info"
 
 
 @dataclass(slots=True)

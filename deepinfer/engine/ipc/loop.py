@@ -103,7 +103,11 @@ def engine_info(core: EngineCore) -> EngineInfo:
         vocab_size=core.loaded.config.vocab_size,
         eos_token_ids=list(core.loaded.config.eos_token_ids),
         num_blocks=core.num_blocks,
-        block_size=core.config.block_size,
+        block_size=core.config.cache.block_size,
+        fingerprint=core.fingerprint,
+        traffic_classes=core.config.store.traffic_classes,
+        max_num_seqs=core.config.scheduler.max_num_seqs,
+        max_num_batched_tokens=core.config.scheduler.max_num_batched_tokens,
     )
 
 

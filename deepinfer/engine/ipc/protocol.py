@@ -61,7 +61,9 @@ EngineInput = AddRequest | AbortRequest | ResetPrefixCache | Shutdown
 
 
 class EngineInfo(msgspec.Struct, array_like=True):
-    """What the API side needs to know about the loaded model and cache."""
+    """What the API side (and a router) must know to check requests before they reach the
+    engine: the model, its limits, the traffic classes the KV store keeps, and the fingerprint
+    that roots every prefix hash (with the block size, enough to compute them elsewhere)."""
 
     model_name: str
     max_model_len: int
@@ -69,6 +71,10 @@ class EngineInfo(msgspec.Struct, array_like=True):
     eos_token_ids: list[int]
     num_blocks: int
     block_size: int
+    fingerprint: str
+    traffic_classes: list[str]
+    max_num_seqs: int
+    max_num_batched_tokens: int
 
 
 class EngineReady(msgspec.Struct, tag="ready", array_like=True):

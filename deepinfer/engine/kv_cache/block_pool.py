@@ -1,4 +1,5 @@
-"""The pool of fixed-size KV blocks: reference counts, the prefix-hash index and LRU eviction.
+"""The pool of fixed-size KV blocks of one cache group: reference counts, the prefix-hash index and
+LRU eviction.
 
 Plain Python data only; the runner owns the tensors. A block with ref_count 0 sits in the free
 queue; if it still carries a prefix hash it can be revived by a cache hit until it is reused.
@@ -20,18 +21,6 @@ class Block:
     prefix_hash: bytes | None = None
 
 
-@dataclass(slots=True)
-class PrefixCacheStats:
-    lookups: int = 0  # sequences that looked up the cache on admission
-    queried_tokens: int = 0
-    hit_tokens: int = 0
-    evictions: int = 0  # hashed blocks reused for other content
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
-
-
 class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
@@ -40,7 +29,7 @@ class BlockPool:
         # Ordered free queue: head is evicted first. Values are unused (OrderedDict as a linked set).
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._by_hash: dict[bytes, int] = {}
-        self.stats = PrefixCacheStats()
+        self.num_evictions = 0  # hashed blocks reused for other content
 
     @property
     def num_blocks(self) -> int:
@@ -62,6 +51,7 @@ class BlockPool:
     def lookup(self, prefix_hash: bytes) -> int | None:
         return self._by_hash.get(prefix_hash)
 
+
     def allocate(self) -> int:
         if not self._free:
             raise RuntimeError("KV block pool exhausted")
@@ -70,7 +60,7 @@ class BlockPool:
         if block.prefix_hash is not None:
             del self._by_hash[block.prefix_hash]
             block.prefix_hash = None
-            self.stats.evictions += 1
+            self.num_evictions += 1
         block.ref_count = 1
         return block_id
 

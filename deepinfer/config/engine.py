@@ -1,0 +1,244 @@
+"""Engine options: one frozen, validated config shared by `LLM(...)`, `deepinfer serve`, the
+benchmarks and the engine process.
+
+Every value is checked in `__post_init__`, so a bad option fails where it is given (the API side
+of `deepinfer serve`, the `LLM` constructor) before any weight loads, with an error naming it.
+Options are grouped by what they configure (cache, scheduler, speculative decoding, KV store);
+`EngineConfig.from_kwargs` takes them flat, as `LLM(**options)` and the command line give them.
+Torch-free: the engine resolves `device` and `dtype` to torch objects itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from deepinfer.config.fields import ConfigError, check_choice, check_positive, normalize_sizes, option
+from deepinfer.store.config import KVStoreConfig, StoreLocation, parse_store_url
+from deepinfer.store.retention import RetentionPolicy, parse_retention
+
+DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
+DEFAULT_CHUNK_BLOCKS = 16
+
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    block_size: int = option(16, help="tokens per KV-cache block")
+    kv_cache_memory: int | None = option(
+        None,
+        size=True,
+        help="bytes for every KV cache of the engine (target, draft model, MTP), e.g. 512MiB, 2GiB "
+        "or 2GB (default: 2 GiB on CPU, 90%% of free memory on GPU)",
+    )
+    num_blocks: int | None = option(None, help="number of KV-cache blocks (overrides --kv-cache-memory)")
+    enable_prefix_caching: bool = option(True, help="reuse the KV of shared prompt prefixes")
+    kv_cache_dtype: Literal["auto", "float16"] = option(
+        "auto",
+        help="float16: half the KV bytes, twice the tokens per GiB (attention still in fp32); "
+        "auto: the model's dtype",
+    )
+
+    def __post_init__(self) -> None:
+        normalize_sizes(self)
+        check_positive("block_size", self.block_size, allow_none=False)
+        check_positive("kv_cache_memory", self.kv_cache_memory)
+        check_positive("num_blocks", self.num_blocks)
+        check_choice("kv_cache_dtype", self.kv_cache_dtype, ("auto", "float16"))
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = option(128, help="most sequences running at once")
+    max_num_batched_tokens: int = option(2048, help="token budget of one step")
+    prefill_chunk_size: int | None = option(None, help="most prompt tokens of one sequence per step")
+    max_model_len: int | None = option(None, help="context length (default: the model's)")
+    scheduling_policy: Literal["fcfs", "priority"] = option(
+        "fcfs", help="fcfs, or priority (lower value first)"
+    )
+
+    def __post_init__(self) -> None:
+        check_positive("max_num_seqs", self.max_num_seqs, allow_none=False)
+        check_positive("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=False)
+        check_positive("prefill_chunk_size", self.prefill_chunk_size)
+        check_positive("max_model_len", self.max_model_len)
+        check_choice("scheduling_policy", self.scheduling_policy, ("fcfs", "priority"))
+
+
+SPECULATIVE_METHODS = ("ngram", "draft", "mtp")
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    speculative_method: Literal["ngram", "draft", "mtp"] | None = option(
+        None,
+        help="speculative decoding: ngram (prompt lookup), draft (a draft model) or mtp (DeepSeek MTP)",
+    )
+    num_speculative_tokens: int = option(5, help="most draft tokens verified per step")
+    speculative_length: Literal["fixed", "dynamic"] = option(
+        "dynamic",
+        help="dynamic: per-step length from expected acceptance and the profiled step cost; "
+        "fixed: always the most",
+    )
+    speculative_model: str | None = option(
+        None, help="draft model for --speculative-method draft (default: the target model itself)"
+    )
+    speculative_ngram_min: int = option(2, help="shortest suffix n-gram prompt lookup matches")
+    speculative_ngram_max: int = option(4, help="longest suffix n-gram prompt lookup tries first")
+
+    def __post_init__(self) -> None:
+        if self.speculative_method is not None:
+            check_choice("speculative_method", self.speculative_method, SPECULATIVE_METHODS)
+        n = self.num_speculative_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ConfigError("num_speculative_tokens", f"must be an integer >= 1, got {n!r}")
+        check_choice("speculative_length", self.speculative_length, ("fixed", "dynamic"))
+        if self.speculative_model is not None and self.speculative_method != "draft":
+            raise ConfigError(
+                "speculative_model",
+                f"only used with speculative_method='draft', not {self.speculative_method!r}",
+            )
+        if self.speculative_ngram_min < 1:
+            raise ConfigError("speculative_ngram_min", f"must be >= 1, got {self.speculative_ngram_min}")
+        if self.speculative_ngram_max < self.speculative_ngram_min:
+            raise ConfigError(
+                "speculative_ngram_max",
+                f"must be >= speculative_ngram_min ({self.speculative_ngram_min}), "
+                f"got {self.speculative_ngram_max}",
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.speculative_method is not None
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    kv_store: str | None = option(None, help="persistent KV store: DIR | file://DIR | redis://HOST:PORT[/DB]")
+    kv_host_cache_bytes: int | None = option(
+        None, size=True, help="host-memory KV tier, e.g. 8GiB (default: none)"
+    )
+    kv_retention: str | None = option(
+        None, help="TTL per traffic class, e.g. agent=3d,chat=7d (the default); more classes may be added"
+    )
+    kv_store_max_bytes: int | None = option(None, size=True, help="size cap of the persistent store")
+    kv_chunk_blocks: int = option(DEFAULT_CHUNK_BLOCKS, help="full blocks per stored chunk")
+
+    def __post_init__(self) -> None:
+        normalize_sizes(self)
+        if self.kv_store is not None:
+            parse_store_url(self.kv_store)  # raises naming --kv-store
+        if self.kv_retention is not None:
+            try:
+                parse_retention(self.kv_retention)
+            except ValueError as exc:
+                raise ConfigError("kv_retention", str(exc)) from None
+        check_positive("kv_chunk_blocks", self.kv_chunk_blocks, allow_none=False)
+
+    @property
+    def location(self) -> StoreLocation | None:
+        return parse_store_url(self.kv_store) if self.kv_store is not None else None
+
+    @property
+    def retention(self) -> RetentionPolicy:
+        return parse_retention(self.kv_retention) if self.kv_retention else RetentionPolicy()
+
+    @property
+    def enabled(self) -> bool:
+        return self.kv_store is not None or bool(self.kv_host_cache_bytes)
+
+    @property
+    def traffic_classes(self) -> list[str]:
+        """The classes requests may name (each has a retention)."""
+        return sorted(self.retention.ttls)
+
+    def settings(self) -> KVStoreConfig:
+        """The tier stack's settings (store tuning beyond these options keeps its defaults)."""
+        return KVStoreConfig(
+            location=self.location,
+            host_cache_bytes=self.kv_host_cache_bytes or 0,
+            retention=self.retention,
+            blocks_per_chunk=self.kv_chunk_blocks,
+            size_cap_bytes=self.kv_store_max_bytes,
+        )
+
+
+SUB_CONFIGS = {
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "speculative": SpeculativeConfig,
+    "store": StoreConfig,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str | None = option(
+        None, help="a .gguf file or a HF directory (default: the embedded model)", flag="model"
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
+        "auto", help="weights and activations dtype (auto: float32 on CPU, bfloat16 on CUDA)"
+    )
+    device: str = option("auto", help="auto, cpu or cuda[:N]")
+    attention_backend: Literal["auto", "torch", "cpu_paged"] = option("auto", help="attention implementation")
+    num_threads: int | None = option(None, help="CPU threads for torch (default: all cores)")
+    # int8: W8A8 linears on the CPU (int8 weights per channel, per-token activation scales);
+    # several times faster than fp32, not bit-equal to it. None: the weights' dtype as loaded.
+    quantization: Literal["int8"] | None = option(
+        None, help="int8: W8A8 linears on the CPU (per-channel weights, per-token activation scales)"
+    )
+    grammar_compile_timeout: float = option(
+        10.0,
+        help="seconds a structured-output grammar (JSON schema, forced tool call) may take to compile; "
+        "slower ones are refused (400)",
+    )
+    cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
+    store: StoreConfig = dataclasses.field(default_factory=StoreConfig)
+
+    def __post_init__(self) -> None:
+        check_choice("dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
+        if not isinstance(self.device, str) or not _DEVICE.match(self.device):
+            raise ConfigError("device", f"expected auto, cpu or cuda[:N], got {self.device!r}")
+        check_choice("attention_backend", self.attention_backend, ("auto", "torch", "cpu_paged"))
+        check_positive("num_threads", self.num_threads)
+        if self.quantization is not None:
+            check_choice("quantization", self.quantization, ("int8",))
+        check_positive("grammar_compile_timeout", self.grammar_compile_timeout, allow_none=False)
+        if self.store.enabled and not self.cache.enable_prefix_caching:
+            raise ConfigError(
+                "kv_store", "the KV store and host tier need prefix caching (enable_prefix_caching)"
+            )
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Options given flat (`block_size=32, kv_store="dir"`), each routed to its sub-config."""
+        top = {f.name for f in dataclasses.fields(cls)} - set(SUB_CONFIGS)
+        owners = {f.name: group for group, sub in SUB_CONFIGS.items() for f in dataclasses.fields(sub)}
+        unknown = set(kwargs) - top - set(owners)
+        if unknown:
+            raise TypeError(f"unknown engine options: {sorted(unknown)}; known: {sorted(top | set(owners))}")
+        grouped: dict[str, dict[str, Any]] = {group: {} for group in SUB_CONFIGS}
+        for name, value in kwargs.items():
+            if name in owners:
+                grouped[owners[name]][name] = value
+        return cls(
+            **{name: value for name, value in kwargs.items() if name in top},
+            **{group: SUB_CONFIGS[group](**values) for group, values in grouped.items()},
+        )
+
+    def to_kwargs(self) -> dict[str, Any]:
+        """The inverse of from_kwargs: every option by its flat name."""
+        flat = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in SUB_CONFIGS}
+        for group in SUB_CONFIGS:
+            sub = getattr(self, group)
+            flat.update({f.name: getattr(sub, f.name) for f in dataclasses.fields(sub)})
+        return flat
+
+    def replace(self, **kwargs: Any) -> EngineConfig:
+        """A copy with some options changed, given flat."""
+        return EngineConfig.from_kwargs(**{**self.to_kwargs(), **kwargs})
