@@ -39,6 +39,11 @@ class ServerConfig:
         "process", help="run the engine core in its own process (default) or on a thread of the server"
     )
     log_level: Literal["debug", "info", "warning", "error"] = option("info", help="log level")
+    shutdown_timeout: float = option(
+        30.0,
+        help="seconds a graceful stop (SIGTERM, Ctrl-C) lets requests in flight finish, and then "
+        "the engine flush queued KV-store writes",
+    )
 
     def __post_init__(self) -> None:
         normalize_sizes(self)
@@ -52,5 +57,13 @@ class ServerConfig:
         check_positive("max_body_bytes", self.max_body_bytes, allow_none=False)
         check_choice("engine_mode", self.engine_mode, ("process", "thread"))
         check_choice("log_level", self.log_level, LOG_LEVELS)
+        if (
+            isinstance(self.shutdown_timeout, bool)
+            or not isinstance(self.shutdown_timeout, int | float)
+            or self.shutdown_timeout < 0
+        ):
+            raise ConfigError(
+                "shutdown_timeout", f"must be a number of seconds >= 0, got {self.shutdown_timeout!r}"
+            )
         if any(not key for key in self.api_keys):
             raise ConfigError("api_keys", "an API key must not be empty")

@@ -141,10 +141,11 @@ class EngineCore:
         store = build_kv_store(self.config.store.settings())
         return None if store is None else KVOffloader(store, self.kv, caches)
 
-    def close(self) -> None:
-        """Flush pending KV-store writes and stop background threads."""
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Flush pending KV-store writes (for at most `timeout_s`) and stop background threads.
+        Idempotent."""
         if self.connector is not None:
-            self.connector.close()
+            self.connector.close(timeout_s)
             self.connector = None
         self.grammars.close()
 
@@ -189,15 +190,17 @@ class EngineCore:
 
     def step(self) -> list[SequenceOutput]:
         began = time.perf_counter()
-        failed = self._poll_pending()
+        outputs = self._poll_pending()
         plan = self.scheduler.schedule(self._draft_lengths())
         self.num_preemptions += len(plan.preempted)
         if plan.is_empty:
-            return self._idle(failed)
+            return self._idle(outputs)
         result = self._execute(plan)
+        outputs += self._fail(result.failures)
         updates = self.scheduler.update(plan, result.token_ids())
-        self._after_step(plan, time.perf_counter() - began)
-        return failed + [self._output(update, result) for update in updates]
+        outputs += [self._output(update, result) for update in updates]
+        outputs += self._fail(self._after_step(plan, time.perf_counter() - began))
+        return outputs
 
     def _draft_lengths(self) -> dict[int, int] | None:
         if self.spec is None:
@@ -205,10 +208,10 @@ class EngineCore:
         s = self.scheduler
         return self.spec.plan(s.running, s.max_model_len, s.expected_prefill_tokens())
 
-    def _idle(self, failed: list[SequenceOutput]) -> list[SequenceOutput]:
-        if self.scheduler.waiting and not failed:
+    def _idle(self, outputs: list[SequenceOutput]) -> list[SequenceOutput]:
+        if self.scheduler.waiting and not outputs:
             time.sleep(0.001)  # everything waits on a KV load or a grammar: don't spin a core
-        return failed
+        return outputs
 
     def _execute(self, plan: SchedulerOutput) -> StepResult:
         """Forks get their grammar matchers; drafts are proposed into the reserved slots, the
@@ -223,23 +226,33 @@ class EngineCore:
             self.spec.verify(result)
         return result
 
-    def _after_step(self, plan: SchedulerOutput, seconds: float) -> None:
-        """Hand newly computed chunks to the KV connector; calibrate speculation's cost model."""
+    def _after_step(self, plan: SchedulerOutput, seconds: float) -> dict[str, str]:
+        """Hand newly computed chunks to the KV connector (returns the requests it failed for);
+        calibrate speculation's cost model."""
+        failures = {}
         if self.connector is not None:
-            self.connector.save_completed([s for item in plan.scheduled for s in (item.seq, *item.forks)])
+            failures = self.connector.save_completed(
+                [s for item in plan.scheduled for s in (item.seq, *item.forks)]
+            )
         if self.spec is not None:
             self.spec.observe_step(seconds, plan)
+        return failures
+
+    def _fail(self, failures: dict[str, str]) -> list[SequenceOutput]:
+        """End requests one step could not serve (its grammar, sampling, KV save failed for
+        them), with their error; everything else runs on."""
+        outputs = []
+        for request_id, error in failures.items():
+            for out in self.abort(request_id):
+                out.finish_reason, out.error = "error", error
+                outputs.append(out)
+        return outputs
 
     def _poll_pending(self) -> list[SequenceOutput]:
         """Land finished KV loads and grammar compiles; a grammar that failed ends its request."""
         if self.connector is not None:
             self.connector.poll()
-        outputs = []
-        for seq, error in self.grammars.poll():
-            for out in self.abort(seq.request_id):
-                out.finish_reason, out.error = "error", error
-                outputs.append(out)
-        return outputs
+        return self._fail({seq.request_id: error for seq, error in self.grammars.poll()})
 
     def _release(self, seq_ids: list[int]) -> None:
         self.runner.release(seq_ids)

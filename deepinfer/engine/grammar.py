@@ -9,6 +9,7 @@ the request has been accepted.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
 from deepinfer.tokenizer import Tokenizer
 
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -61,12 +64,23 @@ class GrammarManager:
             self._service = GrammarCompileService(self.backend, timeout_s=self.compile_timeout_s)
         return self._service
 
-    def bitmask(self, matchers: list[GrammarMatcher]) -> torch.Tensor:
-        """One packed allowed-token bitmask row per matcher (their current states)."""
+    def bitmask(self, matchers: list[GrammarMatcher]) -> tuple[torch.Tensor, list[int]]:
+        """One packed allowed-token bitmask row per matcher (their current states), and the rows
+        whose matcher failed (left all-allowed; their requests are to be ended)."""
         backend = self.backend
         bitmask = allocate_bitmask(len(matchers), backend.tokenizer_info.vocab_size)
-        backend.fill_bitmasks([(matcher, row) for row, matcher in enumerate(matchers)], bitmask)
-        return bitmask
+        try:
+            backend.fill_bitmasks([(matcher, row) for row, matcher in enumerate(matchers)], bitmask)
+            return bitmask, []
+        except Exception:
+            log.exception("filling grammar masks failed; isolating the matcher at fault")
+        failed = []
+        for row, matcher in enumerate(matchers):  # one by one: only the faulty ones fail
+            try:
+                backend.fill_bitmasks([(matcher, row)], bitmask)
+            except Exception:
+                failed.append(row)
+        return bitmask, failed
 
     def validate(self, spec: GrammarSpec) -> None:
         """Compile now (cached for the engine's later submit); raises an InvalidRequestError subclass

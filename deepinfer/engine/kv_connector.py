@@ -23,13 +23,14 @@ class KVConnector(Protocol):
         prefix cache, so admission sees ordinary hits) and release its sequence's wait."""
         ...
 
-    def save_completed(self, seqs: Iterable[Sequence]) -> None:
+    def save_completed(self, seqs: Iterable[Sequence]) -> dict[str, str]:
         """After the step's update: hand the newly completed, indexed blocks of `seqs` (finished
-        ones included: their freed blocks are still indexed) to wherever they go."""
+        ones included: their freed blocks are still indexed) to wherever they go. Returns the
+        requests it failed for (request_id -> why); the engine ends those, nothing else."""
         ...
 
     def metrics(self) -> dict[str, float]: ...
 
-    def close(self) -> None:
-        """Flush what is queued, within the connector's deadline, and stop its threads."""
+    def close(self, timeout_s: float) -> None:
+        """Flush what is queued, for at most `timeout_s`, and stop its threads."""
         ...

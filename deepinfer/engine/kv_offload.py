@@ -113,9 +113,15 @@ class KVOffloader:
             seq.num_stored_chunks = chunk + 1
             self.loaded_chunks += 1
 
-    def save_completed(self, seqs: Iterable[Sequence]) -> None:
+    def save_completed(self, seqs: Iterable[Sequence]) -> dict[str, str]:
+        failures = {}
         for seq in seqs:
-            self._save(seq)
+            try:
+                self._save(seq)
+            except Exception:
+                log.exception("saving the KV of %s failed", seq.request_id)
+                failures[seq.request_id] = "internal error while saving the KV cache"
+        return failures
 
     def _save(self, seq: Sequence) -> None:
         """Queue every chunk of `seq` whose blocks are all indexed and that is not stored yet."""
@@ -145,6 +151,19 @@ class KVOffloader:
             "engine_pending_loads": len(self._pending),
         }
 
-    def close(self) -> None:
-        self.store.flush(timeout=30.0)
-        self.store.close()
+    def close(self, timeout_s: float) -> None:
+        """Write every queued chunk (up to `timeout_s`), then stop; logs what reached the store."""
+        before = self.store.metrics_snapshot()
+        queued = int(before["write_queue_depth"])
+        flushed = self.store.flush(timeout=timeout_s)
+        self.store.close(timeout=0.0 if not flushed else 1.0)
+        left = int(self.store.metrics_snapshot()["write_queue_depth"])
+        log.info(
+            "KV store at shutdown: %d of %d queued chunks written, %d dropped by the deadline "
+            "(this run: %d chunks saved, %d dropped under memory pressure)",
+            queued - left,
+            queued,
+            left,
+            self.saved_chunks,
+            int(before.get("write_drops", 0)),
+        )

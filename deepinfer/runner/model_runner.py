@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,8 +20,9 @@ from deepinfer.structured.backend import GrammarMatcher
 
 log = logging.getLogger(__name__)
 
-# Fills one packed allowed-token bitmask row per matcher (structured output), or None.
-GrammarMasks = Callable[[list[GrammarMatcher]], torch.Tensor]
+# One packed allowed-token bitmask row per matcher (structured output), and the rows whose
+# matcher failed.
+GrammarMasks = Callable[[list[GrammarMatcher]], tuple[torch.Tensor, list[int]]]
 
 
 def make_attention_backend(
@@ -68,6 +69,9 @@ class StepResult:
     and each item's first row)."""
 
     sampled: dict[int, list[SampledToken]]  # seq_id -> tokens this step
+    # request_id -> why this step could not serve one of its sequences (its grammar, its sampling
+    # parameters); the engine ends those requests, nothing else.
+    failures: dict[str, str] = field(default_factory=dict)
     hidden: torch.Tensor | None = None  # [T, hidden]
     items: list[ScheduledSequence] | None = None
     offsets: list[int] | None = None
@@ -132,12 +136,48 @@ class ModelRunner:
             generator=generator,
         )
 
-    def _grammar_bitmask(self, owners: list[Sequence]) -> tuple[torch.Tensor | None, list[int]]:
-        """One packed bitmask for the constrained rows (structured output); unconstrained rows pay nothing."""
+    def _grammar_bitmask(
+        self, owners: list[Sequence], failures: dict[str, str]
+    ) -> tuple[torch.Tensor | None, list[int]]:
+        """One packed bitmask for the constrained rows (structured output); unconstrained rows pay
+        nothing. A matcher that fails ends its request (recorded in `failures`)."""
         constrained = [i for i, seq in enumerate(owners) if seq.grammar is not None]
         if not constrained or self.grammar_masks is None:
             return None, []
-        return self.grammar_masks([owners[i].grammar for i in constrained]), constrained
+        bitmask, failed = self.grammar_masks([owners[i].grammar for i in constrained])
+        for row in failed:
+            failures[owners[constrained[row]].request_id] = "internal error in the structured-output grammar"
+        return bitmask, constrained
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        owners: list[Sequence],
+        bitmask: torch.Tensor | None,
+        constrained: list[int],
+        failures: dict[str, str],
+    ) -> list[SampledToken | None]:
+        """The sampler over every row; if the batch fails, row by row, so only a row at fault
+        (recorded in `failures`, its token None) fails."""
+        try:
+            return list(self.sampler(logits, rows, bitmask, constrained))
+        except Exception:
+            log.exception("sampling failed; isolating the row at fault")
+        tokens: list[SampledToken | None] = []
+        for i, row in enumerate(rows):
+            mask = None
+            if i in constrained and bitmask is not None:
+                j = constrained.index(i)
+                mask = bitmask[j : j + 1]
+            try:
+                tokens.append(
+                    self.sampler(logits[i : i + 1], [row], mask, [0] if mask is not None else [])[0]
+                )
+            except Exception:
+                failures[owners[i].request_id] = "internal error while sampling"
+                tokens.append(None)
+        return tokens
 
     def _span(self, item: ScheduledSequence) -> RowSpan:
         seq = item.seq
@@ -173,14 +213,26 @@ class ModelRunner:
                 rows.append(self.sampling_row(seq))
                 owners.append(seq)
         sampled: dict[int, list[SampledToken]] = {}
+        failures: dict[str, str] = {}
         if rows:
             index = torch.tensor(hidden_rows, dtype=torch.long, device=self.device)
             # Forks share their parent's row: compute logits once per distinct row.
             unique, inverse = torch.unique(index, return_inverse=True)
             logits = self.compute_logits(hidden[unique])[inverse]  # [N, V]
-            bitmask, constrained = self._grammar_bitmask(owners)
-            tokens = self.sampler(logits, rows, bitmask, constrained)
+            bitmask, constrained = self._grammar_bitmask(owners, failures)
+            tokens = self._sample(logits, rows, owners, bitmask, constrained, failures)
             for i in constrained:
-                owners[i].grammar.accept_token(tokens[i].token_id)
-            sampled = {seq.seq_id: [token] for seq, token in zip(owners, tokens)}
-        return StepResult(sampled, hidden, list(items), inputs.offsets)
+                token = tokens[i]
+                if token is None or owners[i].request_id in failures:
+                    continue
+                try:
+                    owners[i].grammar.accept_token(token.token_id)
+                except Exception:
+                    log.exception("the grammar of %s failed", owners[i].request_id)
+                    failures[owners[i].request_id] = "internal error in the structured-output grammar"
+            sampled = {
+                seq.seq_id: [token]
+                for seq, token in zip(owners, tokens)
+                if token is not None and seq.request_id not in failures
+            }
+        return StepResult(sampled, failures, hidden, list(items), inputs.offsets)

@@ -44,6 +44,7 @@ class ServerState:
     metrics: ServerMetrics
     created: int
     grammars: GrammarValidator | None = None  # built by start_state; needed by constrained requests
+    draining: bool = False  # a graceful stop began: new requests get 503, those in flight finish
 
     @property
     def max_model_len(self) -> int:
@@ -95,6 +96,13 @@ class ServerState:
         client = self.client
         if client.dead_reason is not None:
             raise ApiError(503, f"the engine is not running: {client.dead_reason}", code="engine_unavailable")
+        if self.draining:
+            raise ApiError(
+                503,
+                "the server is shutting down; retry on another replica or after its restart",
+                code="server_shutting_down",
+                headers={"retry-after": "5"},
+            )
         limit = self.config.max_waiting_requests
         if client.num_waiting >= limit:
             self.metrics.count_outcome("rejected")
@@ -151,16 +159,31 @@ class ServerState:
         grammar: GrammarSpec | None = None,
     ) -> EngineRequest:
         params.validate(self.vocab_size)
-        header_class = request.headers.get(TRAFFIC_CLASS_HEADER)
         return EngineRequest(
             request_id,
             token_ids,
             params,
             eos_token_ids=list(self.client.info.eos_token_ids),
             cache_salt=self.cache_salt(api_key, cache_salt),
-            traffic_class=traffic_class or header_class or DEFAULT_TRAFFIC_CLASS,
+            traffic_class=self.traffic_class(request, traffic_class),
             grammar=grammar,
         )
+
+    def traffic_class(self, request: Request, body_class: str | None) -> str:
+        """The request's traffic class (body field, else header, else the default); 400 when the
+        engine keeps no retention for it, so the engine never sees a class it would refuse."""
+        header_class = request.headers.get(TRAFFIC_CLASS_HEADER)
+        chosen = body_class or header_class or DEFAULT_TRAFFIC_CLASS
+        known = self.client.info.traffic_classes
+        if chosen not in known:
+            where = "traffic_class" if body_class else TRAFFIC_CLASS_HEADER
+            raise ApiError(
+                400,
+                f"{where}: unknown traffic class {chosen!r}; this server keeps {', '.join(known)} "
+                "(more with --kv-retention, e.g. batch=12h)",
+                param=where,
+            )
+        return chosen
 
     def submit(self, requests: list[tuple[EngineRequest, str | None]], arrival: float) -> GenerationStream:
         try:

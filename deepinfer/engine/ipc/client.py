@@ -229,18 +229,33 @@ class EngineClient:
             return
         log.error("engine failure: %s", reason)
         self.dead_reason = reason
-        streams = list({id(s): s for s in self._streams.values()}.values())
-        for request_id, stream in list(self._streams.items()):
-            self._forget(request_id, stream.records[request_id], "error")
-        for stream in streams:
-            stream.fail(reason)
+        self._end_all(reason, "error", abort_in_engine=False)
         for waiter in self._reset_waiters:
             if not waiter.done():
                 waiter.set_exception(EngineDeadError(reason))
         self._reset_waiters.clear()
 
-    async def close(self) -> None:
-        await self.transport.close()
+    @property
+    def num_in_flight(self) -> int:
+        """Requests submitted and not finished."""
+        return len(self._streams)
+
+    def abort_all(self, reason: str) -> None:
+        """End every request in flight now: the engine frees them, and each stream ends with
+        `reason` as its error (after whatever it already delivered)."""
+        self._end_all(reason, "abort", abort_in_engine=True)
+
+    def _end_all(self, reason: str, outcome: str, *, abort_in_engine: bool) -> None:
+        streams = list({id(s): s for s in self._streams.values()}.values())
+        for request_id, stream in list(self._streams.items()):
+            if abort_in_engine:
+                self.transport.send(AbortRequest(request_id))
+            self._forget(request_id, stream.records[request_id], outcome)
+        for stream in streams:
+            stream.fail(reason)
+
+    async def close(self, flush_timeout_s: float = 30.0) -> None:
+        await self.transport.close(flush_timeout_s)
 
 
 def _outcome(reasons: list[str]) -> str:

@@ -37,6 +37,7 @@ from deepinfer.engine.outputs import SequenceOutput
 log = logging.getLogger(__name__)
 
 IDLE_WAKEUP_S = 1.0
+DEFAULT_FLUSH_TIMEOUT_S = 30.0
 
 
 class Inbox(Protocol):
@@ -124,8 +125,9 @@ class EngineLoop:
         self.emit = emit
         self.alive = alive
 
-    def run(self) -> None:
-        """Serve until a Shutdown message (or the death of the API process)."""
+    def run(self) -> float:
+        """Serve until a Shutdown message (or the death of the API process); returns how long
+        the core may take to flush on close."""
         core = self.core
         while True:
             if core.has_work():
@@ -135,7 +137,7 @@ class EngineLoop:
                 if not messages:
                     if self.alive is not None and not self.alive():
                         log.warning("the API process is gone; the engine stops")
-                        return
+                        return DEFAULT_FLUSH_TIMEOUT_S
                     continue
             outputs: list[SequenceOutput] = []
             reset: bool | None = None
@@ -147,7 +149,7 @@ class EngineLoop:
                 elif isinstance(message, ResetPrefixCache):
                     reset = core.reset_prefix_cache()
                 elif isinstance(message, Shutdown):
-                    return
+                    return message.flush_timeout_s
             if core.has_work():
                 outputs.extend(core.step())
             # Stats go out even without new tokens: after aborts on an idle engine they are
@@ -198,14 +200,21 @@ def engine_process_main(
         raise SystemExit(1) from error
     emit(EngineReady(engine_info(core)))
     loop = EngineLoop(core, ZmqInbox(inbox_socket, codec), emit, alive=lambda: os.getppid() == parent_pid)
+    flush_timeout_s = DEFAULT_FLUSH_TIMEOUT_S
     try:
-        loop.run()
+        flush_timeout_s = loop.run()
     except Exception as error:
         log.exception("the engine loop failed")
         emit(EngineFailed(f"the engine failed: {type(error).__name__}: {error}"))
         raise SystemExit(1) from error
     finally:
-        core.close()  # worker threads (KV store, grammar compiles) end with the engine
+        log.info(
+            "engine stopping: %d of %d KV blocks in use, %d requests unfinished",
+            core.kv.num_used_blocks,
+            core.kv.num_blocks,
+            core.scheduler.num_unfinished_requests,
+        )
+        core.close(flush_timeout_s)  # KV writes flushed; worker threads end with the engine
         inbox_socket.close(linger=0)
         outbox.close()
         context.term()

@@ -54,7 +54,9 @@ class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache", array_like=True
 
 
 class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
-    pass
+    """Stop after flushing queued KV-store writes for at most `flush_timeout_s`."""
+
+    flush_timeout_s: float = 30.0
 
 
 EngineInput = AddRequest | AbortRequest | ResetPrefixCache | Shutdown
