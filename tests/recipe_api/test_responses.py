@@ -158,7 +158,7 @@ def test_sdk_request_with_items_maps_to_turns() -> None:
         ],
         tools=[Tool(name="get_weather", parameters=WEATHER_SCHEMA)],
         tool_choice=ToolChoice(mode="named", name="get_weather"),
-        thinking=Thinking(enabled=True),
+        thinking=Thinking(enabled=True, effort="low"),
         params=GenerationParams(
             max_tokens=77, temperature=0.2, top_p=0.8, top_k=5, logprobs=True, top_logprobs=3
         ),
@@ -185,7 +185,7 @@ def test_string_input_and_json_object_format() -> None:
     assert conversation.params.logprobs is True and conversation.params.top_logprobs is None
     assert conversation.messages == [Message(role="user", content=[TextPart("hi")])]
     assert conversation.response_format == ResponseFormat(type="json_object")
-    assert conversation.thinking == Thinking(enabled=False)
+    assert conversation.thinking == Thinking(enabled=False, effort="none")
 
 
 def test_text_after_a_call_starts_a_new_assistant_turn() -> None:

@@ -289,9 +289,11 @@ def _input_messages(value: str | list[dict[str, Any]]) -> list[Message]:
         elif kind == "reasoning":
             reasoning = validate(_ReasoningItem, raw, path)
             texts = reasoning.content if reasoning.content else reasoning.summary
-            _assistant_turn(messages, "reasoning").reasoning.append(
-                Reasoning(text="".join(t.text for t in texts), redacted_data=reasoning.encrypted_content)
-            )
+            text = "".join(t.text for t in texts)
+            if text or reasoning.encrypted_content:  # an empty reasoning item opens no turn
+                _assistant_turn(messages, "reasoning").reasoning.append(
+                    Reasoning(text=text, redacted_data=reasoning.encrypted_content)
+                )
         elif kind == "function_call":
             call = validate(_FunctionCallItem, raw, path)
             arguments = arguments_text(call.arguments, f"{path}.arguments")

@@ -1,4 +1,9 @@
-"""DeepSeek-V3.2 DSML tool calls, streamed as OpenAI-style JSON arguments.
+"""DeepSeek DSML tool calls (V3.2, V4, V4.1), streamed as OpenAI-style JSON arguments.
+
+Every spelling the models write is accepted in every DeepSeek family: the block is
+`function_calls` (V3.2), `tool_calls` (V4) or ` calls` (V4.1, whose tags also put a space after
+`｜DSML｜`: `<｜DSML｜ invoke …>`). A block whose opening wrapper is missing (the model starts with
+an invoke) is read the same way.
 
 Output layout (after `<｜DSML｜function_calls>`):
     <｜DSML｜invoke name="NAME">
@@ -31,6 +36,17 @@ INVOKE_CLOSE = f"</{DSML}invoke>"
 PARAM_OPEN = f'<{DSML}parameter name="'
 PARAM_CLOSE = f"</{DSML}parameter>"
 
+_GAPS = ("", " ")  # V4.1 writes a space after the DSML token
+_BLOCK_WORDS = ("function_calls", "tool_calls", "calls")
+CALLS_OPENS = tuple(f"<{DSML}{gap}{word}>" for word in _BLOCK_WORDS for gap in _GAPS)
+CALLS_CLOSES = tuple(f"</{DSML}{gap}{word}>" for word in _BLOCK_WORDS for gap in _GAPS)
+INVOKE_OPENS = tuple(f'<{DSML}{gap}invoke name="' for gap in _GAPS)
+INVOKE_CLOSES = tuple(f"</{DSML}{gap}invoke>" for gap in _GAPS)
+PARAM_OPENS = tuple(f'<{DSML}{gap}parameter name="' for gap in _GAPS)
+PARAM_CLOSES = tuple(f"</{DSML}{gap}parameter>" for gap in _GAPS)
+# What opens DSML in plain text: a block, or an invoke without its block.
+OPEN_MARKERS = CALLS_OPENS + INVOKE_OPENS
+
 _PARAM_HEAD = re.compile(r'([^"<>\n]+)" string="(true|false)">')
 _MAX_HEAD = 512  # longer than any sane tool or parameter name
 
@@ -40,8 +56,10 @@ def _json_string_body(text: str) -> str:
 
 
 class DsmlBlock:
-    def __init__(self) -> None:
-        self._state = "between"
+    """`opened_by`: the marker that started the block (an invoke marker starts inside a call)."""
+
+    def __init__(self, opened_by: str | None = None) -> None:
+        self._state = "name" if opened_by in INVOKE_OPENS else "between"
         self._completed = 0
         self._args: list[str] = []
         self._keys: set[str] = set()
@@ -57,8 +75,8 @@ class DsmlBlock:
         while True:
             rest = buf[pos:]
             if self._state == "between":
-                literal, used, pending = expect(rest, (INVOKE_OPEN, CALLS_CLOSE))
-                if literal == CALLS_CLOSE:
+                literal, used, pending = expect(rest, INVOKE_OPENS + CALLS_CLOSES)
+                if literal in CALLS_CLOSES:
                     return pos + used, Status.BLOCK_DONE
                 if literal is None:
                     # Output that stops between complete calls keeps them.
@@ -80,11 +98,11 @@ class DsmlBlock:
                 pos += end + 2
                 self._state, self._args, self._keys = "params", [], set()
             elif self._state == "params":
-                literal, used, pending = expect(rest, (PARAM_OPEN, INVOKE_CLOSE))
+                literal, used, pending = expect(rest, PARAM_OPENS + INVOKE_CLOSES)
                 if literal is None:
                     return pos, Status.MORE if pending and not final else Status.BAD
                 pos += used
-                if literal == PARAM_OPEN:
+                if literal in PARAM_OPENS:
                     self._state = "param_head"
                     continue
                 closing = "}" if self._keys else "{}"
@@ -119,7 +137,7 @@ class DsmlBlock:
                 pos += match.end()
                 self._state = "value"
             else:
-                segment = scan_until(rest, (PARAM_CLOSE,), final=final)
+                segment = scan_until(rest, PARAM_CLOSES, final=final)
                 self._emit(sink, _json_string_body(segment.text) if self._string_value else segment.text)
                 pos += segment.consumed
                 if segment.marker is None:
