@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from deepinfer.recipe.errors import RecipeError
@@ -152,6 +153,14 @@ def parse_completion(
     return prompt.parse_completion(text, finish_reason=finish_reason, id_factory=id_factory)
 
 
+@lru_cache(maxsize=16)
+def _guard_for(markers: tuple[str, ...], tokenizer: Tokenizer | None) -> SpecialTextGuard:
+    specials = set(markers)
+    if tokenizer is not None:
+        specials.update(added_token_spellings(tokenizer))
+    return SpecialTextGuard(specials)
+
+
 class Recipe:
     """Renders conversations for one model and parses what it writes back."""
 
@@ -181,7 +190,6 @@ class Recipe:
         self._v4 = (
             DeepSeekV4Renderer("v4" if family == "deepseek_v4" else "v41") if family in V4_FAMILIES else None
         )
-        self._guards: dict[int, tuple[Any, SpecialTextGuard]] = {}
         self._markers = self._family_markers(special_tokens)
         self._native = {
             "deepseek_v32": DeepSeekV32Renderer,
@@ -264,16 +272,7 @@ class Recipe:
     def _guard(self, tokenizer: Tokenizer | None) -> SpecialTextGuard:
         """The spellings client text may not carry: the tokenizer's added tokens and the markers
         this family writes (so prompt text is the same with or without a tokenizer)."""
-        key = id(tokenizer)
-        cached = self._guards.get(key)
-        if cached is not None and cached[0] is tokenizer:
-            return cached[1]
-        specials = set(self._markers)
-        if tokenizer is not None:
-            specials.update(added_token_spellings(tokenizer))
-        guard = SpecialTextGuard(specials)
-        self._guards[key] = (tokenizer, guard)
-        return guard
+        return _guard_for(self._markers, tokenizer)
 
     def _defaults(self, conv: Conversation) -> PromptDefaults:
         if self._v4 is None:

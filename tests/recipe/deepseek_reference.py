@@ -111,6 +111,25 @@ def reference(api: str, body: dict[str, Any], family: str, tokenizer: Any | None
     )
 
 
+_ENCODINGS: dict[tuple[str, int], Any] = {}
+
+
+def _encoding(family: str, tokenizer: Any | None) -> Any:
+    """The codec's encoding, with `tokenizer` attached (attaching copies it: done once)."""
+    key = (family, id(tokenizer))
+    if key not in _ENCODINGS:
+        encoding = (
+            deepseek_recipe.DeepseekV41Encoding()
+            if family == "deepseek_v41"
+            else deepseek_recipe.DeepseekV4Encoding()
+        )
+        _ENCODINGS[key] = (
+            encoding.with_tokenizer(tokenizer) if tokenizer is not None else encoding,
+            tokenizer,
+        )
+    return _ENCODINGS[key][0]
+
+
 # ------------------------------------------------------------------------------------ scenarios
 
 

@@ -143,7 +143,25 @@ def to_json(value: Any) -> str:
 
 
 def tool_schema_json(tool: Tool) -> str:
-    return to_json({"name": tool.name, "description": tool.description or "", "parameters": tool.parameters})
+    parameters = strict_schema(tool.parameters) if tool.strict else tool.parameters
+    return to_json({"name": tool.name, "description": tool.description or "", "parameters": parameters})
+
+
+def strict_schema(schema: Any) -> Any:
+    """A strict tool's schema as the model is shown it: every object closed to other properties
+    and requiring all of its own (OpenAI's strict-mode rules), nested objects included."""
+    if isinstance(schema, list):
+        return [strict_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: strict_schema(v) if k != "properties" else v for k, v in schema.items()}
+    properties = schema.get("properties")
+    if isinstance(properties, dict):
+        out["properties"] = {k: strict_schema(v) for k, v in properties.items()}
+    if schema.get("type") == "object":
+        out["additionalProperties"] = False
+        out["required"] = list(properties) if isinstance(properties, dict) else []
+    return out
 
 
 def response_format_schema(conv: Conversation) -> dict[str, Any] | None:
@@ -182,6 +200,8 @@ def default_max_tokens(conv: Conversation) -> int:
 
 def check_request(conv: Conversation, tools: list[Tool]) -> None:
     """The requests DeepSeek's codec refuses, refused the same way."""
+    if len({t.strict for t in conv.tools}) > 1:
+        raise RecipeError("strict and non-strict tools cannot be mixed in one request", "tools")
     fmt = conv.response_format
     if fmt is not None and fmt.type == "json_object":
         texts = (m.text for m in conv.messages)
