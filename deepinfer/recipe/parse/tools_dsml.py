@@ -16,9 +16,13 @@ Output layout (after `<｜DSML｜function_calls>`):
 The arguments become the JSON object DeepSeek's reference decoder builds:
 `{"KEY": VALUE, …}` with `", "` and `": "` separators, where a `string="true"` value is the
 text as a JSON string and a `string="false"` value is pasted verbatim (it is JSON already).
-A call without parameters is `{}`. Deltas are streamed as the parameters arrive: the key
-prefix when a parameter opens, the value text (escaped chunk by chunk for strings, which is
-exact because JSON escapes character by character), the closing quote, and the final `}`.
+A call without parameters is `{}`.
+
+A call is reported only once its invoke closed and its arguments are a JSON object (a
+`string="false"` value that is not JSON voids it): its start and its whole arguments then go
+out together, so no client ever sees a call that turns out malformed or cut. A voided call is
+skipped and the block goes on; a block cut by the end of the output keeps the calls completed
+before the cut.
 """
 
 from __future__ import annotations
@@ -64,11 +68,11 @@ class DsmlBlock:
         self._args: list[str] = []
         self._keys: set[str] = set()
         self._string_value = False
+        self._name = ""
 
     def _emit(self, sink: CallSink, piece: str) -> None:
         if piece:
             self._args.append(piece)
-            sink.args(piece)
 
     def step(self, buf: str, sink: CallSink, final: bool) -> tuple[int, Status]:
         pos = 0
@@ -94,7 +98,7 @@ class DsmlBlock:
                 name = rest[:end]
                 if not name or any(c in name for c in '<>\n"'):
                     return pos, Status.BAD
-                sink.start(name)
+                self._name = name
                 pos += end + 2
                 self._state, self._args, self._keys = "params", [], set()
             elif self._state == "params":
@@ -111,13 +115,20 @@ class DsmlBlock:
                     valid = isinstance(json.loads(arguments), dict)
                 except json.JSONDecodeError:
                     valid = False
+                self._state = "between"
                 if not valid:
-                    return pos, Status.BAD
-                self._emit(sink, closing)
+                    continue  # a voided call: skipped, the block goes on
+                sink.start(self._name)
+                sink.args(arguments)
                 sink.end(arguments)
                 self._completed += 1
-                self._state = "between"
                 return pos, Status.CALL_DONE
+            elif self._state == "skip_call":
+                segment = scan_until(rest, INVOKE_CLOSES, final=final)
+                pos += segment.consumed
+                if segment.marker is None:
+                    return pos, Status.BAD if final else Status.MORE
+                self._state = "between"
             elif self._state == "param_head":
                 match = _PARAM_HEAD.match(rest)
                 if match is None:
@@ -126,7 +137,8 @@ class DsmlBlock:
                     return pos, Status.MORE
                 key, string = match.group(1), match.group(2)
                 if key in self._keys:
-                    return pos, Status.BAD
+                    self._state = "skip_call"  # a repeated key voids the call
+                    continue
                 self._string_value = string == "true"
                 opening = "{" if not self._keys else ", "
                 self._keys.add(key)
