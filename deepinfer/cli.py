@@ -139,7 +139,26 @@ def _add_serve(commands: Any) -> None:
         action="store_true",
         help="isolate the prefix cache between API keys (on top of any cache_salt in bodies)",
     )
-    p.add_argument("--recipe-family", help="override the detected prompt family (e.g. deepseek_v32)")
+    p.add_argument(
+        "--chat-encoding",
+        "--recipe-family",
+        dest="recipe_family",
+        metavar="ENCODING",
+        help="the chat encoding (prompt format and output parser), overriding the one detected from the "
+        "model: deepseek_v41, deepseek_v4, deepseek_v32, deepseek_v31, deepseek_r1 or chat_template",
+    )
+    p.add_argument(
+        "--hosted-tools",
+        choices=("drop", "reject"),
+        default="drop",
+        help="Responses tools the server cannot run (web_search, file_search, ...): drop them from the "
+        "prompt (default) or answer 400",
+    )
+    p.add_argument(
+        "--reasoning-key",
+        help="key for the Responses API's encrypted reasoning (64 hex digits); default: a new key at "
+        "every start (blobs from before a restart then fail to decrypt)",
+    )
     p.add_argument(
         "--engine-mode",
         choices=("process", "thread"),
@@ -172,6 +191,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         cache_salt_per_key=args.cache_salt_per_key,
         recipe_family=args.recipe_family,
+        hosted_tools=args.hosted_tools,
+        reasoning_key=args.reasoning_key,
         engine_mode=args.engine_mode,
         log_level=args.log_level,
     )

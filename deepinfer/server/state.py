@@ -13,6 +13,8 @@ from fastapi import Request
 
 from deepinfer.engine.ipc.client import EngineClient, EngineDeadError, GenerationStream
 from deepinfer.recipe import Recipe, RenderedPrompt
+from deepinfer.recipe.api.responses import ResponsesOptions
+from deepinfer.recipe.api.responses_reasoning import ReasoningSealer
 from deepinfer.recipe.ir import Conversation
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.sequence import EngineRequest
@@ -41,7 +43,9 @@ class ServerConfig:
     max_waiting_requests: int = 512  # requests waiting for their first token before 429/529
     max_body_bytes: int = 32 << 20
     cache_salt_per_key: bool = False  # isolate the prefix cache between API keys
-    recipe_family: str | None = None  # override the detected prompt/parse family
+    recipe_family: str | None = None  # the chat encoding (--chat-encoding), overriding detection
+    hosted_tools: Literal["drop", "reject"] = "drop"  # Responses tools we cannot run
+    reasoning_key: str | None = None  # hex AES key for encrypted reasoning; None: generated at start
     engine_mode: Literal["process", "thread"] = "process"
     log_level: str = "info"
 
@@ -57,6 +61,11 @@ class ServerState:
     metrics: ServerMetrics
     created: int
     grammars: GrammarValidator | None = None  # built by start_state; needed by constrained requests
+    reasoning_sealer: ReasoningSealer = field(default_factory=ReasoningSealer.generate)
+
+    @property
+    def responses_options(self) -> ResponsesOptions:
+        return ResponsesOptions(hosted_tools=self.config.hosted_tools, reasoning=self.reasoning_sealer)
 
     @property
     def max_model_len(self) -> int:
@@ -124,6 +133,10 @@ class ServerState:
         kwargs = template_kwargs if isinstance(template_kwargs, Mapping) else None
         prompt = self.require_recipe().render(conv, tokenizer=self.tokenizer.backend, template_kwargs=kwargs)
         assert prompt.token_ids is not None
+        if prompt.images:
+            # The encoding placed them (RenderedPrompt.images carries their sources), but no model
+            # this engine runs reads images yet.
+            raise ApiError(400, f"{param}: this model does not accept images", param=param)
         check_context(len(prompt.token_ids), self.max_model_len, param)
         return prompt
 

@@ -228,7 +228,7 @@ def _with(**fields: Any) -> dict[str, Any]:
         ),
         (_with(input=[{"type": "function_call", "call_id": "c", "arguments": "{}"}]), "input[0].name"),
         (_with(input=[{"role": "tool", "content": "x"}]), "input[0].role"),
-        (_with(tools=[{"type": "web_search"}]), "tools[0].type"),
+        (_with(tools=[{"name": "untyped"}]), "tools[0].type"),
         (_with(tools=[{"type": "function", "parameters": {}}]), "tools[0].name"),
         (_with(tool_choice="maybe"), "tool_choice"),
         (_with(tool_choice={"type": "function", "name": "ghost"}), "tool_choice.name"),
