@@ -113,7 +113,7 @@ def test_codex_exec_completes_a_turn_over_responses(server, tmp_path: Path) -> N
                 "--disable",
                 "image_generation",
                 "Say hi.",
-            ],  # fmt: skip
+            ],
             env={**os.environ, "CODEX_HOME": str(home), "DEEPINFER_API_KEY": API_KEY},
             cwd=tmp_path,
             stdin=subprocess.DEVNULL,
@@ -160,7 +160,7 @@ def test_claude_code_print_completes_a_turn_over_messages(server, tmp_path: Path
                 "You are a terse assistant.",
                 "--tools",
                 "Read,Glob",
-            ],  # fmt: skip
+            ],
             env=env,
             cwd=tmp_path,
             stdin=subprocess.DEVNULL,
