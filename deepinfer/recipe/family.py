@@ -256,6 +256,7 @@ class Recipe:
             initial=initial,
             stop_markers=self._stop_markers,
             tool_names=tuple(t.name for t in tools),
+            tool_aliases=tuple(deepseek_v4.tool_aliases(tools, self._v4.version).items()) if self._v4 else (),
         )
         token_ids = None
         if tokenizer is not None:

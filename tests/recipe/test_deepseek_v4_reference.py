@@ -168,6 +168,34 @@ HANDWRITTEN: dict[str, tuple[str, dict[str, Any]]] = {
         "chat",
         {"messages": [_u("a")], "tools": [TOOL], "tool_choice": "required"},
     ),
+    "responses-namespace-custom-and-hosted-tools": (
+        "responses",
+        {
+            "input": "hi",
+            "tools": [
+                {
+                    "type": "function",
+                    "name": "f",
+                    "parameters": {"type": "object", "properties": {}},
+                    "defer_loading": True,
+                },
+                {
+                    "type": "namespace",
+                    "name": "mcp__srv",
+                    "description": "Server tools",
+                    "tools": [
+                        {
+                            "type": "function",
+                            "name": "read",
+                            "description": "R",
+                            "parameters": {"type": "object", "properties": {}},
+                        }
+                    ],
+                },
+                {"type": "web_search"},
+            ],
+        },
+    ),
     "responses-developer": (
         "responses",
         {

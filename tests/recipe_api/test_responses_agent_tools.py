@@ -181,3 +181,15 @@ def test_encrypted_reasoning_round_trips_and_refuses_tampering() -> None:
         with pytest.raises(RecipeError) as caught:
             responses_to_conversation(follow_up, ResponsesOptions(reasoning=sealer_used))
         assert caught.value.param == "input[1].encrypted_content"
+
+
+def test_v4_writes_namespaced_functions_its_own_way_and_reads_them_back() -> None:
+    """V4 names a namespaced function NS__NAME (V4.1: NS::NAME); either way the call comes back
+    under the request's tool, split into namespace and name."""
+    conv = responses_to_conversation(CODEX_LIKE)
+    prompt = Recipe("deepseek_v4").render(conv)
+    assert '{"name": "mcp__files__read", "description": "Read a file"' in prompt.text
+    text = '</think><｜DSML｜tool_calls>\n<｜DSML｜invoke name="mcp__files__read">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'
+    conv.thinking.enabled = False
+    parsed = Recipe("deepseek_v4").render(conv).parse_completion(text.removeprefix("</think>"))
+    assert [c.name for c in parsed.tool_calls] == ["mcp__files::read"]

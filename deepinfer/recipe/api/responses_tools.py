@@ -1,6 +1,7 @@
 """Responses tool declarations: what real agents (Codex CLI, the Agents SDK) send.
 
-- `function`: a function tool (`defer_loading: true` keeps it out of the first tool list).
+- `function`: a function tool. Its `defer_loading` is read as DeepSeek's codec reads it in a
+  Responses request: not at all (the tool is listed).
 - `namespace`: a group of function tools (Codex puts MCP servers' tools in one). The model sees
   each as one function named `NAMESPACE::NAME`, described by the group's description and its
   own, as DeepSeek's codec writes them; calls are split back into `namespace` + `name`.
@@ -39,7 +40,6 @@ class _FunctionTool(ApiModel):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
-    defer_loading: bool = False
 
 
 class _NamespaceTool(ApiModel):
@@ -60,7 +60,6 @@ class _CustomTool(ApiModel):
     name: str = Field(min_length=1)
     description: str | None = None
     format: _CustomFormat | None = None
-    defer_loading: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +121,6 @@ def _function(spec: _FunctionTool, namespace: tuple[str, str | None] | None = No
             description=spec.description,
             parameters=parameters,
             strict=bool(spec.strict),
-            defer_loading=spec.defer_loading,
         )
     group, about = namespace
     description = spec.description if about is None else f"{about}\n{spec.description or ''}"
@@ -131,7 +129,6 @@ def _function(spec: _FunctionTool, namespace: tuple[str, str | None] | None = No
         description=description,
         parameters=parameters,
         strict=bool(spec.strict),
-        defer_loading=spec.defer_loading,
         namespace=group,
         local_name=spec.name,
     )
@@ -164,7 +161,6 @@ def _custom(spec: _CustomTool) -> Tool:
             "properties": {CUSTOM_INPUT: {"type": "string", "description": CUSTOM_INPUT_DESCRIPTION}},
             "required": [CUSTOM_INPUT],
         },
-        defer_loading=spec.defer_loading,
         custom=True,
     )
 

@@ -78,6 +78,8 @@ class ParserSpec:
     initial: InitialState = "content"
     stop_markers: tuple[str, ...] = ()  # end-of-turn texts
     tool_names: tuple[str, ...] = ()  # the offered tools (bare-JSON formats only accept these)
+    # (name the model writes, tool name) where they differ (V4's namespaced functions)
+    tool_aliases: tuple[tuple[str, str], ...] = ()
 
     @property
     def v4_rules(self) -> bool:
@@ -107,8 +109,11 @@ def new_call_id() -> str:
 class _Calls:
     """The CallSink that turns tool-block reports into events, checking the delta invariant."""
 
-    def __init__(self, events: list[Event], id_factory: Callable[[], str]) -> None:
+    def __init__(
+        self, events: list[Event], id_factory: Callable[[], str], aliases: dict[str, str] | None = None
+    ) -> None:
         self._events = events
+        self._aliases = aliases or {}
         self._id_factory = id_factory
         self._index = -1
         self._parts: list[str] = []
@@ -117,6 +122,7 @@ class _Calls:
     def start(self, name: str) -> None:
         self._index += 1
         self._parts = []
+        name = self._aliases.get(name, name)
         self._events.append(ToolCallStart(index=self._index, id=self._id_factory(), name=name))
 
     def args(self, delta: str) -> None:
@@ -165,7 +171,7 @@ class StreamParser:
     def __init__(self, spec: ParserSpec, *, id_factory: Callable[[], str] | None = None) -> None:
         self.spec = spec
         self._events: list[Event] = []
-        self._calls = _Calls(self._events, id_factory or new_call_id)
+        self._calls = _Calls(self._events, id_factory or new_call_id, dict(spec.tool_aliases))
         self._stop = _StopFilter(spec.stop_markers)
         self._buf = ""
         self._space = "\n" if spec.v4_rules else None  # what boundary trimming removes (None: any)

@@ -109,8 +109,8 @@ class DsmlSpelling:
         return cls(calls=f"{DSML} calls", invoke=f"{DSML} invoke", parameter=f"{DSML} parameter")
 
 
-def tools_section(tags: DsmlSpelling, tools: list[Tool]) -> str:
-    schemas = "\n".join(tool_schema_json(t) for t in tools)
+def tools_section(tags: DsmlSpelling, tools: list[Tool], version: Version = "v41") -> str:
+    schemas = "\n".join(tool_schema_json(t, version) for t in tools)
     calls, invoke, param = tags.calls, tags.invoke, tags.parameter
     return (
         "## Tools\n\nYou have access to a set of tools to help answer the user's question. You can invoke "
@@ -142,9 +142,34 @@ def to_json(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def tool_schema_json(tool: Tool) -> str:
+def tool_schema_json(tool: Tool, version: Version = "v41") -> str:
     parameters = strict_schema(tool.parameters) if tool.strict else tool.parameters
-    return to_json({"name": tool.name, "description": tool.description or "", "parameters": parameters})
+    return to_json(
+        {
+            "name": shown_name(tool, version),
+            "description": shown_description(tool, version),
+            "parameters": parameters,
+        }
+    )
+
+
+def shown_name(tool: Tool, version: Version) -> str:
+    """V4.1 names a namespaced function `NS::NAME` (Tool.name); V4 writes `NS__NAME`."""
+    if version == "v4" and tool.namespace is not None and tool.local_name is not None:
+        return f"{tool.namespace}__{tool.local_name}"
+    return tool.name
+
+
+def shown_description(tool: Tool, version: Version) -> str:
+    """V4.1 describes a namespaced function by its group's description and its own; V4 by its own."""
+    if version == "v4" and tool.namespace is not None and tool.description is not None:
+        return tool.description.split("\n", 1)[1] if "\n" in tool.description else tool.description
+    return tool.description or ""
+
+
+def tool_aliases(tools: list[Tool], version: Version) -> dict[str, str]:
+    """The names the model calls tools by that differ from Tool.name (V4's namespaced ones)."""
+    return {shown_name(t, version): t.name for t in tools if shown_name(t, version) != t.name}
 
 
 def strict_schema(schema: Any) -> Any:
@@ -249,6 +274,7 @@ class DeepSeekV4Renderer:
         tools = offered_tools(conv)
         check_request(conv, tools)
         keep_reasoning = thinking and bool(tools)
+        call_names = {t.name: shown_name(t, self.version) for t in conv.tools}
         system_suffix = self._system_suffix(conv, tools)
         parts = [BOS]
         if self.version == "v4":
@@ -276,7 +302,7 @@ class DeepSeekV4Renderer:
             elif role == "latest_reminder":
                 parts.append(LATEST_REMINDER + msg.text)
             else:
-                parts.append(self._assistant(msg, thinking, keep_reasoning))
+                parts.append(self._assistant(msg, thinking, keep_reasoning, call_names))
         if pending_user:
             parts.append(USER + "\n\n".join(pending_user))
         last = messages[-1] if messages else None
@@ -302,7 +328,7 @@ class DeepSeekV4Renderer:
         suffix = ""
         listed = [t for t in tools if not t.defer_loading]
         if listed:
-            suffix += "\n\n" + tools_section(self.tags, listed)
+            suffix += "\n\n" + tools_section(self.tags, listed, self.version)
         schema = response_format_schema(conv)
         if (
             schema == {"type": "json_object"}
@@ -356,7 +382,9 @@ class DeepSeekV4Renderer:
     def _tool_result(self, msg: Message) -> str:
         return f"<tool_result>{self._content_text(msg)}</tool_result>"
 
-    def _assistant(self, msg: Message, thinking: bool, keep_reasoning: bool) -> str:
+    def _assistant(
+        self, msg: Message, thinking: bool, keep_reasoning: bool, call_names: dict[str, str]
+    ) -> str:
         text = msg.text
         if msg.prefix:
             if not thinking:
@@ -366,11 +394,11 @@ class DeepSeekV4Renderer:
         head = THINK_OPEN + reasoning_text(msg) + THINK_CLOSE if keep_reasoning else THINK_CLOSE
         calls = ""
         if msg.tool_calls:
-            invokes = "\n".join(self._invoke(call) for call in msg.tool_calls)
+            invokes = "\n".join(self._invoke(call, call_names) for call in msg.tool_calls)
             calls = f"\n\n<{self.tags.calls}>\n{invokes}\n</{self.tags.calls}>"
         return ASSISTANT + head + text + calls + EOS
 
-    def _invoke(self, call: ToolCall) -> str:
+    def _invoke(self, call: ToolCall, call_names: dict[str, str]) -> str:
         arguments = parse_arguments(call.arguments, "tool_calls.arguments")
         param = self.tags.parameter
         params = []
@@ -378,7 +406,8 @@ class DeepSeekV4Renderer:
             is_str = isinstance(value, str)
             shown = value if is_str else to_json(value)
             params.append(f'<{param} name="{key}" string="{"true" if is_str else "false"}">{shown}</{param}>')
-        head = f'<{self.tags.invoke} name="{call.name}">\n'
+        name = call_names.get(call.name, call.name)
+        head = f'<{self.tags.invoke} name="{name}">\n'
         if self.version == "v4":
             body = "".join(p + "\n" for p in params)
         else:
