@@ -138,7 +138,7 @@ def test_claude_code_print_completes_a_turn_over_messages(server, tmp_path: Path
             "ANTHROPIC_BASE_URL": proxy.url,
             "ANTHROPIC_API_KEY": API_KEY,
             "CLAUDE_CONFIG_DIR": str(tmp_path / "claude-config"),
-            "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "200",
+            "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "32",
             "ANTHROPIC_SMALL_FAST_MODEL": MODEL,
             "ANTHROPIC_DEFAULT_HAIKU_MODEL": MODEL,
             "DISABLE_TELEMETRY": "1",
