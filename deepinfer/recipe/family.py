@@ -260,7 +260,9 @@ class Recipe:
         )
         token_ids = None
         if tokenizer is not None:
-            token_ids = prompt_tokenizer(tokenizer).encode(guard.segments(rendered))
+            token_ids = prompt_tokenizer(tokenizer).encode(
+                guard.segments(rendered), strict=self._v4 is not None
+            )
         return RenderedPrompt(
             text=text,
             family=self.family,

@@ -11,8 +11,9 @@ so encoding a rendered prompt as one string would let a user forge turns (`<｜U
    becomes its token id. The text between them, placeholders put back, is encoded with the same
    tokenizer minus its added vocabulary, as DeepSeek's encoder does.
 
-A marker the renderer writes but the tokenizer lacks is refused with an error naming it (DeepSeek
-V4.1's `<｜System｜>` is not in V4's tokenizer; it comes from the checkpoint's own).
+A marker a DeepSeek V4 encoding writes but the tokenizer lacks is refused with an error naming it
+(V4.1's `<｜System｜>` is not in V4's tokenizer; it comes from the checkpoint's own); the older
+encodings encode such a marker as text, as before.
 """
 
 from __future__ import annotations
@@ -142,13 +143,18 @@ class PromptTokenizer:
     def encode_text(self, text: str) -> list[int]:
         return self._text.encode(text, add_special_tokens=False).ids if text else []
 
-    def encode(self, pieces: list[tuple[str, bool]]) -> list[int]:
+    def encode(self, pieces: list[tuple[str, bool]], *, strict: bool) -> list[int]:
+        """Ids of rendered pieces. A marker the tokenizer lacks is refused when `strict` (DeepSeek
+        V4's rule), else encoded as text (a V3 checkpoint without V3.2's DSML token)."""
         ids: list[int] = []
         for text, special in pieces:
             if not special:
                 ids.extend(self.encode_text(text))
                 continue
             token_id = self.tokenizer.token_to_id(text)
+            if token_id is None and not strict:
+                ids.extend(self.encode_text(text))
+                continue
             if token_id is None:
                 raise MissingSpecialToken(
                     f"the model's tokenizer has no special token {text!r}, which this prompt format "
