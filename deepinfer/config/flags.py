@@ -43,8 +43,16 @@ def _unwrap_optional(hint: Any) -> Any:
     return hint
 
 
+def flag_names(f: dataclasses.Field) -> tuple[str, ...]:
+    """The field's flag spellings: its own (`flag=`, a name or several) or `--field-name`."""
+    flag = f.metadata.get("flag")
+    if flag is None:
+        return ("--" + f.name.replace("_", "-"),)
+    return (flag,) if isinstance(flag, str) else tuple(flag)
+
+
 def flag_name(f: dataclasses.Field) -> str:
-    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+    return flag_names(f)[0]
 
 
 def _leaf_fields(cls: type) -> Iterator[tuple[dataclasses.Field, Any]]:

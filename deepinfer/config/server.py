@@ -34,7 +34,22 @@ class ServerConfig:
     cache_salt_per_key: bool = option(
         False, help="isolate the prefix cache between API keys (on top of any cache_salt in bodies)"
     )
-    recipe_family: str | None = option(None, help="override the detected prompt family (e.g. deepseek_v32)")
+    recipe_family: str | None = option(
+        None,
+        flag=("--chat-encoding", "--recipe-family"),
+        help="the chat encoding (prompt format and output parser), overriding the one detected from the "
+        "model: deepseek_v41, deepseek_v4, deepseek_v32, deepseek_v31, deepseek_r1 or chat_template",
+    )
+    hosted_tools: Literal["drop", "reject"] = option(
+        "drop",
+        help="Responses tools the server cannot run (web_search, file_search, ...): drop them from the "
+        "prompt, or answer 400",
+    )
+    reasoning_key: str | None = option(
+        None,
+        help="key for the Responses API's encrypted reasoning (64 hex digits); default: a new key at every "
+        "start (blobs from before a restart then fail to decrypt)",
+    )
     engine_mode: Literal["process", "thread"] = option(
         "process", help="run the engine core in its own process (default) or on a thread of the server"
     )
@@ -57,6 +72,14 @@ class ServerConfig:
         check_positive("max_body_bytes", self.max_body_bytes, allow_none=False)
         check_choice("engine_mode", self.engine_mode, ("process", "thread"))
         check_choice("log_level", self.log_level, LOG_LEVELS)
+        check_choice("hosted_tools", self.hosted_tools, ("drop", "reject"))
+        if self.reasoning_key is not None:
+            try:
+                key = bytes.fromhex(self.reasoning_key)
+            except ValueError:
+                key = b""
+            if len(key) != 32:
+                raise ConfigError("reasoning_key", "expected 64 hex digits (an AES-256 key)")
         if (
             isinstance(self.shutdown_timeout, bool)
             or not isinstance(self.shutdown_timeout, int | float)

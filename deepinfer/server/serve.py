@@ -28,6 +28,7 @@ from deepinfer.engine.ipc.client import EngineClient
 from deepinfer.engine.ipc.transport import EngineTransport, ProcessTransport, ThreadTransport
 from deepinfer.model.loader.source import DEFAULT_MODEL_NAME, converted_gguf_dir, resolve_model_path
 from deepinfer.recipe import ModelInfo, Recipe, RecipeError
+from deepinfer.recipe.api.responses_reasoning import ReasoningSealer
 from deepinfer.server.app import build_app
 from deepinfer.server.constraints import GrammarValidator
 from deepinfer.server.metrics import ServerMetrics
@@ -75,6 +76,8 @@ async def start_state(engine_config: EngineConfig, server_config: ServerConfig) 
         try:
             recipe = Recipe.for_model(await info_task)
         except RecipeError as error:
+            if server_config.recipe_family is not None:
+                raise  # an encoding asked for by name that cannot be used: refuse to start
             recipe_error = str(error)
             log.warning("chat endpoints disabled: %s", error)
     except BaseException:
@@ -95,6 +98,7 @@ async def start_state(engine_config: EngineConfig, server_config: ServerConfig) 
         default_served_name(engine_config.model, engine_info.model_name)
     ]
     return ServerState(
+        reasoning_sealer=reasoning_sealer(server_config),
         config=server_config,
         client=client,
         tokenizer=tokenizer,
@@ -105,6 +109,17 @@ async def start_state(engine_config: EngineConfig, server_config: ServerConfig) 
         created=int(time.time()),
         grammars=grammars,
     )
+
+
+def reasoning_sealer(config: ServerConfig) -> ReasoningSealer:
+    """The key for encrypted Responses reasoning: the configured one, or a new one for this run."""
+    if config.reasoning_key:
+        return ReasoningSealer.from_hex(config.reasoning_key)
+    log.info(
+        "encrypted reasoning: using a key generated at start (reasoning blobs will not decrypt after a "
+        "restart; set --reasoning-key to keep them valid)"
+    )
+    return ReasoningSealer.generate()
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

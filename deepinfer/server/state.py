@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -14,6 +14,8 @@ from fastapi import Request
 from deepinfer.config import ServerConfig
 from deepinfer.engine.ipc.client import EngineClient, EngineDeadError, GenerationStream
 from deepinfer.recipe import Recipe, RenderedPrompt
+from deepinfer.recipe.api.responses import ResponsesOptions
+from deepinfer.recipe.api.responses_reasoning import ReasoningSealer
 from deepinfer.recipe.ir import Conversation
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.sequence import EngineRequest
@@ -45,6 +47,11 @@ class ServerState:
     created: int
     grammars: GrammarValidator | None = None  # built by start_state; needed by constrained requests
     draining: bool = False  # a graceful stop began: new requests get 503, those in flight finish
+    reasoning_sealer: ReasoningSealer = field(default_factory=ReasoningSealer.generate)
+
+    @property
+    def responses_options(self) -> ResponsesOptions:
+        return ResponsesOptions(hosted_tools=self.config.hosted_tools, reasoning=self.reasoning_sealer)
 
     @property
     def max_model_len(self) -> int:
@@ -119,6 +126,10 @@ class ServerState:
         kwargs = template_kwargs if isinstance(template_kwargs, Mapping) else None
         prompt = self.require_recipe().render(conv, tokenizer=self.tokenizer.backend, template_kwargs=kwargs)
         assert prompt.token_ids is not None
+        if prompt.images:
+            # The encoding placed them (RenderedPrompt.images carries their sources), but no model
+            # this engine runs reads images yet.
+            raise ApiError(400, f"{param}: this model does not accept images", param=param)
         check_context(len(prompt.token_ids), self.max_model_len, param)
         return prompt
 
