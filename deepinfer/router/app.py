@@ -47,6 +47,7 @@ from deepinfer.server.errors import ApiError, error_response, flavor_of
 log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "x-request-id"
+REPLICA_HEADER = "x-deepinfer-replica"  # on answers: which replica served it (for operators)
 KV_TRANSFER_HEADER = "x-deepinfer-kv-transfer"  # read by the decode replica (server/state.py)
 RETRY_STATUSES = frozenset({429, 502, 503, 504, 529})
 FAILURE_STATUSES = frozenset({502, 503, 504})  # count against the replica's circuit
@@ -218,6 +219,7 @@ class Router:
             if response is not None:
                 self.metrics.requests.labels("ok").inc()
                 response.headers[REQUEST_ID_HEADER] = request_id
+                response.headers[REPLICA_HEADER] = replica.url
                 return response
             if not final:
                 self.metrics.retries.inc()

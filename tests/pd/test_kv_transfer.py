@@ -43,7 +43,7 @@ def server():
 def test_a_pull_gets_the_longest_run_it_asks_for_and_ends_the_lease(server) -> None:
     assert server.lease("t1", hashes(5), [10, 11, 12, 13, 14])
     puller = KVPuller(timeout_s=5.0)
-    kv = puller.pull(KVSource(server.address, "t1"), hashes(5)[2:] + [b"\xff" * 32]).result()
+    kv = puller.pull(KVSource(server.address, "t1"), [*hashes(5)[2:], b"\xff" * 32]).result()
     assert kv.shape == (2, 3 * TOKENS_PER_BLOCK, 3)
     assert kv[0, :, 0].tolist() == [12.0] * 4 + [13.0] * 4 + [14.0] * 4
     # One pull per lease: the blocks are given back, a second pull finds nothing.

@@ -119,11 +119,11 @@ def test_router_hashes_match_the_engine_hashes() -> None:
 
 
 def test_config_errors_name_the_option() -> None:
-    with pytest.raises(ConfigError, match="^prefill"):
+    with pytest.raises(ConfigError, match=r"^prefill"):
         RouterConfig(prefill=("http://p:1",))
-    with pytest.raises(ConfigError, match="^replicas"):
+    with pytest.raises(ConfigError, match=r"^replicas"):
         RouterConfig()
-    with pytest.raises(ConfigError, match="^replicas: expected an http"):
+    with pytest.raises(ConfigError, match=r"^replicas: expected an http"):
         RouterConfig(replicas=("localhost:8000",))
-    with pytest.raises(ConfigError, match="^policy"):
+    with pytest.raises(ConfigError, match=r"^policy"):
         RouterConfig(replicas=("http://a:1",), policy="random")

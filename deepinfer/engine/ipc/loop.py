@@ -149,6 +149,7 @@ class EngineLoop:
         """Serve until a Shutdown message (or the death of the API process); returns how long
         the core may take to flush on close."""
         core = self.core
+        self._send([], None)  # the stats of an engine that has served nothing yet
         while True:
             if core.has_work():
                 messages = self.inbox.drain()
