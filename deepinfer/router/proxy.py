@@ -38,12 +38,18 @@ HOP_BY_HOP = frozenset(
 )
 
 
+# Only the router sets these on a request to a replica: a client's own would let it point a
+# decode engine at KV of its choosing.
+ROUTER_ONLY = frozenset({"x-deepinfer-kv-transfer"})
+
+
 class UpstreamFailed(Exception):
     """The replica did not answer (refused, reset, timed out, died): nothing reached the client."""
 
 
 def forwarded_headers(headers: list[tuple[str, str]], extra: dict[str, str]) -> list[tuple[str, str]]:
-    kept = [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP and k.lower() not in extra]
+    dropped = HOP_BY_HOP | ROUTER_ONLY
+    kept = [(k, v) for k, v in headers if k.lower() not in dropped and k.lower() not in extra]
     return kept + list(extra.items())
 
 
