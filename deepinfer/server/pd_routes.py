@@ -49,11 +49,12 @@ async def engine_info(request: Request) -> JSONResponse:
         **{name: getattr(client.info, name) for name in client.info.__struct_fields__},
         "served_model_names": state.served_names,
         "cache_salt_per_key": state.config.cache_salt_per_key,
-        "healthy": client.healthy,
+        "healthy": client.healthy and not state.draining,  # a draining server takes no new work
+        "draining": state.draining,
         "api_waiting_requests": client.num_waiting,
         "load": load,
     }
-    return JSONResponse(body, status_code=200 if client.healthy else 503)
+    return JSONResponse(body, status_code=200 if body["healthy"] else 503)
 
 
 class _PrefillBody(ApiModel):
