@@ -2,7 +2,8 @@
 
 What users run against an engine ships in the package: `serve` (the load generator for any
 OpenAI/Anthropic-compatible server), `throughput` and `latency` (the offline engine). Studies and
-peer comparisons (`peers`, `roofline`, `economics`, `prefix`, `kvstore`, `spec`, `structured`) are
+peer comparisons (`peers`, `roofline`, `economics`, `prefix`, `kvstore`, `spec`, `structured`,
+`router`, `pd`) are
 scripts in the repository's top-level bench/ folder; `deepinfer bench` finds and runs them when
 it is started from a checkout. `python -m deepinfer.bench ...` runs the same commands.
 """
@@ -33,6 +34,8 @@ REPO_COMMANDS = {
     "roofline": "roofline",
     "economics": "economics",
     "peers": "peers",
+    "router": "router_cache",
+    "pd": "pd_itl",
 }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from deepinfer.config.engine import (
     DEFAULT_CPU_KV_CACHE_BYTES,
     CacheConfig,
+    DisaggregationConfig,
     EngineConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -22,6 +23,7 @@ __all__ = [
     "DEFAULT_CPU_KV_CACHE_BYTES",
     "CacheConfig",
     "ConfigError",
+    "DisaggregationConfig",
     "EngineConfig",
     "SchedulerConfig",
     "ServerConfig",

@@ -11,6 +11,7 @@ Torch-free: the engine resolves `device` and `dtype` to torch objects itself.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -151,6 +152,16 @@ class StoreConfig:
         return self.kv_store is not None or bool(self.kv_host_cache_bytes)
 
     @property
+    def identity(self) -> str | None:
+        """Which shared store this is, for engines and routers to compare (no credentials)."""
+        location = self.location
+        if location is None:
+            return None
+        if location.kind == "file":
+            return "file://" + os.path.abspath(os.path.expanduser(location.path))
+        return f"redis://{location.host}:{location.port}/{location.db}"
+
+    @property
     def traffic_classes(self) -> list[str]:
         """The classes requests may name (each has a retention)."""
         return sorted(self.retention.ttls)
@@ -166,11 +177,76 @@ class StoreConfig:
         )
 
 
+ROLES = ("both", "prefill", "decode")
+KV_TRANSFERS = ("direct", "store")
+TRANSFER_FAILURE_POLICIES = ("recompute", "fail")
+
+
+@dataclass(frozen=True, slots=True)
+class DisaggregationConfig:
+    """Prefill/decode disaggregation (the role, the KV handoff) and the KV events a router reads."""
+
+    role: Literal["both", "prefill", "decode"] = option(
+        "both",
+        help="both: prefill and decode every request (a plain replica); prefill: compute prompts' KV "
+        "and hand it off to a decode engine; decode: receive the KV and generate",
+    )
+    kv_transfer: Literal["direct", "store"] = option(
+        "direct",
+        help="how the prompt's KV goes from the prefill to the decode engine: direct (the decoder pulls "
+        "it over TCP) or store (through the shared --kv-store both engines use)",
+    )
+    kv_transfer_host: str = option(
+        "127.0.0.1", help="address the prefill engine's KV transfer listener binds (direct transfer)"
+    )
+    kv_transfer_port: int = option(0, help="port of the prefill engine's KV transfer listener (0: any free)")
+    kv_transfer_lease: float = option(
+        30.0,
+        help="seconds a prefill engine keeps a handed-off prompt's KV blocks for its decoder to pull them "
+        "(a decoder that never comes, or stalls, frees them when the lease ends)",
+    )
+    kv_transfer_timeout: float = option(
+        30.0, help="seconds a decode engine waits for a KV transfer before it applies --kv-transfer-failure"
+    )
+    kv_transfer_failure: Literal["recompute", "fail"] = option(
+        "recompute",
+        help="what a decode engine does when the prompt's KV does not arrive: recompute it, or fail the "
+        "request with an error",
+    )
+    kv_events_endpoint: str | None = option(
+        None,
+        help="publish KV events (block stored / removed, per tier) on this ZMQ PUB endpoint in vLLM's "
+        "wire format, e.g. tcp://127.0.0.1:5557 (port 0: any free port, reported by /v1/engine_info)",
+    )
+
+    def __post_init__(self) -> None:
+        check_choice("role", self.role, ROLES)
+        check_choice("kv_transfer", self.kv_transfer, KV_TRANSFERS)
+        check_choice("kv_transfer_failure", self.kv_transfer_failure, TRANSFER_FAILURE_POLICIES)
+        port = self.kv_transfer_port
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ConfigError("kv_transfer_port", f"expected 0..65535, got {port!r}")
+        check_positive("kv_transfer_lease", self.kv_transfer_lease, allow_none=False)
+        check_positive("kv_transfer_timeout", self.kv_transfer_timeout, allow_none=False)
+        endpoint = self.kv_events_endpoint
+        if endpoint is not None and not re.match(r"^(tcp|ipc|inproc)://\S+$", endpoint):
+            raise ConfigError(
+                "kv_events_endpoint",
+                f"expected a ZMQ endpoint such as tcp://127.0.0.1:5557, got {endpoint!r}",
+            )
+
+    @property
+    def direct_prefill(self) -> bool:
+        """A prefill engine that serves its KV to decoders over TCP."""
+        return self.role == "prefill" and self.kv_transfer == "direct"
+
+
 SUB_CONFIGS = {
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "speculative": SpeculativeConfig,
     "store": StoreConfig,
+    "disaggregation": DisaggregationConfig,
 }
 
 
@@ -199,6 +275,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
     store: StoreConfig = dataclasses.field(default_factory=StoreConfig)
+    disaggregation: DisaggregationConfig = dataclasses.field(default_factory=DisaggregationConfig)
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
@@ -212,6 +289,15 @@ class EngineConfig:
         if self.store.enabled and not self.cache.enable_prefix_caching:
             raise ConfigError(
                 "kv_store", "the KV store and host tier need prefix caching (enable_prefix_caching)"
+            )
+        pd = self.disaggregation
+        if pd.role != "both" and not self.cache.enable_prefix_caching:
+            raise ConfigError(
+                "role", f"a {pd.role} engine hands KV off by prefix hash: it needs enable_prefix_caching"
+            )
+        if pd.role != "both" and pd.kv_transfer == "store" and self.store.kv_store is None:
+            raise ConfigError(
+                "kv_transfer", f"kv_transfer='store' needs a shared --kv-store on the {pd.role} engine"
             )
 
     @classmethod

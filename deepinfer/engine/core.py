@@ -12,11 +12,13 @@ import torch
 from deepinfer.cache_layout import CacheGroup, CacheLayout, plan_cache_layout
 from deepinfer.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from deepinfer.engine.grammar import GrammarManager
+from deepinfer.engine.kv_cache.events import KVEvent, KVEventLog
 from deepinfer.engine.kv_cache.manager import KVCacheManager
 from deepinfer.engine.kv_cache.prefix import namespace_root
-from deepinfer.engine.kv_connector import KVConnector
-from deepinfer.engine.kv_offload import KVOffloader
-from deepinfer.engine.outputs import SequenceOutput, TokenLogprobs
+from deepinfer.engine.kv_connector import ConnectorChain, KVConnector
+from deepinfer.engine.kv_offload import KVOffloader, TierEvents
+from deepinfer.engine.kv_pd import DecodeReceiver, PrefillHandoff
+from deepinfer.engine.outputs import KVHandoff, SequenceOutput, TokenLogprobs
 from deepinfer.engine.scheduler import Scheduler, SequenceUpdate
 from deepinfer.model.loader.load import LoadedModel, load_model
 from deepinfer.runner.device import torch_device, torch_dtype
@@ -91,7 +93,9 @@ class EngineCore:
         }
         self.layout = self._plan_caches([g for groups in declared.values() for g in groups], device)
         self.fingerprint = f"{self.loaded.weights_fingerprint}:{self.layout.fingerprint()}"
-        self.kv = KVCacheManager(self.layout, config.cache.enable_prefix_caching)
+        # KV events are logged only when someone publishes them (a router reads them).
+        self.kv_events = KVEventLog() if config.disaggregation.kv_events_endpoint else None
+        self.kv = KVCacheManager(self.layout, config.cache.enable_prefix_caching, self.kv_events)
         caches = KVCaches(self.layout, declared, device)
         # On the CPU the model has every core: masks are computed inline rather than by a pool.
         self.grammars = GrammarManager(
@@ -106,6 +110,7 @@ class EngineCore:
             if config.speculative.enabled
             else None
         )
+        self.kv_transfer_address: str | None = None  # the prefill role's transfer listener
         self.connector: KVConnector | None = self._build_connector(caches)
         self.scheduler = Scheduler(config.scheduler, self.max_model_len, self.kv)
         self.num_preemptions = 0
@@ -138,8 +143,25 @@ class EngineCore:
         )
 
     def _build_connector(self, caches: KVCaches) -> KVConnector | None:
-        store = build_kv_store(self.config.store.settings())
-        return None if store is None else KVOffloader(store, self.kv, caches)
+        """The store connector (if a store or host tier is configured), then the role's."""
+        tier_events = TierEvents(self.kv_events) if self.kv_events is not None else None
+        store = build_kv_store(
+            self.config.store.settings(),
+            on_host_evict=tier_events.host_evicted if tier_events is not None else None,
+        )
+        connectors: list[KVConnector] = []
+        if store is not None:
+            connectors.append(KVOffloader(store, self.kv, caches, tier_events))
+        pd = self.config.disaggregation
+        if pd.role == "prefill":
+            handoff = PrefillHandoff(self.kv, caches, pd, store)
+            self.kv_transfer_address = handoff.address
+            connectors.append(handoff)
+        elif pd.role == "decode" and pd.kv_transfer == "direct":
+            connectors.append(DecodeReceiver(self.kv, caches, pd))
+        if not connectors:
+            return None
+        return connectors[0] if len(connectors) == 1 else ConnectorChain(connectors)
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Flush pending KV-store writes (for at most `timeout_s`) and stop background threads.
@@ -185,6 +207,23 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
+
+    @property
+    def connector_busy(self) -> bool:
+        """Whether the KV connector needs polling while no sequence runs (leases, writes)."""
+        return self.connector is not None and self.connector.busy
+
+    def housekeeping(self) -> list[SequenceOutput]:
+        """What an idle engine still owes its KV connector: land loads, release lent blocks."""
+        return self._poll_pending()
+
+    def take_handoffs(self) -> list[KVHandoff]:
+        """Prompts whose KV is ready for a decode engine (prefill role), since the last call."""
+        return self.connector.take_handoffs() if self.connector is not None else []
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """What the prefix caches gained and lost since the last call (empty unless logged)."""
+        return self.kv_events.drain() if self.kv_events is not None else []
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -249,10 +288,11 @@ class EngineCore:
         return outputs
 
     def _poll_pending(self) -> list[SequenceOutput]:
-        """Land finished KV loads and grammar compiles; a grammar that failed ends its request."""
-        if self.connector is not None:
-            self.connector.poll()
-        return self._fail({seq.request_id: error for seq, error in self.grammars.poll()})
+        """Land finished KV loads and grammar compiles; a grammar that failed, or KV that had to
+        come from elsewhere and did not (with kv_transfer_failure=fail), ends its request."""
+        failures = self.connector.poll() if self.connector is not None else {}
+        failures.update({seq.request_id: error for seq, error in self.grammars.poll()})
+        return self._fail(failures)
 
     def _release(self, seq_ids: list[int]) -> None:
         self.runner.release(seq_ids)
