@@ -33,6 +33,8 @@ from deepinfer.engine.ipc.protocol import (
     Shutdown,
 )
 from deepinfer.engine.outputs import SequenceOutput
+from deepinfer.engine.parallel.data_parallel import DataParallelEngine
+from deepinfer.engine.parallel.start import start_engine
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +98,7 @@ class ZmqInbox:
         return self.drain()
 
 
-def engine_info(core: EngineCore) -> EngineInfo:
+def engine_info(core: EngineCore | DataParallelEngine) -> EngineInfo:
     return EngineInfo(
         model_name=core.loaded.name,
         max_model_len=core.max_model_len,
@@ -114,7 +116,7 @@ def engine_info(core: EngineCore) -> EngineInfo:
 class EngineLoop:
     def __init__(
         self,
-        core: EngineCore,
+        core: EngineCore | DataParallelEngine,
         inbox: Inbox,
         emit: Callable[[EngineMessage], None],
         alive: Callable[[], bool] | None = None,
@@ -190,8 +192,20 @@ def engine_process_main(
     def emit(message: EngineMessage) -> None:
         outbox.send(codec.encode(message), copy=False)
 
+    # Another rank's death is seen on a watchdog thread, which reports it on a socket of its own
+    # and ends this process (the ranks it spawned die with it): clients get errors in seconds,
+    # even while the engine idles or waits in a collective.
+    alarm = context.socket(zmq.PUSH)
+    alarm.setsockopt(zmq.LINGER, 2000)
+    alarm.connect(output_address)
+
+    def rank_died(reason: str) -> None:
+        alarm.send(codec.encode(EngineFailed(f"the engine failed: {reason}")))
+        alarm.close()  # lingers until the message is out
+        os._exit(1)
+
     try:
-        core = EngineCore(config)
+        core = start_engine(config, on_rank_death=rank_died, log_level=log_level)
     except Exception as error:
         log.exception("the engine failed to start")
         emit(EngineFailed(f"the engine failed to start: {type(error).__name__}: {error}"))

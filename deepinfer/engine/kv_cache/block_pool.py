@@ -51,7 +51,6 @@ class BlockPool:
     def lookup(self, prefix_hash: bytes) -> int | None:
         return self._by_hash.get(prefix_hash)
 
-
     def allocate(self) -> int:
         if not self._free:
             raise RuntimeError("KV block pool exhausted")
