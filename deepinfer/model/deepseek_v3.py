@@ -242,7 +242,6 @@ class MLAttention(torch.nn.Module):
         step: MLAStepMetadata,
     ) -> torch.Tensor:
         arch = self.arch
-        num_tokens = x.shape[0]
         q, kv_a = F.linear(x, self.q_kv_a_proj).split([self.q_size, arch.latent_dim], dim=-1)
         if arch.q_lora_rank:
             q = F.linear(self.q_a_layernorm(q), self.q_b_proj)
@@ -264,7 +263,7 @@ class MLAttention(torch.nn.Module):
             step,
             self.scale,
         )  # [T, H, v]
-        return self.tp.all_reduce(F.linear(out.reshape(num_tokens, -1), self.o_proj))
+        return self.tp.all_reduce(F.linear(out.flatten(1), self.o_proj))
 
 
 class DeepseekDecoderLayer(torch.nn.Module):

@@ -36,6 +36,7 @@ from deepinfer.distributed.topology import Topology
 NUM_SLOTS = 8
 SLOT_BYTES = 1 << 20
 _HEADER = struct.Struct("<QQ")  # sequence number, payload length
+_COUNTER = struct.Struct("<q")  # the last message a reader has read
 POLL_S = 1.0
 
 
@@ -52,7 +53,6 @@ class ShmRing:
         self.num_readers = num_readers
         self.owner = owner
         self.buf = memory.buf
-        self.counters = memory.buf[: 8 * num_readers].cast("q")
         self.slots_at = 8 * num_readers
 
     @classmethod
@@ -77,7 +77,9 @@ class ShmRing:
 
     def write(self, seq: int, payload: bytes, alive: Any) -> None:
         """Write message `seq` once every reader has read message seq - NUM_SLOTS."""
-        while min(self.counters[i] for i in range(self.num_readers)) < seq - NUM_SLOTS:
+        while (
+            min(_COUNTER.unpack_from(self.buf, 8 * i)[0] for i in range(self.num_readers)) < seq - NUM_SLOTS
+        ):
             alive()
             time.sleep(0.0005)
         at = self._slot(seq)
@@ -92,11 +94,10 @@ class ShmRing:
             raise RuntimeError(f"shared-memory channel out of step: expected message {seq}, found {found}")
         start = at + _HEADER.size
         payload = bytes(self.buf[start : start + length])
-        self.counters[reader] = seq
+        _COUNTER.pack_into(self.buf, 8 * reader, seq)
         return payload
 
     def close(self) -> None:
-        self.counters.release()
         self.buf = None
         self.memory.close()
         if self.owner:

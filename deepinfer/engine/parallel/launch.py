@@ -78,6 +78,9 @@ class LocalRanks:
         return [p.pid for p in self.processes.values() if p.pid is not None]
 
     def first_exit(self) -> str | None:
+        for process in self.processes.values():
+            if process.sentinel in multiprocessing.connection.wait(self.sentinels, timeout=0):
+                process.join(1.0)  # the sentinel closes a moment before the exit code is there
         for rank, process in self.processes.items():
             if process.exitcode is not None:
                 return f"rank {rank} (pid {process.pid}) exited with code {process.exitcode}"

@@ -80,7 +80,8 @@ class ExpertParallelExperts(torch.nn.Module):
         self.w2 = torch.nn.Parameter(
             torch.empty(self.slots, hidden_size, intermediate_size), requires_grad=False
         )
-        self.load = torch.zeros(num_experts, dtype=torch.int64)  # tokens routed per logical expert
+        # Tokens routed to each logical expert since the last rebalance (EPLB), on the weights' device.
+        self.load: torch.Tensor | None = None
         self.place(identity_placement(1, num_experts, self.num_physical).physical_to_logical[0])
 
     def place(self, physical_to_logical: np.ndarray) -> None:
@@ -106,7 +107,8 @@ class ExpertParallelExperts(torch.nn.Module):
         comm, top_k = self.ep.comm, topk_ids.shape[1]
         flat_ids = topk_ids.flatten()  # [T * k]; pair p belongs to token p // k
         if self.ep.record_load:
-            self.load += torch.bincount(flat_ids, minlength=self.num_logical)
+            counts = torch.bincount(flat_ids, minlength=self.num_logical)
+            self.load = counts if self.load is None else self.load + counts
         pair = torch.arange(flat_ids.shape[0])
         physical = self.replicas[flat_ids, pair % self.replica_counts[flat_ids]]
         order = physical.argsort(stable=True)  # by destination rank, then slot
@@ -194,9 +196,17 @@ class ExpertBalancer:
             self.rebalance()
 
     def rebalance(self) -> None:
-        load = torch.stack([layer.load for layer in self.layers])  # [layers, E]
+        device = self.layers[0].w13.device
+        load = torch.stack(
+            [
+                torch.zeros(layer.num_logical, dtype=torch.int64, device=device)
+                if layer.load is None
+                else layer.load
+                for layer in self.layers
+            ]
+        )  # [layers, E]
         self.ep.comm.all_reduce(load)
-        total = load.numpy()
+        total = load.cpu().numpy()
         if not total.any():
             return
         current = Placement(np.stack([layer.physical_to_logical for layer in self.layers]))
@@ -208,12 +218,14 @@ class ExpertBalancer:
             num_nodes=self.num_nodes,
             policy=self.policy,
         )
+        before = balancedness(total, current, self.ep.size)
+        after = balancedness(total, placement, self.ep.size)
+        for layer in self.layers:
+            layer.load = None
+        if after <= before:  # every rank computed the same numbers: all keep their experts
+            return
         for layer, row in zip(self.layers, placement.physical_to_logical):
             layer.move_to(row)
-            layer.load.zero_()
         self.num_rebalances += 1
-        self.last_balancedness = (
-            balancedness(total, current, self.ep.size),
-            balancedness(total, placement, self.ep.size),
-        )
-        log.info("EPLB: experts re-placed, balancedness %.3f -> %.3f", *self.last_balancedness)
+        self.last_balancedness = (before, after)
+        log.info("EPLB: experts re-placed, balancedness %.3f -> %.3f", before, after)
