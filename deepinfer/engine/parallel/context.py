@@ -20,6 +20,7 @@ class RankContext:
     topology: Topology
     comm: Collectives
     peers: Peers | None = None  # rank 0 of a tensor-parallel group: the other ranks
+    rank_pids: list[int] = field(default_factory=list)  # rank 0: the ranks it spawned on this machine
     # Called when the engine closes (rank 0: stop the other ranks, free the channel and the group).
     on_close: list[Any] = field(default_factory=list)
 

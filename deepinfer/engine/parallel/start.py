@@ -109,6 +109,7 @@ def start_engine(
             monitor = PeerMonitor(comm.store, topology, config.parallel.distributed_timeout, on_death)
             closers.append(monitor.stop)
         context = RankContext(config, topology, comm, on_close=[close_all])
+        context.rank_pids = local.pids if local is not None else []
         if topology.dp_size > 1:
             return DataParallelEngine(EngineCore(config, parallel=context), channel)
         context.peers = TensorParallelPeers(channel)
