@@ -7,33 +7,13 @@ Greedy outputs are the same, batched and chunked; logits within 1e-4."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from deepinfer import LLM, SamplingParams
+from deepinfer import LLM
+from tests.parallel.helpers import DEEPSEEK_PARAMS as PARAMS
 
 pytestmark = pytest.mark.slow
 
-PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 CHUNKED = {"prefill_chunk_size": 32, "max_num_batched_tokens": 64}
-
-
-@pytest.fixture(scope="module")
-def prompts(tiny_v3) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(7)
-    vocab = tiny_v3.config["vocab_size"]
-    shared = torch.randint(3, vocab, (40,), generator=generator).tolist()
-    return [shared + torch.randint(3, vocab, (n,), generator=generator).tolist() for n in (5, 30)] + [
-        torch.randint(3, vocab, (n,), generator=generator).tolist() for n in (70, 12, 3)
-    ]
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_v3, prompts):
-    llm = LLM(model=str(tiny_v3.path), num_blocks=128, num_threads=1)
-    alone = [llm.generate([p], PARAMS, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
-    logits = [llm.engine.core.score(p) for p in prompts[:3]]
-    llm.close()
-    return alone, logits
 
 
 def _check(llm: LLM, prompts: list[list[int]], reference) -> None:

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from deepinfer import LLM, SamplingParams
-from tests.parallel.conftest import children
+from tests.parallel.helpers import children
 from tests.server.server_process import pid_alive, wait_until
 
 pytestmark = pytest.mark.slow

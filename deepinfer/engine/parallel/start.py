@@ -88,7 +88,7 @@ def start_engine(
             channel = ShmChannel(topology.world_size - 1)
             closers.append(channel.close)
         local = None
-        if not topology.external_launch:
+        if not topology.external_launch and topology.ranks_per_node > 1:
             handles = (
                 channel.handles if isinstance(channel, ShmChannel) else [None] * (topology.ranks_per_node - 1)
             )

@@ -12,6 +12,7 @@ import logging
 import multiprocessing.connection
 import os
 import signal
+import time
 
 import torch
 
@@ -87,6 +88,13 @@ def run_tensor_parallel_rank(runner: ModelRunner, end: WorkerEnd) -> None:
         runner.run(work)
 
 
+def _exit_soon(reason: str) -> None:
+    """Another rank is gone: leave, unless a Shutdown being handled ends this rank first."""
+    time.sleep(2.0)
+    log.error("%s: this rank stops", reason)
+    os._exit(1)
+
+
 def serve_rank(
     config: EngineConfig, topology: Topology, handle: ShmHandle | None = None, parent_pid: int | None = None
 ) -> None:
@@ -99,9 +107,7 @@ def serve_rank(
         monitor = None
     else:
         end = ProcessGroupChannel(comm.store, topology)
-        monitor = PeerMonitor(
-            comm.store, topology, config.parallel.distributed_timeout, lambda _: os._exit(1)
-        )
+        monitor = PeerMonitor(comm.store, topology, config.parallel.distributed_timeout, _exit_soon)
     log.info(
         "rank %d of %d ready to load (tp rank %d, dp rank %d%s)",
         topology.rank,
@@ -180,5 +186,6 @@ def run_node(config: EngineConfig, log_level: str = "info") -> int:
     ranks.stop(grace_s=5.0)
     if signalled:
         return 0
-    log.error("node %d stops: %s", topology.node_rank, first)
-    return 1 if any(p.exitcode for p in ranks.processes.values()) else 0
+    failed = any(p.exitcode for p in ranks.processes.values())
+    (log.error if failed else log.info)("node %d stops: %s", topology.node_rank, first)
+    return 1 if failed else 0
