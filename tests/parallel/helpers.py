@@ -20,3 +20,16 @@ def children(pid: int) -> list[int]:
         if int(fields[1]) == pid and fields[0] != "Z":
             found.append(int(stat.parent.name))
     return found
+
+
+def rank_processes(engine_pid: int) -> list[int]:
+    """The ranks an engine process spawned (its children started by multiprocessing's spawn)."""
+    ranks = []
+    for pid in children(engine_pid):
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except FileNotFoundError:
+            continue
+        if b"spawn_main" in command:
+            ranks.append(pid)
+    return ranks
