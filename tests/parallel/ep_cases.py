@@ -82,3 +82,12 @@ def moved(rank: int, comm: Collectives) -> tuple[list[torch.Tensor], list[int], 
     balancer.rebalance()
     outs = [layer(*routing(step, rank, tokens_of(rank, step))) for step in range(len(TOKENS))]
     return outs, layer.physical_to_logical.tolist(), balancer.num_rebalances
+
+
+def every_case(rank: int, comm: Collectives) -> dict[str, object]:
+    """All of the above on one pair of ranks (starting ranks is the slow part)."""
+    return {
+        "exact": dispatch_combine(rank, comm, 0),
+        "replicas": dispatch_combine(rank, comm, 2),
+        "moved": moved(rank, comm),
+    }

@@ -24,27 +24,30 @@ def _split(outputs: list[torch.Tensor], world: int) -> list[list[torch.Tensor]]:
     return per_rank
 
 
-def test_dispatch_and_combine_are_exact():
-    world = 2
-    expected = _split(ep_cases.reference(world), world)
-    results = run_ranks(ep_cases.dispatch_combine, world, 0)
-    for rank in range(world):
-        for step, (ours, theirs) in enumerate(zip(results[rank], expected[rank])):
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    return run_ranks(ep_cases.every_case, 2)
+
+
+@pytest.fixture(scope="module")
+def expected() -> list[list[torch.Tensor]]:
+    return _split(ep_cases.reference(2), 2)
+
+
+def test_dispatch_and_combine_are_exact(ranks, expected):
+    for rank, result in enumerate(ranks):
+        for step, (ours, theirs) in enumerate(zip(result["exact"], expected[rank])):
             assert ours.shape == theirs.shape
             assert torch.equal(ours, theirs), f"rank {rank} step {step}"
 
 
-def test_redundant_replicas_and_a_live_move_keep_the_outputs():
-    world = 2
-    expected = _split(ep_cases.reference(world), world)
-    with_replicas = run_ranks(ep_cases.dispatch_combine, world, 2)
-    results = run_ranks(ep_cases.moved, world)
-    for rank in range(world):
-        for ours, theirs in zip(with_replicas[rank], expected[rank]):
+def test_redundant_replicas_and_a_live_move_keep_the_outputs(ranks, expected):
+    for rank, result in enumerate(ranks):
+        for ours, theirs in zip(result["replicas"], expected[rank]):
             torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
-        outs, placement, rebalances = results[rank]
+        outs, placement, rebalances = result["moved"]
         assert rebalances == 1
-        assert placement == results[0][1]  # every rank adopted the same placement
+        assert placement == ranks[0]["moved"][1]  # every rank adopted the same placement
         assert sorted(set(placement)) == list(range(8)) and len(placement) == 10
         assert placement.count(6) == placement.count(7) == 1  # the redundant slots went to busy experts
         for ours, theirs in zip(outs, expected[rank]):
