@@ -108,6 +108,9 @@ class ModelRunner:
         self.model = model
         self.peers = peers
         self.experts = experts
+        # A forward that meets other ranks in collectives (rank 0 of a group, an expert-parallel rank).
+        self._collective = peers is not None or bool(model.expert_layers())
+        self.failed: str | None = None  # set when a forward over several ranks failed
         self.caches = caches
         self.device = device
         self.view = caches.view("target")
@@ -172,17 +175,26 @@ class ModelRunner:
     def run(self, work: ForwardWork) -> tuple[ForwardInputs, torch.Tensor, torch.Tensor | None]:
         """What every rank of the group runs: block copies, the forward, and the logits of
         `work.logit_rows` ([N, V], None without rows). Rank 0 hands `work` to its peers first."""
-        if self.peers is not None:
-            self.peers.submit(work)
-        self.caches.copy_blocks(work.block_copies)
-        inputs = self.view.inputs(work.spans)
-        hidden = self.forward(inputs)  # [T, hidden]
-        logits = None
-        if work.logit_rows:
-            rows = torch.tensor(work.logit_rows, dtype=torch.long, device=self.device)
-            logits = self.compute_logits(hidden[rows])
-        if self.experts is not None:
-            self.experts.step_done()
+        if self.failed is not None:
+            raise RuntimeError(f"the ranks are out of step since an earlier failure: {self.failed}")
+        try:
+            if self.peers is not None:
+                self.peers.submit(work)
+            self.caches.copy_blocks(work.block_copies)
+            inputs = self.view.inputs(work.spans)
+            hidden = self.forward(inputs)  # [T, hidden]
+            logits = None
+            if work.logit_rows:
+                rows = torch.tensor(work.logit_rows, dtype=torch.long, device=self.device)
+                logits = self.compute_logits(hidden[rows])
+            if self.experts is not None:
+                self.experts.step_done()
+        except Exception as error:
+            # With other ranks, a forward that failed half way leaves their collectives waiting
+            # on this one: no later forward may pair with them.
+            if self._collective:
+                self.failed = f"{type(error).__name__}: {error}"
+            raise
         return inputs, hidden, logits
 
     def run_empty(self) -> None:

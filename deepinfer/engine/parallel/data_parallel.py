@@ -44,6 +44,7 @@ class DataParallelEngine:
         self.owner: dict[str, tuple[int, int]] = {}  # request id -> (rank, sequences unfinished)
         self.remote_work = [False] * self.num_ranks
         self.rank_stats: list[EngineStats] = [core.stats()] * self.num_ranks
+        self.failed: str | None = None  # set when a lockstep iteration failed half way
         self._closed = False
 
     # -- what EngineLoop, LLMEngine and engine_info read of a core ------------------------------
@@ -124,10 +125,18 @@ class DataParallelEngine:
     def _exchange(self) -> tuple[list[SequenceOutput], list[DataParallelReply]]:
         """Send the pending message, step locally (when it says so) while the others do, gather
         their replies: (this rank's outputs, the others' replies)."""
+        if self.failed is not None:
+            raise RuntimeError(
+                f"the data-parallel ranks are out of step since an earlier failure: {self.failed}"
+            )
         message, self.pending = self.pending, DataParallelStep()
-        self.channel.publish(message)
-        outputs = self.core.step() if message.step else []
-        replies = self.channel.collect()
+        try:
+            self.channel.publish(message)
+            outputs = self.core.step() if message.step else []
+            replies = self.channel.collect()
+        except Exception as error:
+            self.failed = f"{type(error).__name__}: {error}"
+            raise
         self.rank_stats = [self.core.stats(), *(r.stats for r in replies)]
         self.remote_work = [False, *(r.has_work for r in replies)]
         for rank, stats in enumerate(self.rank_stats):

@@ -4,6 +4,7 @@ data-parallel engine in front of every rank's core)."""
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing.connection
 import threading
@@ -109,6 +110,7 @@ def start_engine(
             monitor = PeerMonitor(comm.store, topology, config.parallel.distributed_timeout, on_death)
             closers.append(monitor.stop)
         context = RankContext(config, topology, comm, on_close=[close_all])
+        atexit.register(close_all)  # a script that never closes its LLM still stops its ranks
         context.rank_pids = local.pids if local is not None else []
         if topology.dp_size > 1:
             return DataParallelEngine(EngineCore(config, parallel=context), channel)
