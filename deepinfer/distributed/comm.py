@@ -65,7 +65,7 @@ class Collectives:
             topology.master_addr,
             topology.master_port,
             topology.world_size,
-            is_master=topology.rank == 0,
+            is_master=topology.rank == 0 and not topology.launcher_store,
             timeout=timeout,
             wait_for_workers=False,
         )

@@ -33,6 +33,9 @@ class Topology:
     master_port: int
     # A launcher started every rank (RANK / WORLD_SIZE in the environment): no rank spawns others.
     external_launch: bool = False
+    # torchrun's agent already serves the rendezvous store at master_addr:master_port: rank 0
+    # connects to it instead of hosting one.
+    launcher_store: bool = False
 
     @property
     def world_size(self) -> int:
@@ -132,4 +135,5 @@ def resolve_topology(parallel: ParallelConfig, environ: Mapping[str, str] | None
         master_addr=master_addr,
         master_port=master_port,
         external_launch=external,
+        launcher_store=external and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
     )

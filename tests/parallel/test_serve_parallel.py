@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 import httpx
 import pytest
 
 from deepinfer import SamplingParams
+from deepinfer.distributed.topology import free_port
 from tests.parallel.helpers import rank_processes
 from tests.server.server_process import ServerProcess, metric_value, pid_alive, wait_until
 
@@ -90,3 +92,31 @@ def test_data_parallel_metrics_per_rank_and_sigterm_stops_every_rank(dp_server, 
     assert wait_until(
         lambda: not pid_alive(dp_server.engine_pid) and not any(pid_alive(p) for p in ranks), 10
     )
+
+
+def test_ranks_started_by_torchrun(default_llm):
+    """torchrun starts both ranks (RANK, WORLD_SIZE, MASTER_* and its own rendezvous store in the
+    environment): rank 0 serves HTTP, rank 1 is a worker; SIGTERM to torchrun stops both."""
+    server = ServerProcess("--tensor-parallel-size", "2", "--num-threads", "1")
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    server.command = [
+        *launcher,
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "deepinfer.cli",
+        *server.command[3:],
+    ]
+    server.start()
+    try:
+        body = {"model": "SmolLM2-135M-Instruct", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+        reply = httpx.post(server.url + "/v1/completions", json={**body, "ignore_eos": True}, timeout=120)
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        expected = default_llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].text
+        assert reply.json()["choices"][0]["text"] == expected
+        assert server.process is not None
+        server.process.send_signal(signal.SIGTERM)
+        server.process.wait(60)
+        assert wait_until(lambda: not pid_alive(server.engine_pid), 10)
+    finally:
+        server.kill()
