@@ -369,10 +369,6 @@ class DeepseekV3ForCausalLM(CausalLM):
     def from_config(cls, config: ModelConfig, parallel: ModelParallel | None = None) -> DeepseekV3ForCausalLM:
         return cls(config, parallel)
 
-    def attention_shape(self) -> tuple[int, int, int]:
-        attn = self.layers[0].self_attn
-        return attn.num_heads, 1, self.arch.latent_dim
-
     def expert_layers(self) -> list[torch.nn.Module]:
         return [
             layer.mlp.experts for layer in self.layers if isinstance(layer.mlp, DeepseekMoE) and layer.mlp.ep
