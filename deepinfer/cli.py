@@ -67,6 +67,16 @@ def _run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=server_config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if engine_config.parallel.world_size > 1:
+        from deepinfer.distributed.topology import resolve_topology
+        from deepinfer.engine.parallel.worker import run_node
+
+        try:
+            rank = resolve_topology(engine_config.parallel).rank
+        except ValueError as error:
+            args.parser.error(str(error))
+        if rank != 0:  # another machine (--node-rank N) or a launcher's rank: no HTTP here
+            return run_node(engine_config, server_config.log_level)
     run_server(engine_config, server_config)
     return 0
 

@@ -3,9 +3,8 @@
 What users run against an engine ships in the package: `serve` (the load generator for any
 OpenAI/Anthropic-compatible server), `throughput` and `latency` (the offline engine). Studies and
 peer comparisons (`peers`, `roofline`, `economics`, `prefix`, `kvstore`, `spec`, `structured`,
-`router`, `pd`) are
-scripts in the repository's top-level bench/ folder; `deepinfer bench` finds and runs them when
-it is started from a checkout. `python -m deepinfer.bench ...` runs the same commands.
+`router`, `pd`, `parallel`) are scripts in the repository's top-level bench/ folder; `deepinfer bench` finds and
+runs them when it is started from a checkout. `python -m deepinfer.bench ...` runs the same commands.
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ REPO_COMMANDS = {
     "peers": "peers",
     "router": "router_cache",
     "pd": "pd_itl",
+    "parallel": "parallel",
 }
 
 

@@ -241,12 +241,121 @@ class DisaggregationConfig:
         return self.role == "prefill" and self.kv_transfer == "direct"
 
 
+EPLB_POLICIES = ("auto", "hierarchical", "global")
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """How the engine spans processes and machines. `world = tensor_parallel_size *
+    data_parallel_size` ranks, one process each; `deepinfer serve` starts the ranks of its machine
+    itself, or a launcher (torchrun, Slurm, ...) starts every rank with RANK / WORLD_SIZE /
+    MASTER_ADDR / MASTER_PORT in the environment."""
+
+    tensor_parallel_size: int = option(
+        1, help="ranks that split every layer (attention heads, MLP, vocabulary) and step together"
+    )
+    data_parallel_size: int = option(
+        1, help="ranks that each schedule their own requests and KV cache (attention data parallelism)"
+    )
+    enable_expert_parallel: bool = option(
+        False, help="MoE: shard whole experts over all ranks, tokens dispatched and combined by all-to-all"
+    )
+    nnodes: int = option(1, help="machines the ranks span (torchrun style)")
+    node_rank: int | None = option(
+        None, help="this machine's index; node 0 serves HTTP (default: $NODE_RANK, $GROUP_RANK or 0)"
+    )
+    master_addr: str | None = option(
+        None, help="address of node 0 for the rendezvous (default: $MASTER_ADDR or 127.0.0.1)"
+    )
+    master_port: int | None = option(
+        None, help="rendezvous port on node 0 (default: $MASTER_PORT; one machine: a free port)"
+    )
+    distributed_backend: Literal["auto", "gloo", "nccl"] = option(
+        "auto", help="torch.distributed backend (auto: nccl on CUDA, gloo on CPU)"
+    )
+    distributed_timeout: float = option(
+        120.0, help="seconds a rank waits for its peers (rendezvous, collectives) before the engine fails"
+    )
+    cpu_binding: bool = option(
+        False, help="pin each rank of a machine to its own share of the cores (with --num-threads per rank)"
+    )
+    enable_eplb: bool = option(
+        False, help="expert-load balancing: record expert loads and re-place experts (needs expert parallel)"
+    )
+    num_redundant_experts: int = option(
+        0, help="EPLB: extra expert replicas per MoE layer, placed on the hottest experts"
+    )
+    eplb_interval: int = option(1000, help="EPLB: forward steps between rebalances")
+    eplb_policy: Literal["auto", "hierarchical", "global"] = option(
+        "auto",
+        help="EPLB placement: hierarchical (expert groups to nodes, then ranks) or global; auto: "
+        "hierarchical when the groups divide over the nodes",
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "data_parallel_size", "nnodes", "eplb_interval"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(name, f"must be an integer >= 1, got {value!r}")
+        if self.node_rank is not None and (
+            isinstance(self.node_rank, bool)
+            or not isinstance(self.node_rank, int)
+            or not 0 <= self.node_rank < self.nnodes
+        ):
+            raise ConfigError(
+                "node_rank", f"must be in 0..{self.nnodes - 1} (--nnodes), got {self.node_rank!r}"
+            )
+        if self.master_port is not None and not (
+            isinstance(self.master_port, int)
+            and not isinstance(self.master_port, bool)
+            and 0 < self.master_port < 65536
+        ):
+            raise ConfigError("master_port", f"must be a TCP port (1..65535), got {self.master_port!r}")
+        check_choice("distributed_backend", self.distributed_backend, ("auto", "gloo", "nccl"))
+        check_positive("distributed_timeout", self.distributed_timeout, allow_none=False)
+        if self.world_size % self.nnodes:
+            raise ConfigError(
+                "nnodes",
+                f"{self.world_size} ranks (tensor_parallel_size x data_parallel_size) do not divide "
+                f"over {self.nnodes} nodes",
+            )
+        if self.tensor_parallel_size > 1 and self.data_parallel_size > 1:
+            raise ConfigError(
+                "data_parallel_size",
+                "data parallelism together with tensor parallelism is not supported yet: use one of them",
+            )
+        if (
+            isinstance(self.num_redundant_experts, bool)
+            or not isinstance(self.num_redundant_experts, int)
+            or (self.num_redundant_experts < 0)
+        ):
+            raise ConfigError(
+                "num_redundant_experts", f"must be an integer >= 0, got {self.num_redundant_experts!r}"
+            )
+        if self.enable_eplb and not self.enable_expert_parallel:
+            raise ConfigError("enable_eplb", "expert-load balancing needs --enable-expert-parallel")
+        if self.num_redundant_experts and not self.enable_eplb:
+            raise ConfigError(
+                "num_redundant_experts", "redundant experts are placed by EPLB: add --enable-eplb"
+            )
+        check_choice("eplb_policy", self.eplb_policy, EPLB_POLICIES)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.data_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+
 SUB_CONFIGS = {
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "speculative": SpeculativeConfig,
     "store": StoreConfig,
     "disaggregation": DisaggregationConfig,
+    "parallel": ParallelConfig,
 }
 
 
@@ -260,7 +369,9 @@ class EngineConfig:
     )
     device: str = option("auto", help="auto, cpu or cuda[:N]")
     attention_backend: Literal["auto", "torch", "cpu_paged"] = option("auto", help="attention implementation")
-    num_threads: int | None = option(None, help="CPU threads for torch (default: all cores)")
+    num_threads: int | None = option(
+        None, help="CPU threads for torch, per rank (default: the machine's cores split over its ranks)"
+    )
     # int8: W8A8 linears on the CPU (int8 weights per channel, per-token activation scales);
     # several times faster than fp32, not bit-equal to it. None: the weights' dtype as loaded.
     quantization: Literal["int8"] | None = option(
@@ -276,6 +387,7 @@ class EngineConfig:
     speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
     store: StoreConfig = dataclasses.field(default_factory=StoreConfig)
     disaggregation: DisaggregationConfig = dataclasses.field(default_factory=DisaggregationConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
@@ -286,6 +398,19 @@ class EngineConfig:
         if self.quantization is not None:
             check_choice("quantization", self.quantization, ("int8",))
         check_positive("grammar_compile_timeout", self.grammar_compile_timeout, allow_none=False)
+        if self.parallel.world_size > 1:
+            if self.speculative.enabled:
+                raise ConfigError(
+                    "speculative_method", "speculative decoding over several ranks is not supported yet"
+                )
+            if self.store.enabled:
+                raise ConfigError("kv_store", "the KV store over several ranks is not supported yet")
+            if self.quantization is not None and self.parallel.tensor_parallel_size > 1:
+                raise ConfigError("quantization", "int8 with tensor parallelism is not supported yet")
+            if self.disaggregation.role != "both":
+                raise ConfigError("role", "prefill/decode roles over several ranks are not supported yet")
+            if self.disaggregation.kv_events_endpoint is not None:
+                raise ConfigError("kv_events_endpoint", "KV events over several ranks are not supported yet")
         if self.store.enabled and not self.cache.enable_prefix_caching:
             raise ConfigError(
                 "kv_store", "the KV store and host tier need prefix caching (enable_prefix_caching)"

@@ -10,6 +10,7 @@ from deepinfer.attention.backend import AttentionBackend
 from deepinfer.attention.metadata import ForwardMetadata
 from deepinfer.cache_layout import CacheGroup, CacheTensor
 from deepinfer.model.config import ModelConfig
+from deepinfer.model.parallel import ModelParallel
 
 
 def cache_tensor(
@@ -26,8 +27,18 @@ class CausalLM(torch.nn.Module):
     supports_kv_cache_dtype = False
 
     @classmethod
-    def from_config(cls, config: ModelConfig) -> CausalLM:
+    def from_config(cls, config: ModelConfig, parallel: ModelParallel | None = None) -> CausalLM:
+        """The model (or, with `parallel`, this rank's shard of it) with uninitialised weights."""
         raise NotImplementedError
+
+    def attention_shape(self) -> tuple[int, int, int]:
+        """(query heads, KV heads, head dim) this rank's attention runs with."""
+        cfg = self.config
+        return cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    def expert_layers(self) -> list[torch.nn.Module]:
+        """The expert-parallel MoE layers (ExpertParallelMoE), in layer order; none by default."""
+        return []
 
     def cache_groups(self, dtype: torch.dtype, owner: str = "target") -> list[CacheGroup]:
         """The caches this model keeps between steps, one group per kind of block table (tagged

@@ -36,6 +36,8 @@ from deepinfer.engine.ipc.protocol import (
 )
 from deepinfer.engine.kv_events import KVEventPublisher
 from deepinfer.engine.outputs import SequenceOutput
+from deepinfer.engine.parallel.data_parallel import DataParallelEngine
+from deepinfer.engine.parallel.start import start_engine
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +103,9 @@ class ZmqInbox:
         return self.drain()
 
 
-def engine_info(core: EngineCore, publisher: KVEventPublisher | None = None) -> EngineInfo:
+def engine_info(
+    core: EngineCore | DataParallelEngine, publisher: KVEventPublisher | None = None
+) -> EngineInfo:
     config = core.config
     pd = config.disaggregation
     return EngineInfo(
@@ -133,7 +137,7 @@ def build_publisher(config: EngineConfig) -> KVEventPublisher | None:
 class EngineLoop:
     def __init__(
         self,
-        core: EngineCore,
+        core: EngineCore | DataParallelEngine,
         inbox: Inbox,
         emit: Callable[[EngineMessage], None],
         alive: Callable[[], bool] | None = None,
@@ -222,8 +226,20 @@ def engine_process_main(
     def emit(message: EngineMessage) -> None:
         outbox.send(codec.encode(message), copy=False)
 
+    # Another rank's death is seen on a watchdog thread, which reports it on a socket of its own
+    # and ends this process (the ranks it spawned die with it): clients get errors in seconds,
+    # even while the engine idles or waits in a collective.
+    alarm = context.socket(zmq.PUSH)
+    alarm.setsockopt(zmq.LINGER, 2000)
+    alarm.connect(output_address)
+
+    def rank_died(reason: str) -> None:
+        alarm.send(codec.encode(EngineFailed(f"the engine failed: {reason}")))
+        alarm.close()  # lingers until the message is out
+        os._exit(1)
+
     try:
-        core = EngineCore(config)
+        core = start_engine(config, on_rank_death=rank_died, log_level=log_level)
         publisher = build_publisher(config)
     except Exception as error:
         log.exception("the engine failed to start")

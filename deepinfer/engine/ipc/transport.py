@@ -217,20 +217,20 @@ class ThreadTransport(EngineTransport):
         return os.getpid()
 
     async def start(self) -> EngineInfo:
-        from deepinfer.engine.core import EngineCore
         from deepinfer.engine.ipc.loop import (
             DEFAULT_FLUSH_TIMEOUT_S,
             EngineLoop,
             build_publisher,
             engine_info,
         )
+        from deepinfer.engine.parallel.start import start_engine
 
         loop = self._loop = asyncio.get_running_loop()
         ready: asyncio.Future[EngineInfo] = loop.create_future()
 
         def run() -> None:
             try:
-                core = EngineCore(self.config)
+                core = start_engine(self.config)
                 publisher = build_publisher(self.config)
             except Exception as error:
                 loop.call_soon_threadsafe(

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from deepinfer.model.base import CausalLM
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.loader.source import converted_gguf_dir, resolve_model_path, sampled_digest
+from deepinfer.model.parallel import ModelParallel
 from deepinfer.model.registry import model_class
 from deepinfer.tokenizer import Tokenizer
 
@@ -39,8 +40,14 @@ def iter_safetensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(
-    model: str | Path | None, dtype: torch.dtype, device: torch.device, quantization: str | None = None
+    model: str | Path | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantization: str | None = None,
+    parallel: ModelParallel | None = None,
 ) -> LoadedModel:
+    """The model and its tokenizer; with `parallel`, only this rank's shard of the weights (the
+    fingerprint stays the checkpoint's: every rank's prefix hashes agree)."""
     if quantization is not None and device.type != "cpu":
         raise ValueError(f"quantization={quantization!r} runs on the CPU only (device {device.type})")
     path = resolve_model_path(model)
@@ -62,7 +69,7 @@ def load_model(
         config.eos_token_ids = list(tokenizer.eos_token_ids)
     cls = model_class(config.model_type)
     with torch.device("meta"):
-        net = cls.from_config(config)
+        net = cls.from_config(config) if parallel is None else cls.from_config(config, parallel)
     net = net.to_empty(device=device).to(dtype)
     net.load_weights(iter_safetensors(directory))
     net.eval()
