@@ -26,9 +26,11 @@ class EngineConfig:
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     attention_backend: Literal["auto", "torch", "cpu_paged"] = "auto"
     num_threads: int | None = None
-    # int8: W8A8 linears on the CPU (int8 weights per channel, per-token activation scales);
-    # several times faster than fp32, not bit-equal to it. None: the weights' dtype as loaded.
-    quantization: Literal["int8"] | None = None
+    # gguf: a GGUF's linears computed on its own packed blocks (Q4_0/Q4_1/Q8_0/Q4_K/Q6_K) by
+    # native kernels, as llama.cpp does. int8: W8A8 linears on the CPU (int8 weights per channel,
+    # per-token activation scales). none: the weights dense in `dtype` (a GGUF dequantized).
+    # None: gguf for a GGUF file on the CPU, none otherwise.
+    quantization: Literal["none", "int8", "gguf"] | None = None
     # float16: the KV cache in half precision (half the bytes decode attention reads, twice the
     # tokens per GiB); attention still computes in fp32. auto: the model's dtype.
     kv_cache_dtype: Literal["auto", "float16"] = "auto"

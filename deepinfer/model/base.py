@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
 
 from deepinfer.attention.backend import AttentionBackend
 from deepinfer.attention.metadata import AttentionMetadata
+from deepinfer.kernels.gguf_blocks import PackedMatrix
 from deepinfer.model.config import ModelConfig
 
 
@@ -60,6 +61,13 @@ class CausalLM(torch.nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
         raise NotImplementedError
+
+    def use_packed_weights(self, packed: Mapping[str, PackedMatrix]) -> set[str]:
+        """quantization="gguf": replace, in place and before the model is materialized, the layers
+        whose weights are among `packed` (HF names) by layers computing on the packed blocks;
+        return the names taken (the loader dequantizes the others and passes them to
+        load_weights)."""
+        raise ValueError(f"quantization: {type(self).__name__} does not support 'gguf'")
 
     def quantize(self, method: str) -> None:
         """Convert the weights in place (after loading) to a quantized `method`."""

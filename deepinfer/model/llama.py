@@ -6,7 +6,7 @@ a CPU one wide GEMM is markedly faster than three narrow ones.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -14,7 +14,9 @@ import torch.nn.functional as F
 from deepinfer.attention.backend import AttentionBackend
 from deepinfer.attention.metadata import AttentionMetadata
 from deepinfer.model.base import CausalLM, KVCacheSpec
+from deepinfer.kernels.gguf_blocks import PackedMatrix
 from deepinfer.model.config import ModelConfig
+from deepinfer.model.layers.gguf_linear import GGUFEmbedding, packed_linear
 from deepinfer.model.layers.int8_linear import Int8Linear, quantize_linears_
 from deepinfer.model.layers.norm import RMSNorm
 from deepinfer.model.layers.rotary import RotaryEmbedding
@@ -151,6 +153,34 @@ class LlamaForCausalLM(CausalLM):
         quantize_linears_(self.layers)
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.lm_head = Int8Linear(head)
+
+    def use_packed_weights(self, packed: Mapping[str, PackedMatrix]) -> set[str]:
+        """Every projection whose parts are all packed (q/k/v and gate/up as one group each), the
+        embedding (looked up row by row) and the LM head, which for tied embeddings is the
+        embedding's packed matrix itself."""
+        used: set[str] = set()
+        for i, layer in enumerate(self.layers):
+            attn, mlp, prefix = layer.self_attn, layer.mlp, f"model.layers.{i}."
+            qkv = [f"{prefix}self_attn.{p}_proj.weight" for p in "qkv"]
+            bias = self.config.attention_bias
+            attn.qkv_proj = packed_linear(packed, qkv, bias, used) or attn.qkv_proj
+            attn.o_proj = (
+                packed_linear(packed, [f"{prefix}self_attn.o_proj.weight"], False, used) or attn.o_proj
+            )
+            gate_up = [f"{prefix}mlp.gate_proj.weight", f"{prefix}mlp.up_proj.weight"]
+            mlp.gate_up_proj = packed_linear(packed, gate_up, False, used) or mlp.gate_up_proj
+            mlp.down_proj = (
+                packed_linear(packed, [f"{prefix}mlp.down_proj.weight"], False, used) or mlp.down_proj
+            )
+        embedding = packed.get("model.embed_tokens.weight")
+        if embedding is not None:
+            self.embed_tokens = GGUFEmbedding(embedding)
+            used.add("model.embed_tokens.weight")
+            if self.lm_head is None:
+                self.lm_head = packed_linear({"tied": embedding}, ["tied"], False, set())
+        if not self.config.tie_word_embeddings:
+            self.lm_head = packed_linear(packed, ["lm_head.weight"], False, used) or self.lm_head
+        return used
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named weights, fusing q/k/v and gate/up into their combined matrices."""
