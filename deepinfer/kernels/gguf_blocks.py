@@ -92,7 +92,7 @@ class GGUFKernels:
 class PackedGroup:
     """Matrices multiplied together as one [sum(rows), cols] matrix (kept alive here)."""
 
-    __slots__ = ("matrices", "cols", "rows", "count", "qtypes", "pointers", "row_counts", "_arrays")
+    __slots__ = ("_arrays", "cols", "count", "matrices", "pointers", "qtypes", "row_counts", "rows")
 
     def __init__(self, matrices: Sequence[PackedMatrix]) -> None:
         if not matrices or len({m.cols for m in matrices}) != 1:

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from deepinfer.attention.backend import AttentionBackend
 from deepinfer.attention.metadata import AttentionMetadata
-from deepinfer.model.base import CausalLM, KVCacheSpec
 from deepinfer.kernels.gguf_blocks import PackedMatrix
+from deepinfer.model.base import CausalLM, KVCacheSpec
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.layers.gguf_linear import GGUFEmbedding, packed_linear
 from deepinfer.model.layers.int8_linear import Int8Linear, quantize_linears_
