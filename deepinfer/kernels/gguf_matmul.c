@@ -3,20 +3,21 @@
  * y[m, n] = sum_k x[m, k] * W[n, k], W kept in the file's packed blocks (row n = K/block blocks).
  * As llama.cpp does, each activation row is first quantized to int8 per block (32 values for the
  * 32-wide formats, 256 for the k-quants), so every block's dot product is an exact integer sum of
- * u8 x s8 products; floats only scale and add those sums.
+ * int8 products; floats only scale and add those sums.
  *
  * Numerics (the same on every code path and for every batch composition):
- *  - activations: d = amax / 127 per block, q = round-half-even(x * (1 / d)), integer block sums;
- *  - per (row m, output n): eight float lanes; for each weight block b in order,
- *    lane[l] = fma((float)isum_l(b), d_w(b) * d_a(b), lane[l]), where isum_l(b) is the exact
- *    integer sum over bytes 4l..4l+3 of each 32-byte group of the block (k-quants: with the
- *    sub-block scales multiplied in and the Q6_K offset of 32 taken out as integers);
- *    a separate scalar accumulates the blocks' offset terms (Q4_1's min, Q4_K's dmin) in order;
- *  - y = ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)) + offsets.
+ *  - activations: d = amax / 127 per block, q = round-half-even(x * (1 / d)), s = d * sum(q);
+ *  - per (row m, output n), for each weight block b in order:
+ *      acc = fma((float)isum(b), d_w(b) * d_a(b), acc)
+ *    with isum(b) the block's exact integer dot product (k-quants: sub-block scales multiplied in,
+ *    Q6_K's offset of 32 taken out, all as integers), and the offset terms in a second sum:
+ *      off = fma(m_w(b), s_a(b), off)                              (Q4_1's min)
+ *      off = fma(-(dmin(b) * d_a(b)), (float)sum_j m_j bsum_j, off)  (Q4_K's mins)
+ *  - y = acc + off.
  * A row's result depends only on its own activations: batching, threads and tiling never change
- * a bit. The AVX2, AVX-512 VNNI (on 256-bit registers) and portable C paths give identical bits
- * (the integer sums are exact, the float operations identical); the file is compiled with
- * -ffp-contract=off so the compiler fuses nothing behind our back.
+ * a bit. The AVX2, AVX-512 VNNI (on 256-bit registers) and portable C paths give identical bits:
+ * the integer sums are exact whatever their order, the float operations are the ones above, and
+ * the file is compiled with -ffp-contract=off so the compiler fuses nothing behind our back.
  */
 #include <math.h>
 #include <stdint.h>
@@ -28,6 +29,8 @@
 #define GGUF_SIMD 0
 #endif
 
+#define AI static inline __attribute__((always_inline))
+
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 }; /* ggml type ids */
 
 /* Packed weight blocks, byte for byte as in a GGUF file. */
@@ -37,9 +40,15 @@ typedef struct { uint16_t d; int8_t qs[32]; } block_q8_0;                  /* q 
 typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; } block_q4_k;
 typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; } block_q6_k;
 
-/* Quantized activation blocks. s = d * sum(q) (Q4_1's min term); bsum = sums of 16 values. */
-typedef struct { float d, s; int8_t q[32]; } act32;
-typedef struct { float d; int16_t bsum[16]; int8_t q[256]; } act256;
+/* Quantized activations of M rows, in scratch: q [M][K] int8; d, s [nb][M] float (block-major,
+ * so the scales of neighbouring rows load together); for 256-wide blocks bsum [M][nb][16], the
+ * sums of each 16 values. */
+typedef struct {
+    int8_t *q;
+    float *d, *s;
+    int16_t *bsum;
+    int64_t M, K, nb;
+} acts;
 
 static inline float half_to_float(uint16_t h) {
     _Float16 f;
@@ -60,41 +69,78 @@ static int64_t block_bytes(int qtype) {
     }
 }
 
+static int64_t acts_bytes(int64_t M, int64_t K, int wide) {
+    const int64_t nb = K / (wide ? 256 : 32);
+    return M * K + 2 * nb * M * (int64_t)sizeof(float) + (wide ? M * nb * 16 * (int64_t)sizeof(int16_t) : 0);
+}
+
+static acts acts_at(void *base, int64_t M, int64_t K, int wide) {
+    acts a;
+    a.M = M, a.K = K, a.nb = K / (wide ? 256 : 32);
+    a.q = (int8_t *)base;
+    a.d = (float *)((char *)base + M * K);
+    a.s = a.d + a.nb * M;
+    a.bsum = wide ? (int16_t *)(a.s + a.nb * M) : NULL;
+    return a;
+}
+
 /* ---------------------------------------------------------------- activation quantization */
 
-static void quantize_act32(const float *x, int64_t K, act32 *out) {
-    for (int64_t b = 0; b < K / 32; ++b, x += 32) {
+static void quantize_row(const float *x, const acts *a, int64_t m, int block) {
+    int8_t *q = a->q + m * a->K;
+    for (int64_t b = 0; b < a->nb; ++b) {
+        const float *xb = x + b * block;
         float amax = 0.0f;
-        for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(x[i]));
+        for (int i = 0; i < block; ++i) amax = fmaxf(amax, fabsf(xb[i]));
         const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
         int sum = 0;
-        for (int i = 0; i < 32; ++i) {
-            const int q = (int)nearbyintf(x[i] * id);
-            out[b].q[i] = (int8_t)q;
-            sum += q;
+        for (int j = 0; j < block / 16; ++j) {
+            int part = 0;
+            for (int i = 16 * j; i < 16 * j + 16; ++i) {
+                const int v = (int)nearbyintf(xb[i] * id);
+                q[b * block + i] = (int8_t)v;
+                part += v;
+            }
+            if (a->bsum) a->bsum[(m * a->nb + b) * 16 + j] = (int16_t)part;
+            sum += part;
         }
-        out[b].d = d;
-        out[b].s = d * (float)sum;
+        a->d[b * a->M + m] = d;
+        a->s[b * a->M + m] = d * (float)sum;
     }
 }
 
-static void quantize_act256(const float *x, int64_t K, act256 *out) {
-    for (int64_t b = 0; b < K / 256; ++b, x += 256) {
-        float amax = 0.0f;
-        for (int i = 0; i < 256; ++i) amax = fmaxf(amax, fabsf(x[i]));
-        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-        for (int j = 0; j < 16; ++j) {
-            int sum = 0;
-            for (int i = 16 * j; i < 16 * j + 16; ++i) {
-                const int q = (int)nearbyintf(x[i] * id);
-                out[b].q[i] = (int8_t)q;
-                sum += q;
-            }
-            out[b].bsum[j] = (int16_t)sum;
+#if GGUF_SIMD
+/* The same for 32-wide blocks, eight values per instruction (same bits: max, one multiply, the
+ * same rounding, exact integer sums). */
+static void quantize_row32_simd(const float *x, const acts *a, int64_t m) {
+    int8_t *q = a->q + m * a->K;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t b = 0; b < a->nb; ++b) {
+        __m256 v[4], amax = _mm256_setzero_ps();
+        for (int i = 0; i < 4; ++i) {
+            v[i] = _mm256_loadu_ps(x + 32 * b + 8 * i);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
         }
-        out[b].d = d;
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        const float d = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4))) / 127.0f;
+        const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+        __m256i qi[4], sum = _mm256_setzero_si256();
+        for (int i = 0; i < 4; ++i) {
+            qi[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            sum = _mm256_add_epi32(sum, qi[i]);
+        }
+        /* int32 -> int8 in element order (packs interleave the 128-bit halves; undo it) */
+        const __m256i p8 = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+        _mm256_storeu_si256((__m256i *)(q + 32 * b), _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+        a->d[b * a->M + m] = d;
+        a->s[b * a->M + m] = d * (float)_mm_cvtsi128_si32(s4);
     }
 }
+#endif
 
 /* ---------------------------------------------------------------- shared helpers */
 
@@ -108,107 +154,78 @@ static inline void q4k_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
     }
 }
 
-static inline float hsum_lanes(const float v[8]) {
-    return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
+static inline int32_t q4k_min_dot(const uint8_t mn[8], const int16_t *bsum) {
+    int32_t total = 0;
+    for (int j = 0; j < 8; ++j) total += mn[j] * (bsum[2 * j] + bsum[2 * j + 1]);
+    return total;
 }
 
 /* ---------------------------------------------------------------- portable C path
- * One (weight row, activation row) pair at a time, with the eight lanes spelled out. It is the
- * path for CPUs without AVX2 and the cross-check of the SIMD paths' bits. */
+ * One (weight row, activation row) pair at a time: the path for CPUs without AVX2, and the
+ * cross-check of the SIMD paths' bits. */
 
-static inline void lanes_fma(float lane[8], const int32_t isum[8], float scale) {
-    for (int l = 0; l < 8; ++l) lane[l] = fmaf((float)isum[l], scale, lane[l]);
-}
-
-/* isum[l] += sum over bytes 4l..4l+3 of w * a * scale (one 32-byte group). */
-static inline void group_dot(int32_t isum[8], const int8_t w[32], const int8_t a[32], int32_t scale) {
-    for (int i = 0; i < 32; ++i) isum[i / 4 % 8] += (int32_t)w[i] * a[i] * scale;
-}
-
-static float dot_row_scalar(int qtype, const uint8_t *wrow, int64_t nb, const void *arow) {
-    float lane[8] = {0}, offset = 0.0f;
-    int8_t w[256];
-    for (int64_t b = 0; b < nb; ++b) {
-        int32_t isum[8] = {0};
-        if (qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0) {
-            const act32 *a = (const act32 *)arow + b;
-            float d, m = 0.0f;
-            if (qtype == Q8_0) {
-                const block_q8_0 *blk = (const block_q8_0 *)wrow + b;
-                memcpy(w, blk->qs, 32);
-                d = half_to_float(blk->d);
+static float dot_row_scalar(int qtype, const uint8_t *wrow, const acts *a, int64_t m) {
+    float acc = 0.0f, off = 0.0f;
+    const int8_t *q = a->q + m * a->K;
+    for (int64_t b = 0; b < a->nb; ++b) {
+        const float da = a->d[b * a->M + m];
+        int32_t isum = 0;
+        if (qtype == Q4_0 || qtype == Q4_1) {
+            const uint8_t *qs = qtype == Q4_0 ? ((const block_q4_0 *)wrow)[b].qs : ((const block_q4_1 *)wrow)[b].qs;
+            const int bias = qtype == Q4_0 ? 8 : 0;
+            for (int i = 0; i < 16; ++i)
+                isum += ((qs[i] & 0x0F) - bias) * q[32 * b + i] + ((qs[i] >> 4) - bias) * q[32 * b + i + 16];
+            if (qtype == Q4_0) {
+                acc = fmaf((float)isum, half_to_float(((const block_q4_0 *)wrow)[b].d) * da, acc);
             } else {
-                const uint8_t *qs = qtype == Q4_0 ? ((const block_q4_0 *)wrow)[b].qs : ((const block_q4_1 *)wrow)[b].qs;
-                const int bias = qtype == Q4_0 ? 8 : 0;
-                for (int i = 0; i < 16; ++i) {
-                    w[i] = (int8_t)((qs[i] & 0x0F) - bias);
-                    w[i + 16] = (int8_t)((qs[i] >> 4) - bias);
-                }
-                if (qtype == Q4_0) {
-                    d = half_to_float(((const block_q4_0 *)wrow)[b].d);
-                } else {
-                    d = half_to_float(((const block_q4_1 *)wrow)[b].d);
-                    m = half_to_float(((const block_q4_1 *)wrow)[b].m);
-                }
+                const block_q4_1 *blk = (const block_q4_1 *)wrow + b;
+                acc = fmaf((float)isum, half_to_float(blk->d) * da, acc);
+                off = fmaf(half_to_float(blk->m), a->s[b * a->M + m], off);
             }
-            group_dot(isum, w, a->q, 1);
-            lanes_fma(lane, isum, d * a->d);
-            if (qtype == Q4_1) offset = fmaf(m, a->s, offset);
+        } else if (qtype == Q8_0) {
+            const block_q8_0 *blk = (const block_q8_0 *)wrow + b;
+            for (int i = 0; i < 32; ++i) isum += blk->qs[i] * q[32 * b + i];
+            acc = fmaf((float)isum, half_to_float(blk->d) * da, acc);
         } else if (qtype == Q4_K) {
             const block_q4_k *blk = (const block_q4_k *)wrow + b;
-            const act256 *a = (const act256 *)arow + b;
+            const int8_t *qb = q + 256 * b;
             uint8_t sc[8], mn[8];
             q4k_scales(blk->scales, sc, mn);
-            int32_t imin = 0;
             for (int c = 0; c < 4; ++c) {
+                int32_t lo = 0, hi = 0;
                 for (int i = 0; i < 32; ++i) {
-                    w[i] = (int8_t)(blk->qs[32 * c + i] & 0x0F);
-                    w[i + 32] = (int8_t)(blk->qs[32 * c + i] >> 4);
+                    lo += (blk->qs[32 * c + i] & 0x0F) * qb[64 * c + i];
+                    hi += (blk->qs[32 * c + i] >> 4) * qb[64 * c + 32 + i];
                 }
-                group_dot(isum, w, a->q + 64 * c, sc[2 * c]);
-                group_dot(isum, w + 32, a->q + 64 * c + 32, sc[2 * c + 1]);
+                isum += sc[2 * c] * lo + sc[2 * c + 1] * hi;
             }
-            for (int j = 0; j < 8; ++j) imin += mn[j] * (a->bsum[2 * j] + a->bsum[2 * j + 1]);
-            lanes_fma(lane, isum, half_to_float(blk->d) * a->d);
-            offset = fmaf(-(half_to_float(blk->dmin) * a->d), (float)imin, offset);
+            const int32_t imin = q4k_min_dot(mn, a->bsum + (m * a->nb + b) * 16);
+            acc = fmaf((float)isum, half_to_float(blk->d) * da, acc);
+            off = fmaf(-(half_to_float(blk->dmin) * da), (float)imin, off);
         } else { /* Q6_K */
             const block_q6_k *blk = (const block_q6_k *)wrow + b;
-            const act256 *a = (const act256 *)arow + b;
+            const int8_t *qb = q + 256 * b;
             for (int h = 0; h < 2; ++h) {
                 const uint8_t *ql = blk->ql + 64 * h, *qh = blk->qh + 32 * h;
                 for (int l = 0; l < 32; ++l) {
-                    w[128 * h + l] = (int8_t)((ql[l] & 0x0F) | ((qh[l] & 3) << 4));
-                    w[128 * h + l + 32] = (int8_t)((ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4));
-                    w[128 * h + l + 64] = (int8_t)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4));
-                    w[128 * h + l + 96] = (int8_t)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4));
+                    const int v[4] = {(ql[l] & 0x0F) | ((qh[l] & 3) << 4), (ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4),
+                                      (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4), (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)};
+                    for (int g = 0; g < 4; ++g)
+                        isum += blk->scales[8 * h + 2 * g + l / 16] * (v[g] - 32) * qb[128 * h + 32 * g + l];
                 }
             }
-            for (int g = 0; g < 8; ++g) {
-                /* a 32-byte group spans two 16-value sub-blocks: bytes 0-15 and 16-31 */
-                for (int i = 0; i < 32; ++i)
-                    isum[i / 4 % 8] += (int32_t)w[32 * g + i] * a->q[32 * g + i] * blk->scales[2 * g + i / 16];
-            }
-            /* the offset of 32, as integers: lane l gets sub-blocks 2l and 2l+1 */
-            for (int l = 0; l < 8; ++l)
-                isum[l] -= 32 * (blk->scales[2 * l] * a->bsum[2 * l] + blk->scales[2 * l + 1] * a->bsum[2 * l + 1]);
-            lanes_fma(lane, isum, half_to_float(blk->d) * a->d);
+            acc = fmaf((float)isum, half_to_float(blk->d) * da, acc);
         }
     }
-    return hsum_lanes(lane) + offset;
+    return acc + off;
 }
 
 #if GGUF_SIMD
 /* ---------------------------------------------------------------- AVX2 / AVX-512 VNNI paths */
 
-static inline float hsum256(__m256 v) {
-    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); /* l, l+4 */
-    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));                             /* +2 */
-    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));                           /* +1 */
-}
-
-/* Eight int32 lanes, lane l = sum of bytes 4l..4l+3 of u * s (u unsigned, s signed, no overflow
- * for our ranges, so both forms give the same integers). */
-static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+/* Eight int32 lanes, lane l = sum of bytes 4l..4l+3 of u * s (u unsigned, s signed; our ranges
+ * never saturate the 16-bit step, so both forms give the same integers). */
+AI __m256i dot_u8s8(__m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
 #elif defined(__AVXVNNI__)
@@ -218,95 +235,125 @@ static inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #endif
 }
 
-/* Same as dot_u8s8 with every 16-bit pair product sum scaled: for the k-quants' sub-block scales. */
-static inline __m256i dot_u8s8_scaled(__m256i u, __m256i s, __m256i scale16) {
+/* The same with each 16-bit pair sum multiplied by scale16 (the k-quants' sub-block scales). */
+AI __m256i dot_u8s8_scaled(__m256i u, __m256i s, __m256i scale16) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), scale16);
 }
 
-static inline __m256i nibbles32(const uint8_t *qs) { /* 16 bytes -> 32 values 0..15, in element order */
-    const __m128i q = _mm_loadu_si128((const __m128i *)qs);
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
+/* Lane p = the sum of v[p]'s eight lanes, for eight vectors at once (exact integers). */
+AI __m256i hsum8_epi32(const __m256i v[8]) {
+    const __m256i ab = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    const __m256i cd = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31));
 }
 
-/* One unpacked 32-wide weight block: unsigned operand, the sign to move onto the activations
- * (signed formats), scale and min. */
-typedef struct { __m256i u, sgn; float d, m; } wblock;
-
-static inline __attribute__((always_inline)) wblock load_wblock(const int qtype, const uint8_t *row, int64_t b) {
-    wblock w;
-    if (qtype == Q4_1) {
-        const block_q4_1 *blk = (const block_q4_1 *)row + b;
-        w.u = nibbles32(blk->qs);
-        w.sgn = w.u;
-        w.d = _cvtsh_ss(blk->d);
-        w.m = _cvtsh_ss(blk->m);
-    } else if (qtype == Q4_0) {
-        const block_q4_0 *blk = (const block_q4_0 *)row + b;
-        w.sgn = _mm256_sub_epi8(nibbles32(blk->qs), _mm256_set1_epi8(8));
-        w.u = _mm256_sign_epi8(w.sgn, w.sgn);
-        w.d = _cvtsh_ss(blk->d);
-        w.m = 0.0f;
-    } else { /* Q8_0 */
-        const block_q8_0 *blk = (const block_q8_0 *)row + b;
-        w.sgn = _mm256_loadu_si256((const __m256i *)blk->qs);
-        w.u = _mm256_sign_epi8(w.sgn, w.sgn);
-        w.d = _cvtsh_ss(blk->d);
-        w.m = 0.0f;
-    }
-    return w;
+AI int32_t hsum_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
 }
 
-/* Output rows [n, n + NR) x activation rows [m, m + MR) of a 32-wide format. */
-static inline __attribute__((always_inline)) void tile32(const int qtype, const int NR, const int MR,
-                                                          const uint8_t *w, int64_t w_stride, int64_t nb,
-                                                          const act32 *a, int64_t a_stride, float *y,
-                                                          int64_t ldy) {
-    __m256 acc[4][4];
-    float offset[4][4];
-    for (int i = 0; i < NR; ++i)
-        for (int r = 0; r < MR; ++r) {
-            acc[i][r] = _mm256_setzero_ps();
-            offset[i][r] = 0.0f;
-        }
-    for (int64_t b = 0; b < nb; ++b) {
-        wblock wb[4];
-        for (int i = 0; i < NR; ++i) wb[i] = load_wblock(qtype, w + i * w_stride, b);
-        for (int r = 0; r < MR; ++r) {
-            const act32 *ab = a + r * a_stride + b;
-            const __m256i q = _mm256_loadu_si256((const __m256i *)ab->q);
-            for (int i = 0; i < NR; ++i) {
-                const __m256i s = qtype == Q4_1 ? q : _mm256_sign_epi8(q, wb[i].sgn);
-                const __m256i isum = dot_u8s8(wb[i].u, s);
-                acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(wb[i].d * ab->d), acc[i][r]);
-                if (qtype == Q4_1) offset[i][r] = fmaf(wb[i].m, ab->s, offset[i][r]);
+AI __m256i nibbles32(const uint8_t *qs) { /* 16 bytes -> 32 values 0..15, in element order */
+    /* both halves hold the 16 bytes; the upper one shifted by 4 (bits crossing into a byte's
+     * top nibble from its neighbour are masked off) */
+    const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
+    return _mm256_and_si256(_mm256_srlv_epi32(q, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(0x0F));
+}
+
+/* fp16 scale (and Q4_1 min) of block b of a 32-wide row, as raw halves */
+AI uint16_t block_d(const int qtype, const uint8_t *row, int64_t b) {
+    return qtype == Q4_1 ? ((const block_q4_1 *)row)[b].d : qtype == Q4_0 ? ((const block_q4_0 *)row)[b].d : ((const block_q8_0 *)row)[b].d;
+}
+
+/* Output rows [n, n + NR) x activation rows [m, m + MR) of a 32-wide format, NR * MR <= 8:
+ * the pairs' block dots are reduced to one integer each, then scaled eight at a time. */
+AI void tile32(const int qtype, const int NR, const int MR, const uint8_t *w, int64_t w_stride, const acts *a,
+               int64_t m, float *y, int64_t ldy) {
+    __m256 acc = _mm256_setzero_ps(), off = _mm256_setzero_ps();
+    const int64_t M = a->M;
+    /* A decode tile reads NR short rows (a few hundred bytes each): too short for the hardware
+     * prefetcher to lock on, so the bytes of the tile after next are requested while this one computes. */
+    const char *next = (const char *)w + 2 * NR * w_stride;
+    const int64_t next_lines = NR == 8 ? (NR * w_stride + 63) / 64 : 0;
+    for (int64_t b = 0; b < a->nb; ++b) {
+        for (int64_t l = b * next_lines / a->nb; l < (b + 1) * next_lines / a->nb; ++l)
+            _mm_prefetch(next + 64 * l, _MM_HINT_T0);
+        __m256i isum[8];
+        for (int p = NR * MR; p < 8; ++p) isum[p] = _mm256_setzero_si256();
+        __m256i aq[4];
+        for (int r = 0; r < MR; ++r) aq[r] = _mm256_loadu_si256((const __m256i *)(a->q + (m + r) * a->K + 32 * b));
+        for (int i = 0; i < NR; ++i) {
+            const uint8_t *row = w + i * w_stride;
+            __m256i u, sgn;
+            if (qtype == Q4_1) {
+                u = nibbles32(((const block_q4_1 *)row)[b].qs);
+                sgn = u;
+            } else if (qtype == Q4_0) {
+                sgn = _mm256_sub_epi8(nibbles32(((const block_q4_0 *)row)[b].qs), _mm256_set1_epi8(8));
+                u = _mm256_sign_epi8(sgn, sgn);
+            } else {
+                sgn = _mm256_loadu_si256((const __m256i *)((const block_q8_0 *)row)[b].qs);
+                u = _mm256_sign_epi8(sgn, sgn);
             }
+            for (int r = 0; r < MR; ++r)
+                isum[i * MR + r] = dot_u8s8(u, qtype == Q4_1 ? aq[r] : _mm256_sign_epi8(aq[r], sgn));
         }
+        /* lane p = i * MR + r: the weight scale of row i times the activation scale of row r */
+        __m256 dw, da, mw = _mm256_setzero_ps(), sa = _mm256_setzero_ps();
+        if (NR == 8 && MR == 1) {
+            __m128i h = _mm_cvtsi32_si128(block_d(qtype, w, b));
+            for (int i = 1; i < 8; ++i) h = _mm_insert_epi16(h, block_d(qtype, w + i * w_stride, b), i);
+            dw = _mm256_cvtph_ps(h);
+            da = _mm256_set1_ps(a->d[b * M + m]);
+            if (qtype == Q4_1) {
+                __m128i hm = _mm_cvtsi32_si128(((const block_q4_1 *)w)[b].m);
+                for (int i = 1; i < 8; ++i) hm = _mm_insert_epi16(hm, ((const block_q4_1 *)(w + i * w_stride))[b].m, i);
+                mw = _mm256_cvtph_ps(hm);
+                sa = _mm256_set1_ps(a->s[b * M + m]);
+            }
+        } else if (NR == 2 && MR == 4) {
+            dw = _mm256_set_m128(_mm_set1_ps(_cvtsh_ss(block_d(qtype, w + w_stride, b))), _mm_set1_ps(_cvtsh_ss(block_d(qtype, w, b))));
+            da = _mm256_broadcast_ps((const __m128 *)(a->d + b * M + m));
+            if (qtype == Q4_1) {
+                mw = _mm256_set_m128(_mm_set1_ps(_cvtsh_ss(((const block_q4_1 *)(w + w_stride))[b].m)),
+                                     _mm_set1_ps(_cvtsh_ss(((const block_q4_1 *)w)[b].m)));
+                sa = _mm256_broadcast_ps((const __m128 *)(a->s + b * M + m));
+            }
+        } else { /* remainder tiles: lanes built one by one */
+            float dwv[8] = {0}, dav[8] = {0}, mwv[8] = {0}, sav[8] = {0};
+            for (int i = 0; i < NR; ++i)
+                for (int r = 0; r < MR; ++r) {
+                    dwv[i * MR + r] = _cvtsh_ss(block_d(qtype, w + i * w_stride, b));
+                    dav[i * MR + r] = a->d[b * M + m + r];
+                    if (qtype == Q4_1) {
+                        mwv[i * MR + r] = _cvtsh_ss(((const block_q4_1 *)(w + i * w_stride))[b].m);
+                        sav[i * MR + r] = a->s[b * M + m + r];
+                    }
+                }
+            dw = _mm256_loadu_ps(dwv), da = _mm256_loadu_ps(dav), mw = _mm256_loadu_ps(mwv), sa = _mm256_loadu_ps(sav);
+        }
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum8_epi32(isum)), _mm256_mul_ps(dw, da), acc);
+        if (qtype == Q4_1) off = _mm256_fmadd_ps(mw, sa, off);
     }
+    float out[8];
+    _mm256_storeu_ps(out, _mm256_add_ps(acc, off));
     for (int i = 0; i < NR; ++i)
-        for (int r = 0; r < MR; ++r) y[r * ldy + i] = hsum256(acc[i][r]) + offset[i][r];
+        for (int r = 0; r < MR; ++r) y[r * ldy + i] = out[i * MR + r];
 }
 
-static inline __m256i scale_pair16(int lo, int hi) { /* int16 lanes 0-7 = lo, 8-15 = hi */
+AI __m256i scale_pair16(int lo, int hi) { /* int16 lanes 0-7 = lo, 8-15 = hi */
     return _mm256_set_m128i(_mm_set1_epi16((int16_t)hi), _mm_set1_epi16((int16_t)lo));
 }
 
 /* Output row n x activation rows [m, m + MR) of Q4_K. */
-static inline __attribute__((always_inline)) void tile_q4k(const int MR, const uint8_t *w, int64_t nb,
-                                                            const act256 *a, int64_t a_stride, float *y,
-                                                            int64_t ldy) {
-    __m256 acc[4];
-    float offset[4];
-    for (int r = 0; r < MR; ++r) {
-        acc[r] = _mm256_setzero_ps();
-        offset[r] = 0.0f;
-    }
+AI void tile_q4k(const int MR, const uint8_t *w, const acts *a, int64_t m, float *y, int64_t ldy) {
+    float acc[4] = {0}, off[4] = {0};
     const __m256i mask = _mm256_set1_epi8(0x0F);
-    for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t b = 0; b < a->nb; ++b) {
         const block_q4_k *blk = (const block_q4_k *)w + b;
         uint8_t sc[8], mn[8];
         q4k_scales(blk->scales, sc, mn);
-        const float d = _cvtsh_ss(blk->d), dmin = _cvtsh_ss(blk->dmin);
         __m256i isum[4];
         for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
         for (int c = 0; c < 4; ++c) {
@@ -314,37 +361,33 @@ static inline __attribute__((always_inline)) void tile_q4k(const int MR, const u
             const __m256i lo = _mm256_and_si256(bytes, mask), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
             const __m256i sc_lo = _mm256_set1_epi16(sc[2 * c]), sc_hi = _mm256_set1_epi16(sc[2 * c + 1]);
             for (int r = 0; r < MR; ++r) {
-                const int8_t *q = a[r * a_stride + b].q + 64 * c;
+                const int8_t *q = a->q + (m + r) * a->K + 256 * b + 64 * c;
                 const __m256i p_lo = dot_u8s8_scaled(lo, _mm256_loadu_si256((const __m256i *)q), sc_lo);
                 const __m256i p_hi = dot_u8s8_scaled(hi, _mm256_loadu_si256((const __m256i *)(q + 32)), sc_hi);
                 isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(p_lo, p_hi));
             }
         }
+        const float d = _cvtsh_ss(blk->d), dmin = _cvtsh_ss(blk->dmin);
         for (int r = 0; r < MR; ++r) {
-            const act256 *ab = a + r * a_stride + b;
-            int32_t imin = 0;
-            for (int j = 0; j < 8; ++j) imin += mn[j] * (ab->bsum[2 * j] + ab->bsum[2 * j + 1]);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(d * ab->d), acc[r]);
-            offset[r] = fmaf(-(dmin * ab->d), (float)imin, offset[r]);
+            const float da = a->d[b * a->M + m + r];
+            const int32_t imin = q4k_min_dot(mn, a->bsum + ((m + r) * a->nb + b) * 16);
+            acc[r] = fmaf((float)hsum_epi32(isum[r]), d * da, acc[r]);
+            off[r] = fmaf(-(dmin * da), (float)imin, off[r]);
         }
     }
-    for (int r = 0; r < MR; ++r) y[r * ldy] = hsum256(acc[r]) + offset[r];
+    for (int r = 0; r < MR; ++r) y[r * ldy] = acc[r] + off[r];
 }
 
 /* Output row n x activation rows [m, m + MR) of Q6_K. */
-static inline __attribute__((always_inline)) void tile_q6k(const int MR, const uint8_t *w, int64_t nb,
-                                                            const act256 *a, int64_t a_stride, float *y,
-                                                            int64_t ldy) {
-    __m256 acc[4];
-    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+AI void tile_q6k(const int MR, const uint8_t *w, const acts *a, int64_t m, float *y, int64_t ldy) {
+    float acc[4] = {0};
     const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
-    for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t b = 0; b < a->nb; ++b) {
         const block_q6_k *blk = (const block_q6_k *)w + b;
         __m256i isum[4];
-        for (int r = 0; r < MR; ++r) {
-            /* the offset of 32 first, as integers: lane l = scales 2l, 2l+1 times their bsums */
-            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)blk->scales));
-            const __m256i bs = _mm256_loadu_si256((const __m256i *)a[r * a_stride + b].bsum);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)blk->scales));
+        for (int r = 0; r < MR; ++r) { /* the offset of 32 first: scales times the 16-value sums */
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)(a->bsum + ((m + r) * a->nb + b) * 16));
             isum[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5));
         }
         for (int h = 0; h < 2; ++h) {
@@ -353,8 +396,7 @@ static inline __attribute__((always_inline)) void tile_q6k(const int MR, const u
             const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk->qh + 32 * h));
             __m256i g[4];
             g[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4));
-            g[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4),
-                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4));
+            g[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4));
             g[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4));
             g[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
@@ -363,96 +405,50 @@ static inline __attribute__((always_inline)) void tile_q6k(const int MR, const u
                 const int sub = 8 * h + 2 * k; /* the group's two 16-value sub-blocks */
                 const __m256i scale = scale_pair16(blk->scales[sub], blk->scales[sub + 1]);
                 for (int r = 0; r < MR; ++r) {
-                    const int8_t *q = a[r * a_stride + b].q + 128 * h + 32 * k;
-                    const __m256i p = dot_u8s8_scaled(g[k], _mm256_loadu_si256((const __m256i *)q), scale);
-                    isum[r] = _mm256_add_epi32(isum[r], p);
+                    const int8_t *q = a->q + (m + r) * a->K + 256 * b + 128 * h + 32 * k;
+                    isum[r] = _mm256_add_epi32(isum[r], dot_u8s8_scaled(g[k], _mm256_loadu_si256((const __m256i *)q), scale));
                 }
             }
         }
-        for (int r = 0; r < MR; ++r) {
-            const float d = _cvtsh_ss(blk->d) * a[r * a_stride + b].d;
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(d), acc[r]);
-        }
+        const float d = _cvtsh_ss(blk->d);
+        for (int r = 0; r < MR; ++r) acc[r] = fmaf((float)hsum_epi32(isum[r]), d * a->d[b * a->M + m + r], acc[r]);
     }
-    for (int r = 0; r < MR; ++r) y[r * ldy] = hsum256(acc[r]);
+    for (int r = 0; r < MR; ++r) y[r * ldy] = acc[r];
 }
 
 #define TILE32_CASE(QT)                                                                                       \
     case QT:                                                                                                  \
-        if (nr == 4 && mr == 1) tile32(QT, 4, 1, w, w_stride, nb, a, a_stride, y, ldy);                       \
-        else if (nr == 2 && mr == 4) tile32(QT, 2, 4, w, w_stride, nb, a, a_stride, y, ldy);                  \
-        else if (nr == 1 && mr == 4) tile32(QT, 1, 4, w, w_stride, nb, a, a_stride, y, ldy);                  \
-        else if (nr == 2 && mr == 1) tile32(QT, 2, 1, w, w_stride, nb, a, a_stride, y, ldy);                  \
-        else tile32(QT, 1, 1, w, w_stride, nb, a, a_stride, y, ldy);                                          \
+        if (nr == 8 && mr == 1) tile32(QT, 8, 1, w, w_stride, a, m, y, ldy);                                  \
+        else if (nr == 2 && mr == 4) tile32(QT, 2, 4, w, w_stride, a, m, y, ldy);                             \
+        else if (nr == 1 && mr == 4) tile32(QT, 1, 4, w, w_stride, a, m, y, ldy);                             \
+        else if (nr == 2 && mr == 1) tile32(QT, 2, 1, w, w_stride, a, m, y, ldy);                             \
+        else tile32(QT, 1, 1, w, w_stride, a, m, y, ldy);                                                     \
         break;
 
-/* One tile through the SIMD path: nr and mr are one of the shapes that the caller picks. */
-static void run_tile(int qtype, int nr, int mr, const uint8_t *w, int64_t w_stride, int64_t nb, const void *a,
-                     int64_t a_stride, float *y, int64_t ldy) {
+/* One tile through the SIMD path; (nr, mr) is one of the shapes the caller picks. */
+static void run_tile(int qtype, int nr, int mr, const uint8_t *w, int64_t w_stride, const acts *a, int64_t m,
+                     float *y, int64_t ldy) {
     switch (qtype) {
         TILE32_CASE(Q4_0)
         TILE32_CASE(Q4_1)
         TILE32_CASE(Q8_0)
     case Q4_K:
         for (int i = 0; i < nr; ++i) {
-            if (mr == 4) tile_q4k(4, w + i * w_stride, nb, a, a_stride, y + i, ldy);
-            else tile_q4k(1, w + i * w_stride, nb, a, a_stride, y + i, ldy);
+            if (mr == 4) tile_q4k(4, w + i * w_stride, a, m, y + i, ldy);
+            else tile_q4k(1, w + i * w_stride, a, m, y + i, ldy);
         }
         break;
     case Q6_K:
         for (int i = 0; i < nr; ++i) {
-            if (mr == 4) tile_q6k(4, w + i * w_stride, nb, a, a_stride, y + i, ldy);
-            else tile_q6k(1, w + i * w_stride, nb, a, a_stride, y + i, ldy);
+            if (mr == 4) tile_q6k(4, w + i * w_stride, a, m, y + i, ldy);
+            else tile_q6k(1, w + i * w_stride, a, m, y + i, ldy);
         }
         break;
-    }
-}
-
-static void quantize_act32_simd(const float *x, int64_t K, act32 *out) {
-    for (int64_t b = 0; b < K / 32; ++b, x += 32) {
-        __m256 v[4];
-        __m256 amax = _mm256_setzero_ps();
-        const __m256 sign = _mm256_set1_ps(-0.0f);
-        for (int i = 0; i < 4; ++i) {
-            v[i] = _mm256_loadu_ps(x + 8 * i);
-            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
-        }
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        const float am = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-        const float d = am / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-        __m256i qi[4];
-        __m256i sum = _mm256_setzero_si256();
-        for (int i = 0; i < 4; ++i) {
-            qi[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], _mm256_set1_ps(id)),
-                                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-            sum = _mm256_add_epi32(sum, qi[i]);
-        }
-        /* int32 -> int8 in element order (packs interleave the 128-bit halves; undo it) */
-        const __m256i p16 = _mm256_packs_epi32(qi[0], qi[1]), p16b = _mm256_packs_epi32(qi[2], qi[3]);
-        const __m256i p8 = _mm256_packs_epi16(p16, p16b);
-        _mm256_storeu_si256((__m256i *)out[b].q, _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-        out[b].d = d;
-        out[b].s = d * (float)_mm_cvtsi128_si32(s4);
     }
 }
 #endif /* GGUF_SIMD */
 
 /* ---------------------------------------------------------------- entry points */
-
-static void quantize_rows32(const float *x, int64_t K, act32 *out, int use_simd) {
-#if GGUF_SIMD
-    if (use_simd) {
-        quantize_act32_simd(x, K, out);
-        return;
-    }
-#endif
-    (void)use_simd;
-    quantize_act32(x, K, out);
-}
 
 /* 1 when this build runs the SIMD path, 2 with VNNI dot products, 0 for portable C. */
 int gguf_simd_level(void) {
@@ -469,14 +465,19 @@ int64_t gguf_block_bytes(int qtype) { return block_bytes(qtype); }
 
 int gguf_block_elems(int qtype) { return block_bytes(qtype) ? block_elems(qtype) : 0; }
 
+static void families(int64_t nseg, const int32_t *qtypes, int *need32, int *need256) {
+    *need32 = *need256 = 0;
+    for (int64_t s = 0; s < nseg; ++s) {
+        if (block_elems(qtypes[s]) == 32) *need32 = 1;
+        else *need256 = 1;
+    }
+}
+
 /* Bytes of scratch gguf_matmul needs for M rows of K values and these weight types. */
 int64_t gguf_scratch_bytes(int64_t M, int64_t K, int64_t nseg, const int32_t *qtypes) {
-    int need32 = 0, need256 = 0;
-    for (int64_t s = 0; s < nseg; ++s) {
-        if (block_elems(qtypes[s]) == 32) need32 = 1;
-        else need256 = 1;
-    }
-    return M * (need32 * (K / 32) * (int64_t)sizeof(act32) + need256 * (K / 256) * (int64_t)sizeof(act256));
+    int need32, need256;
+    families(nseg, qtypes, &need32, &need256);
+    return need32 * acts_bytes(M, K, 0) + need256 * acts_bytes(M, K, 1);
 }
 
 /* y[M, sum(rows)] (row stride ldy) = x[M, K] (row stride ldx) times the concatenation of nseg
@@ -485,33 +486,33 @@ int64_t gguf_scratch_bytes(int64_t M, int64_t K, int64_t nseg, const int32_t *qt
 void gguf_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t nseg, const int32_t *qtypes,
                  const void *const *weights, const int64_t *rows, void *scratch, float *y, int64_t ldy,
                  int simd) {
-    int need32 = 0, need256 = 0;
-    for (int64_t s = 0; s < nseg; ++s) {
-        if (block_elems(qtypes[s]) == 32) need32 = 1;
-        else need256 = 1;
-    }
-    act32 *a32 = (act32 *)scratch;
-    const int64_t a32_stride = K / 32;
-    act256 *a256 = (act256 *)((char *)scratch + need32 * M * a32_stride * (int64_t)sizeof(act32));
-    const int64_t a256_stride = K / 256;
+    int need32, need256;
+    families(nseg, qtypes, &need32, &need256);
+    const acts a32 = acts_at(scratch, M, K, 0);
+    const acts a256 = acts_at((char *)scratch + need32 * acts_bytes(M, K, 0), M, K, 1);
     const int use_simd = simd && GGUF_SIMD;
     /* Work units of UNIT output rows (never across segments): the static split over threads
-     * only decides who computes a row, never how. */
+     * decides who computes a row, never how. */
     enum { UNIT = 16 };
     int64_t units = 0;
     for (int64_t s = 0; s < nseg; ++s) units += (rows[s] + UNIT - 1) / UNIT;
     /* Activation rows per pass: a chunk of quantized activations stays in L2 while a unit's
      * weight rows are reused over it. */
-    const int64_t act_row_bytes = need32 * a32_stride * (int64_t)sizeof(act32) + need256 * a256_stride * (int64_t)sizeof(act256);
-    int64_t m_chunk = (256 << 10) / (act_row_bytes ? act_row_bytes : 1);
+    int64_t m_chunk = (192 << 10) / (K + 16);
     m_chunk = m_chunk < 4 ? 4 : m_chunk - m_chunk % 4;
 
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; ++m) {
-            if (need32) quantize_rows32(x + m * ldx, K, a32 + m * a32_stride, use_simd);
-            if (need256) quantize_act256(x + m * ldx, K, a256 + m * a256_stride);
+            if (need32) {
+#if GGUF_SIMD
+                if (use_simd) quantize_row32_simd(x + m * ldx, &a32, m);
+                else
+#endif
+                    quantize_row(x + m * ldx, &a32, m, 32);
+            }
+            if (need256) quantize_row(x + m * ldx, &a256, m, 256);
         }
         /* implicit barrier: every activation row is quantized before any product */
 #pragma omp for schedule(static)
@@ -523,30 +524,25 @@ void gguf_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t nseg
                 ++s;
             }
             const int qtype = qtypes[s];
-            const int64_t nb = K / block_elems(qtype), w_stride = nb * block_bytes(qtype);
+            const acts *a = block_elems(qtype) == 256 ? &a256 : &a32;
+            const int64_t w_stride = a->nb * block_bytes(qtype);
             const int64_t n0 = first * UNIT, n1 = n0 + UNIT < rows[s] ? n0 + UNIT : rows[s];
             const uint8_t *wseg = (const uint8_t *)weights[s];
-            const int wide = block_elems(qtype) == 256;
-            const int64_t a_stride = wide ? a256_stride : a32_stride;
             for (int64_t m0 = 0; m0 < M; m0 += m_chunk) {
                 const int64_t m1 = m0 + m_chunk < M ? m0 + m_chunk : M;
                 if (!use_simd) {
                     for (int64_t n = n0; n < n1; ++n)
-                        for (int64_t m = m0; m < m1; ++m) {
-                            const void *arow = wide ? (const void *)(a256 + m * a_stride) : (const void *)(a32 + m * a_stride);
-                            y[m * ldy + col0 + n] = dot_row_scalar(qtype, wseg + n * w_stride, nb, arow);
-                        }
+                        for (int64_t m = m0; m < m1; ++m)
+                            y[m * ldy + col0 + n] = dot_row_scalar(qtype, wseg + n * w_stride, a, m);
                     continue;
                 }
 #if GGUF_SIMD
-                const int nr = M == 1 ? 4 : 2;
+                const int nr = M == 1 ? 8 : 2;
                 for (int64_t n = n0; n < n1;) {
                     const int tile_rows = n + nr <= n1 ? nr : 1;
                     for (int64_t m = m0; m < m1;) {
                         const int tile_cols = M > 1 && m + 4 <= m1 ? 4 : 1;
-                        const void *arow = wide ? (const void *)(a256 + m * a_stride) : (const void *)(a32 + m * a_stride);
-                        run_tile(qtype, tile_rows, tile_cols, wseg + n * w_stride, w_stride, nb, arow, a_stride,
-                                 y + m * ldy + col0 + n, ldy);
+                        run_tile(qtype, tile_rows, tile_cols, wseg + n * w_stride, w_stride, a, m, y + m * ldy + col0 + n, ldy);
                         m += tile_cols;
                     }
                     n += tile_rows;

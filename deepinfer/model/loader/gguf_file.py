@@ -10,13 +10,14 @@ are reordered, not decoded), so one model implementation serves both sources.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
 from deepinfer.kernels.gguf_blocks import PACKED_TYPES, PackedMatrix
+from deepinfer.model.loader.gguf_tensors import GGUFTensor
 
 _ARCH_TO_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama"}
 
@@ -116,22 +117,23 @@ def _permuted_heads(gguf_name: str, config: dict[str, Any]) -> int | None:
 
 
 def iter_weights(
-    reader: Any, config: dict[str, Any], packed: bool = False
+    tensors: Iterable[GGUFTensor], config: dict[str, Any], packed: bool = False
 ) -> Iterator[tuple[str, torch.Tensor | PackedMatrix]]:
-    """Yield (HF name, weight) for every tensor of the file: an fp32 tensor, or with `packed` a
-    PackedMatrix for 2-D tensors in a format of PACKED_TYPES."""
+    """Yield (HF name, weight) for every tensor (gguf_tensors.read_tensors): an fp32 tensor, or
+    with `packed` a PackedMatrix for 2-D tensors in a format of PACKED_TYPES."""
     from gguf import quants
 
     packable = set(PACKED_TYPES.values()) if packed else set()
-    for tensor in reader.tensors:
+    for tensor in tensors:
         name, heads = hf_name(tensor.name), _permuted_heads(tensor.name, config)
         if int(tensor.tensor_type) in packable and len(tensor.shape) == 2:
-            blocks = np.asarray(tensor.data)  # uint8 [rows, bytes per row], in the memory map
+            blocks = tensor.data  # uint8 [rows, bytes per row], in the memory map
             if heads is not None:
                 blocks = np.ascontiguousarray(_unpermute(blocks, heads))
-            yield name, PackedMatrix(int(tensor.tensor_type), blocks.shape[0], int(tensor.shape[0]), blocks)
+            yield name, PackedMatrix(int(tensor.tensor_type), tensor.rows, tensor.shape[0], blocks)
             continue
         array = np.asarray(quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        array = array.reshape(tuple(reversed(tensor.shape)))
         if heads is not None:
             array = _unpermute(array, heads)
         yield name, torch.from_numpy(array.copy())

@@ -7,6 +7,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -62,17 +63,19 @@ def resolve_quantization(
     return requested
 
 
-def adopt_packed_gguf(net: CausalLM, gguf_path: Path) -> list[tuple[str, torch.Tensor]]:
+def adopt_packed_gguf(
+    net: CausalLM, gguf_path: Path, hf_config: dict[str, Any]
+) -> list[tuple[str, torch.Tensor]]:
     """Hand `net` (still on the meta device) the GGUF's packed weights it computes on; return the
     others dense for load_weights (norms, biases, formats without a native kernel)."""
     import gguf
 
-    from deepinfer.model.loader.gguf_file import iter_weights, read_config
+    from deepinfer.model.loader.gguf_file import iter_weights
+    from deepinfer.model.loader.gguf_tensors import read_tensors
 
-    reader = gguf.GGUFReader(str(gguf_path))
     packed: dict[str, PackedMatrix] = {}
     dense: list[tuple[str, torch.Tensor]] = []
-    for name, weight in iter_weights(reader, read_config(reader), packed=True):
+    for name, weight in iter_weights(read_tensors(gguf_path), hf_config, packed=True):
         if isinstance(weight, PackedMatrix):
             packed[name] = weight
         else:
@@ -103,7 +106,8 @@ def load_model(
     else:
         raise ValueError(f"unsupported model path {str(path)!r}: expected a .gguf file or a HF directory")
 
-    config = ModelConfig.from_hf(json.loads((directory / "config.json").read_text()))
+    hf_config = json.loads((directory / "config.json").read_text())
+    config = ModelConfig.from_hf(hf_config)
     tokenizer = Tokenizer.from_dir(directory)
     if not config.eos_token_ids:
         config.eos_token_ids = list(tokenizer.eos_token_ids)
@@ -111,7 +115,7 @@ def load_model(
     with torch.device("meta"):
         net = cls.from_config(config)
     # packed layers replace dense ones before anything is allocated
-    weights = adopt_packed_gguf(net, path) if resolved == "gguf" else iter_safetensors(directory)
+    weights = adopt_packed_gguf(net, path, hf_config) if resolved == "gguf" else iter_safetensors(directory)
     net = net.to_empty(device=device).to(dtype)
     net.load_weights(weights)
     net.eval()

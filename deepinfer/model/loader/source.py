@@ -90,16 +90,16 @@ def converted_gguf_dir(gguf_path: Path, with_weights: bool = False) -> Path:
 
 
 def _write_dequantized_weights(gguf_path: Path, directory: Path) -> None:
-    import gguf
     from safetensors.torch import save_file
 
-    from deepinfer.model.loader.gguf_file import iter_weights, read_config
+    from deepinfer.model.loader.gguf_file import iter_weights
+    from deepinfer.model.loader.gguf_tensors import read_tensors
 
-    reader = gguf.GGUFReader(str(gguf_path))
+    config = json.loads((directory / "config.json").read_text())
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".weights-", suffix=".safetensors")
     os.close(fd)
     try:
-        save_file(dict(iter_weights(reader, read_config(reader))), tmp)
+        save_file(dict(iter_weights(read_tensors(gguf_path), config)), tmp)
         os.replace(tmp, directory / "model.safetensors")
     finally:
         if os.path.exists(tmp):
