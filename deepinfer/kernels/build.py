@@ -41,7 +41,10 @@ def load_kernel_library(
         log.warning("no C compiler found; using the PyTorch reference kernels")
         return None
     flags = [*_FLAGS, *target_flags, *extra_flags]
-    digest = hashlib.sha256(source.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+    headers = b"".join(p.read_bytes() for p in sorted(source.parent.glob("*.h")))  # included by sources
+    digest = hashlib.sha256(
+        source.read_bytes() + headers + " ".join([compiler, *flags]).encode()
+    ).hexdigest()[:16]
     target = cache_dir("kernels") / f"{name}-{digest}.so"
     if not target.exists():
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:

@@ -9,6 +9,7 @@ format, in one kernel call. The numerics are described at the top of gguf_matmul
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -21,6 +22,7 @@ from deepinfer.kernels.build import NATIVE, load_kernel_library
 # ggml type ids of the formats the kernel computes on directly.
 PACKED_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 _FLAGS = ("-ffp-contract=off",)
+_PROLOGUE_NONE, _PROLOGUE_RMS_NORM, _PROLOGUE_SWIGLU = 0, 1, 2  # as in gguf_matmul.c
 
 
 @dataclass(slots=True)
@@ -42,6 +44,7 @@ class GGUFKernels:
         self._lib = lib
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         lib.gguf_matmul.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, ctypes.c_int]
+        lib.gguf_matmul.argtypes += [ctypes.c_int, ptr, ptr, ptr, ctypes.c_float]  # the prologue
         lib.gguf_matmul.restype = None
         lib.gguf_scratch_bytes.argtypes = [i64, i64, i64, ptr]
         lib.gguf_scratch_bytes.restype = i64
@@ -52,6 +55,8 @@ class GGUFKernels:
         lib.gguf_block_elems.argtypes = [ctypes.c_int]
         lib.gguf_simd_level.restype = ctypes.c_int
         self.simd_level = lib.gguf_simd_level()  # 0 portable C, 1 AVX2, 2 VNNI dot products
+        self._matmul = lib.gguf_matmul
+        self._local = threading.local()  # each thread's scratch buffer, grown on demand
 
     def row_bytes(self, qtype: int, cols: int) -> int:
         elems = self._lib.gguf_block_elems(qtype)
@@ -63,19 +68,82 @@ class GGUFKernels:
 
     def matmul(self, x: torch.Tensor, group: PackedGroup, portable: bool = False) -> torch.Tensor:
         """x [M, K] float32 -> [M, group.rows] float32. `portable` forces the plain C path."""
-        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != group.cols:
-            raise ValueError(f"expected float32 [M, {group.cols}], got {x.dtype} {tuple(x.shape)}")
-        x = x if x.stride(1) == 1 else x.contiguous()
+        x = self._input(x, group.cols)
+        return self._run(x, group, portable, _PROLOGUE_NONE)
+
+    def matmul_rms_norm(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor,
+        eps: float,
+        group: PackedGroup,
+        portable: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(v) * weight @ W^T, v) with v = x + residual (x when residual is None): an
+        RMSNorm fused into the product (v is the new residual stream). x, residual [M, K]."""
+        x = self._input(x, group.cols)
+        if x.stride(0) != group.cols:
+            x = x.contiguous()
+        if weight.dtype is not torch.float32 or not weight.is_contiguous() or weight.numel() != group.cols:
+            raise ValueError(f"expected a contiguous float32 norm weight of {group.cols} values")
+        if residual is None:
+            return self._run(x, group, portable, _PROLOGUE_RMS_NORM, None, None, weight, eps), x
+        if residual.shape != x.shape or residual.dtype is not torch.float32 or not residual.is_contiguous():
+            raise ValueError(f"expected a contiguous float32 residual of shape {tuple(x.shape)}")
+        summed = torch.empty_like(x)
+        return self._run(x, group, portable, _PROLOGUE_RMS_NORM, residual, summed, weight, eps), summed
+
+    def matmul_swiglu(
+        self, gate_up: torch.Tensor, group: PackedGroup, portable: bool = False
+    ) -> torch.Tensor:
+        """(silu(gate) * up) @ W^T for gate_up [M, 2K] = [gate | up]: SwiGLU fused into the product."""
+        if gate_up.dtype is not torch.float32 or gate_up.dim() != 2 or gate_up.shape[1] != 2 * group.cols:
+            raise ValueError(
+                f"expected float32 [M, {2 * group.cols}], got {gate_up.dtype} {tuple(gate_up.shape)}"
+            )
+        gate_up = gate_up if gate_up.stride(1) == 1 else gate_up.contiguous()
+        return self._run(gate_up, group, portable, _PROLOGUE_SWIGLU)
+
+    @staticmethod
+    def _input(x: torch.Tensor, cols: int) -> torch.Tensor:
+        if x.dtype is not torch.float32 or x.dim() != 2 or x.shape[1] != cols:
+            raise ValueError(f"expected float32 [M, {cols}], got {x.dtype} {tuple(x.shape)}")
+        return x if x.stride(1) == 1 else x.contiguous()
+
+    def _run(
+        self,
+        x: torch.Tensor,
+        group: PackedGroup,
+        portable: bool,
+        prologue: int,
+        residual: torch.Tensor | None = None,
+        summed: torch.Tensor | None = None,
+        weight: torch.Tensor | None = None,
+        eps: float = 0.0,
+    ) -> torch.Tensor:
         m = x.shape[0]
         y = torch.empty(m, group.rows, dtype=torch.float32)
-        scratch = torch.empty(
-            self._lib.gguf_scratch_bytes(m, group.cols, group.count, group.qtypes), dtype=torch.uint8
-        )
-        self._lib.gguf_matmul(
+        self._matmul(
             x.data_ptr(), m, group.cols, x.stride(0), group.count, group.qtypes, group.pointers, group.row_counts,
-            scratch.data_ptr(), y.data_ptr(), group.rows, 0 if portable else 1,
+            self._scratch(group, m), y.data_ptr(), group.rows, 0 if portable else 1, prologue,
+            None if residual is None else residual.data_ptr(), None if summed is None else summed.data_ptr(),
+            None if weight is None else weight.data_ptr(), eps,
         )  # fmt: skip
         return y
+
+    def _scratch(self, group: PackedGroup, m: int) -> int:
+        """Address of this thread's scratch, at least as large as the call needs (the kernel
+        writes the quantized activations there; nothing is kept between calls)."""
+        size = group.scratch_sizes.get(m)
+        if size is None:
+            size = group.scratch_sizes[m] = self._lib.gguf_scratch_bytes(
+                m, group.cols, group.count, group.qtypes
+            )
+        buffer = getattr(self._local, "buffer", None)
+        if buffer is None or buffer.numel() < size:
+            buffer = self._local.buffer = torch.empty(max(size, 1 << 16), dtype=torch.uint8)
+        return buffer.data_ptr()
 
     def dequantize_rows(self, matrix: PackedMatrix, ids: torch.Tensor) -> torch.Tensor:
         """ids [T] int64 -> [T, cols] float32: those rows, dequantized exactly as the gguf package does."""
@@ -92,7 +160,17 @@ class GGUFKernels:
 class PackedGroup:
     """Matrices multiplied together as one [sum(rows), cols] matrix (kept alive here)."""
 
-    __slots__ = ("_arrays", "cols", "count", "matrices", "pointers", "qtypes", "row_counts", "rows")
+    __slots__ = (
+        "_arrays",
+        "cols",
+        "count",
+        "matrices",
+        "pointers",
+        "qtypes",
+        "row_counts",
+        "rows",
+        "scratch_sizes",
+    )
 
     def __init__(self, matrices: Sequence[PackedMatrix]) -> None:
         if not matrices or len({m.cols for m in matrices}) != 1:
@@ -111,6 +189,7 @@ class PackedGroup:
             (ctypes.c_int64 * self.count)(*(m.rows for m in matrices)),
         )
         self.qtypes, self.pointers, self.row_counts = (ctypes.addressof(a) for a in self._arrays)
+        self.scratch_sizes: dict[int, int] = {}  # rows -> scratch bytes, memoized
 
     @property
     def nbytes(self) -> int:

@@ -14,6 +14,9 @@
  *      off = fma(m_w(b), s_a(b), off)                              (Q4_1's min)
  *      off = fma(-(dmin(b) * d_a(b)), (float)sum_j m_j bsum_j, off)  (Q4_K's mins)
  *  - y = acc + off.
+ * A prologue may transform each activation row before it is quantized (fusing what would be
+ * separate calls of a decoder layer): RMSNorm of x + residual (the sum also written out: the new
+ * residual stream), or SwiGLU of a [gate | up] row.
  * A row's result depends only on its own activations: batching, threads and tiling never change
  * a bit. The AVX2, AVX-512 VNNI (on 256-bit registers) and portable C paths give identical bits:
  * the integer sums are exact whatever their order, the float operations are the ones above, and
@@ -21,7 +24,10 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+
+#include "rowops.h"
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define GGUF_SIMD 1
@@ -480,12 +486,19 @@ int64_t gguf_scratch_bytes(int64_t M, int64_t K, int64_t nseg, const int32_t *qt
     return need32 * acts_bytes(M, K, 0) + need256 * acts_bytes(M, K, 1);
 }
 
-/* y[M, sum(rows)] (row stride ldy) = x[M, K] (row stride ldx) times the concatenation of nseg
- * packed matrices (segment s: qtypes[s], rows[s] x K, weights[s] row-major blocks) transposed.
- * Writes only y and scratch (gguf_scratch_bytes). simd = 0 forces the portable path. */
+enum { PROLOGUE_NONE = 0, PROLOGUE_RMS_NORM = 1, PROLOGUE_SWIGLU = 2 };
+
+/* y[M, sum(rows)] (row stride ldy) = a[M, K] times the concatenation of nseg packed matrices
+ * (segment s: qtypes[s], rows[s] x K, weights[s] row-major blocks) transposed, where a is
+ * x [M, K] (row stride ldx) after the prologue:
+ *   PROLOGUE_NONE      a = x;
+ *   PROLOGUE_RMS_NORM  v = x + residual (or x when residual is NULL), sum = v (when not NULL),
+ *                      a = rms_norm(v) * norm_weight, eps; residual and sum rows are K apart;
+ *   PROLOGUE_SWIGLU    x rows hold 2K values [gate | up]: a = silu(gate) * up.
+ * Writes only y, sum and scratch (gguf_scratch_bytes). simd = 0 forces the portable path. */
 void gguf_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t nseg, const int32_t *qtypes,
-                 const void *const *weights, const int64_t *rows, void *scratch, float *y, int64_t ldy,
-                 int simd) {
+                 const void *const *weights, const int64_t *rows, void *scratch, float *y, int64_t ldy, int simd,
+                 int prologue, const float *residual, float *sum, const float *norm_weight, float eps) {
     int need32, need256;
     families(nseg, qtypes, &need32, &need256);
     const acts a32 = acts_at(scratch, M, K, 0);
@@ -503,17 +516,35 @@ void gguf_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t nseg
 
 #pragma omp parallel
     {
+        float *row = prologue != PROLOGUE_NONE ? malloc(K * sizeof(float)) : NULL;
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; ++m) {
+            const float *a = x + m * ldx;
+            if (prologue == PROLOGUE_RMS_NORM) {
+                const float *v = a;
+                if (residual) {
+                    float *out = sum ? sum + m * K : row;
+                    for (int64_t i = 0; i < K; ++i) out[i] = a[i] + residual[m * K + i];
+                    v = out;
+                } else if (sum) {
+                    memcpy(sum + m * K, a, K * sizeof(float));
+                }
+                rms_norm_row(v, norm_weight, row, K, eps);
+                a = row;
+            } else if (prologue == PROLOGUE_SWIGLU) {
+                swiglu_row(a, a + K, row, K);
+                a = row;
+            }
             if (need32) {
 #if GGUF_SIMD
-                if (use_simd) quantize_row32_simd(x + m * ldx, &a32, m);
+                if (use_simd) quantize_row32_simd(a, &a32, m);
                 else
 #endif
-                    quantize_row(x + m * ldx, &a32, m, 32);
+                    quantize_row(a, &a32, m, 32);
             }
-            if (need256) quantize_row(x + m * ldx, &a256, m, 256);
+            if (need256) quantize_row(a, &a256, m, 256);
         }
+        free(row);
         /* implicit barrier: every activation row is quantized before any product */
 #pragma omp for schedule(static)
         for (int64_t u = 0; u < units; ++u) {

@@ -16,7 +16,7 @@ from deepinfer.attention.metadata import AttentionMetadata
 from deepinfer.kernels.gguf_blocks import PackedMatrix
 from deepinfer.model.base import CausalLM, KVCacheSpec
 from deepinfer.model.config import ModelConfig
-from deepinfer.model.layers.gguf_linear import GGUFEmbedding, packed_linear
+from deepinfer.model.layers.gguf_linear import GGUFEmbedding, GGUFLinear, norm_then_project, packed_linear
 from deepinfer.model.layers.int8_linear import Int8Linear, quantize_linears_
 from deepinfer.model.layers.norm import RMSNorm
 from deepinfer.model.layers.rotary import RotaryEmbedding
@@ -44,15 +44,17 @@ class LlamaAttention(torch.nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        qkv: torch.Tensor,
         positions: torch.Tensor,
         cache: torch.Tensor,
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        num_tokens = x.shape[0]
+        """qkv: qkv_proj of the normed input, [T, (H + 2 KVH) D] (the layer computes it, so that
+        the norm can be fused into the projection). Returns the o_proj output [T, hidden]."""
+        num_tokens = qkv.shape[0]
         heads = self.num_heads + 2 * self.num_kv_heads
-        qkv = self.qkv_proj(x).view(num_tokens, heads, self.head_dim)  # [T, H + 2 KVH, D]
+        qkv = qkv.view(num_tokens, heads, self.head_dim)  # [T, H + 2 KVH, D]
         qk = qkv[:, : self.num_heads + self.num_kv_heads]
         v = qkv[:, self.num_heads + self.num_kv_heads :]
         if self.q_norm is not None:
@@ -72,8 +74,11 @@ class LlamaMLP(torch.nn.Module):
         self.gate_up_proj = _linear(2 * cfg.intermediate_size, cfg.hidden_size)
         self.down_proj = _linear(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up: gate_up_proj of the normed input [T, 2 I] (computed by the layer, like qkv)."""
+        if isinstance(self.down_proj, GGUFLinear) and gate_up.dim() == 2 and gate_up.dtype is torch.float32:
+            return self.down_proj.forward_swiglu(gate_up)  # SwiGLU in the kernel's activation pass
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -94,13 +99,12 @@ class LlamaDecoderLayer(torch.nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm.add_forward(x, residual)
-        h = self.self_attn(h, positions, cache, meta, backend)
-        h, residual = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp(h), residual
+        qkv, residual = norm_then_project(self.input_layernorm, self.self_attn.qkv_proj, x, residual)
+        h = self.self_attn(qkv, positions, cache, meta, backend)
+        gate_up, residual = norm_then_project(
+            self.post_attention_layernorm, self.mlp.gate_up_proj, h, residual
+        )
+        return self.mlp(gate_up), residual
 
 
 @register_model("llama", "qwen2", "qwen3", "mistral", "smollm")

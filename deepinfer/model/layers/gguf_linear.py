@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from deepinfer.kernels.gguf_blocks import GGUFKernels, PackedGroup, PackedMatrix, gguf_kernels
+from deepinfer.model.layers.norm import RMSNorm
 
 
 def native_kernels() -> GGUFKernels:
@@ -34,11 +35,31 @@ class GGUFLinear(torch.nn.Module):
         self.bias = torch.nn.Parameter(torch.empty(self.out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        y = self._kernels.matmul(x.reshape(-1, self.in_features).float(), self.group)  # [T, out]
+        if x.dim() == 2 and x.dtype == torch.float32:  # the model's case: [T, in] -> [T, out]
+            y = self._kernels.matmul(x, self.group)
+        else:
+            y = self._kernels.matmul(x.reshape(-1, self.in_features).float(), self.group)
+            y = y.view(*x.shape[:-1], self.out_features).to(x.dtype)
         if self.bias is not None:
             y.add_(self.bias)
-        return y.view(*shape[:-1], self.out_features).to(x.dtype)
+        return y
+
+    def forward_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(norm(v)), v) with v = x + residual (x when residual is None), the norm computed
+        in the kernel's activation pass instead of a call of its own. x: [T, in] float32."""
+        y, summed = self._kernels.matmul_rms_norm(x, residual, norm.weight, norm.eps, self.group)
+        if self.bias is not None:
+            y.add_(self.bias)
+        return y, summed
+
+    def forward_swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """self(silu(gate) * up) for gate_up [T, 2 * in] = [gate | up], fused likewise."""
+        y = self._kernels.matmul_swiglu(gate_up, self.group)
+        if self.bias is not None:
+            y.add_(self.bias)
+        return y
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, {self.group.nbytes / 2**20:.1f} MiB packed"
@@ -56,6 +77,19 @@ class GGUFEmbedding(torch.nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self._kernels.dequantize_rows(self.matrix, ids.reshape(-1))  # [T, dim]
         return rows.view(*ids.shape, self.embedding_dim).to(self.dtype)
+
+
+def norm_then_project(
+    norm: RMSNorm, linear: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(norm(v)), v) with v = x + residual, or x for the first layer (residual None):
+    one fused kernel call for a packed linear on 2-D fp32 rows, the separate steps otherwise."""
+    if isinstance(linear, GGUFLinear) and x.dim() == 2 and x.dtype is torch.float32:
+        return linear.forward_rms_norm(x, residual, norm)
+    if residual is None:
+        return linear(norm(x)), x
+    h, residual = norm.add_forward(x, residual)
+    return linear(h), residual
 
 
 def packed_linear(
