@@ -3,8 +3,10 @@
     .venv/bin/python bench/llama_cpp_greedy_reference.py [--llama-server PATH]
 
 Runs `llama-server` (bench/build_llama_server.sh builds it) on the default model's GGUF and asks
-it, one prompt at a time, for 32 tokens at temperature 0 with EOS ignored, the prompt given as
-the token ids our tokenizer makes (so both engines continue the very same ids). The ids and
+it, one prompt at a time, for up to 32 tokens at temperature 0 (ending at an end token, which is
+not stored), the prompt given as the token ids our tokenizer makes (so both engines continue the
+very same ids). EOS is not ignored: llama-server's ignore_eos bans the end tokens, which changes
+the continuation where the model would end, while our engine's only stops at them. The ids and
 llama.cpp's tokens go to tests/engine/data/llama_cpp_greedy.json, which
 tests/engine/test_gguf_quantization.py compares our `quantization="gguf"` engine with; `make test`
 needs no llama.cpp. Rerun it when the default model or the prompts change.
@@ -54,6 +56,12 @@ def main() -> None:
         "--llama-server", default=shutil.which("llama-server") or "build/llama-bin/llama-server"
     )
     parser.add_argument("--port", type=int, default=18790)
+    parser.add_argument(
+        "--compare",
+        metavar="ARGS",
+        help="instead of writing the fixture, run llama-server with these extra arguments (e.g. "
+        "'-fa off') and count the prompts whose continuation equals the fixture's: llama.cpp against itself",
+    )
     args = parser.parse_args()
 
     from deepinfer.model.loader.load import load_model
@@ -62,10 +70,11 @@ def main() -> None:
     import torch
 
     tokenizer = load_model(None, torch.float32, torch.device("cpu"), "gguf").tokenizer
+    end_ids = set(tokenizer.eos_token_ids)
     version = subprocess.run([args.llama_server, "--version"], capture_output=True, text=True, timeout=60)
     version_line = next(line for line in (version.stdout + version.stderr).splitlines() if "version" in line)
     command = [args.llama_server, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(args.port),
-               "-np", "1", "-c", "2048", "-t", "2", "--no-webui"]  # fmt: skip
+               "-np", "1", "-c", "2048", "-t", "2", "--no-webui", *(args.compare or "").split()]  # fmt: skip
     base = f"http://127.0.0.1:{args.port}"
     cases = []
     with running_server(command, base, 300, ready_path="/health"):
@@ -76,18 +85,22 @@ def main() -> None:
                 "n_predict": NEW_TOKENS,
                 "temperature": 0.0,
                 "top_k": 1,
-                "ignore_eos": True,
                 "cache_prompt": False,
                 "return_tokens": True,
             }
             reply = httpx.post(f"{base}/completion", json=body, timeout=300).json()
-            tokens = reply["tokens"]
-            if len(tokens) != NEW_TOKENS:
+            tokens = [t for t in reply["tokens"] if t not in end_ids]
+            if not tokens or (len(tokens) != NEW_TOKENS and reply.get("stop_type") != "eos"):
                 sys.exit(f"llama-server returned {len(tokens)} tokens for {text!r}: {reply}")
             cases.append({"text": text, "prompt_ids": ids, "llama_cpp_tokens": tokens})
+    if args.compare is not None:
+        stored = json.loads(FIXTURE.read_text())["cases"]
+        same = [case["llama_cpp_tokens"] == old["llama_cpp_tokens"] for case, old in zip(cases, stored)]
+        print(f"llama-server {args.compare!r}: {sum(same)} of {len(same)} continuations equal the fixture's")
+        return
     FIXTURE.parent.mkdir(parents=True, exist_ok=True)
     fixture = {
-        "about": "llama.cpp's greedy continuations (temperature 0, EOS ignored) of held prompts; "
+        "about": "llama.cpp's greedy continuations (temperature 0, up to an end token, not stored) of held prompts; "
         "written by bench/llama_cpp_greedy_reference.py",
         "date": utc_now_iso(),
         "model": gguf.name,

@@ -6,7 +6,9 @@
  * int8 products; floats only scale and add those sums.
  *
  * Numerics (the same on every code path and for every batch composition):
- *  - activations: d = amax / 127 per block, q = round-half-even(x * (1 / d)), s = d * sum(q);
+ *  - activations: 32-wide blocks are GGUF's Q8_0 / Q8_1, rounded as llama.cpp makes them:
+ *    q = round-half-even(x * (127 / amax)), d = fp16(amax / 127), s = fp16(amax / 127 * sum(q));
+ *    256-wide blocks: d = amax / 127 in float, q = round-half-even(x * (1 / d));
  *  - per (row m, output n), for each weight block b in order:
  *      acc = fma((float)isum(b), d_w(b) * d_a(b), acc)
  *    with isum(b) the block's exact integer dot product (k-quants: sub-block scales multiplied in,
@@ -92,13 +94,16 @@ static acts acts_at(void *base, int64_t M, int64_t K, int wide) {
 
 /* ---------------------------------------------------------------- activation quantization */
 
+static inline float round_to_half(float v) { return (float)(_Float16)v; } /* nearest even */
+
 static void quantize_row(const float *x, const acts *a, int64_t m, int block) {
     int8_t *q = a->q + m * a->K;
     for (int64_t b = 0; b < a->nb; ++b) {
         const float *xb = x + b * block;
         float amax = 0.0f;
         for (int i = 0; i < block; ++i) amax = fmaxf(amax, fabsf(xb[i]));
-        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        const float d = amax / 127.0f;
+        const float id = block == 32 ? (amax != 0.0f ? 127.0f / amax : 0.0f) : (d != 0.0f ? 1.0f / d : 0.0f);
         int sum = 0;
         for (int j = 0; j < block / 16; ++j) {
             int part = 0;
@@ -110,8 +115,9 @@ static void quantize_row(const float *x, const acts *a, int64_t m, int block) {
             if (a->bsum) a->bsum[(m * a->nb + b) * 16 + j] = (int16_t)part;
             sum += part;
         }
-        a->d[b * a->M + m] = d;
-        a->s[b * a->M + m] = d * (float)sum;
+        /* 32-wide blocks are GGUF's Q8_0 / Q8_1: fp16 scale and sum */
+        a->d[b * a->M + m] = block == 32 ? round_to_half(d) : d;
+        a->s[b * a->M + m] = block == 32 ? round_to_half(d * (float)sum) : d * (float)sum;
     }
 }
 
@@ -129,8 +135,9 @@ static void quantize_row32_simd(const float *x, const acts *a, int64_t m) {
         }
         __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
         m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        const float d = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4))) / 127.0f;
-        const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+        const float amax_s = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        const float d = amax_s / 127.0f;
+        const __m256 id = _mm256_set1_ps(amax_s != 0.0f ? 127.0f / amax_s : 0.0f);
         __m256i qi[4], sum = _mm256_setzero_si256();
         for (int i = 0; i < 4; ++i) {
             qi[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
@@ -142,8 +149,8 @@ static void quantize_row32_simd(const float *x, const acts *a, int64_t m) {
         __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-        a->d[b * a->M + m] = d;
-        a->s[b * a->M + m] = d * (float)_mm_cvtsi128_si32(s4);
+        a->d[b * a->M + m] = round_to_half(d);
+        a->s[b * a->M + m] = round_to_half(d * (float)_mm_cvtsi128_si32(s4));
     }
 }
 #endif

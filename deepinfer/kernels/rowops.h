@@ -7,11 +7,13 @@
 #include <stdint.h>
 #include <string.h>
 
-/* out = v * w / sqrt(mean(v^2) + eps), the sum of squares in double. */
+/* out = v * w / sqrt(mean(v^2) + eps): the squares in float, summed in double, the mean and
+ * the scale in float (GGUF files come from llama.cpp, whose RMSNorm rounds so). */
 static inline void rms_norm_row(const float *v, const float *weight, float *out, int64_t dim, float eps) {
     double squares = 0.0;
-    for (int64_t i = 0; i < dim; ++i) squares += (double)v[i] * v[i];
-    const float scale = (float)(1.0 / sqrt(squares / (double)dim + (double)eps));
+    for (int64_t i = 0; i < dim; ++i) squares += (double)(v[i] * v[i]);
+    const float mean = (float)(squares / (double)dim);
+    const float scale = 1.0f / sqrtf(mean + eps);
     for (int64_t i = 0; i < dim; ++i) out[i] = (v[i] * scale) * weight[i];
 }
 

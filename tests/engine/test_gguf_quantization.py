@@ -84,16 +84,25 @@ def test_gguf_greedy_is_identical_alone_and_batched(default_llm: LLM) -> None:
     assert_greedy_batch_invariant(default_llm)
 
 
-@pytest.mark.skipif(not LLAMA_CPP_FIXTURE.exists(), reason="run bench/llama_cpp_greedy_reference.py")
-def test_greedy_continuations_agree_with_llama_cpp(default_llm: LLM, default_model_path: Path) -> None:
-    """llama.cpp on the same file, temperature 0 (the fixture): the same 32 tokens on >= 14 of 16."""
+def test_greedy_agrees_with_llama_cpp_except_at_near_ties(default_llm: LLM, default_model_path: Path) -> None:
+    """Along llama.cpp's greedy continuations of the held prompts (the fixture, same file,
+    temperature 0), our most likely next token is llama.cpp's at >= 95% of the positions, and
+    where it is not the two are a near tie for us (< 0.35 nats apart). Whole 32-token
+    continuations are not compared: once two engines differ in any rounding, their int8
+    activation roundings diverge and near ties fall either way (docs/benchmarks.md counts them;
+    llama.cpp with its attention path switched agrees with itself on 10 of 16)."""
     fixture = json.loads(LLAMA_CPP_FIXTURE.read_text())
-    assert fixture["model"] == default_model_path.name
-    cases = fixture["cases"]
-    params = SamplingParams(temperature=0, max_tokens=fixture["new_tokens"], ignore_eos=True)
-    outputs = default_llm.generate([case["prompt_ids"] for case in cases], params, use_tqdm=False)
-    same = [out.outputs[0].token_ids == case["llama_cpp_tokens"] for out, case in zip(outputs, cases)]
-    assert len(cases) == 16 and sum(same) >= 14, same
+    assert fixture["model"] == default_model_path.name and len(fixture["cases"]) == 16
+    agree, total, worst = 0, 0, 0.0
+    for case in fixture["cases"]:
+        prompt, expected = case["prompt_ids"], case["llama_cpp_tokens"]
+        logprobs = torch.log_softmax(default_llm.engine.core.score(prompt + expected), dim=-1)
+        logprobs = logprobs[len(prompt) - 1 : len(prompt) - 1 + len(expected)]  # [N, V] next-token
+        theirs = logprobs.gather(1, torch.tensor(expected)[:, None]).squeeze(1)
+        agree += int((logprobs.argmax(-1) == torch.tensor(expected)).sum())
+        total += len(expected)
+        worst = max(worst, float((logprobs.max(-1).values - theirs).max()))
+    assert agree >= 0.95 * total and worst < 0.35, (agree, total, worst)
 
 
 def test_quantization_choices_are_resolved_or_refused() -> None:
