@@ -372,10 +372,13 @@ class EngineConfig:
     num_threads: int | None = option(
         None, help="CPU threads for torch, per rank (default: the machine's cores split over its ranks)"
     )
-    # int8: W8A8 linears on the CPU (int8 weights per channel, per-token activation scales);
-    # several times faster than fp32, not bit-equal to it. None: the weights' dtype as loaded.
-    quantization: Literal["int8"] | None = option(
-        None, help="int8: W8A8 linears on the CPU (per-channel weights, per-token activation scales)"
+    # gguf: a GGUF's linears computed on its own packed blocks (Q4_0/Q4_1/Q8_0/Q4_K/Q6_K) by
+    # native kernels, as llama.cpp does. int8: W8A8 linears (int8 weights per channel, per-token
+    # activation scales), not bit-equal to fp32. none: the weights dense in `dtype`.
+    quantization: Literal["none", "int8", "gguf"] | None = option(
+        None,
+        help="gguf: compute on a GGUF's packed blocks with native kernels; int8: W8A8 linears; none: "
+        "dense weights in --dtype (default: gguf for a GGUF file on the CPU in float32, none otherwise)",
     )
     grammar_compile_timeout: float = option(
         10.0,
@@ -396,7 +399,7 @@ class EngineConfig:
         check_choice("attention_backend", self.attention_backend, ("auto", "torch", "cpu_paged"))
         check_positive("num_threads", self.num_threads)
         if self.quantization is not None:
-            check_choice("quantization", self.quantization, ("int8",))
+            check_choice("quantization", self.quantization, ("none", "int8", "gguf"))
         check_positive("grammar_compile_timeout", self.grammar_compile_timeout, allow_none=False)
         if self.parallel.world_size > 1:
             if self.speculative.enabled:
@@ -405,8 +408,10 @@ class EngineConfig:
                 )
             if self.store.enabled:
                 raise ConfigError("kv_store", "the KV store over several ranks is not supported yet")
-            if self.quantization is not None and self.parallel.tensor_parallel_size > 1:
-                raise ConfigError("quantization", "int8 with tensor parallelism is not supported yet")
+            if self.quantization not in (None, "none") and self.parallel.tensor_parallel_size > 1:
+                raise ConfigError(
+                    "quantization", f"{self.quantization} with tensor parallelism is not supported yet"
+                )
             if self.disaggregation.role != "both":
                 raise ConfigError("role", "prefill/decode roles over several ranks are not supported yet")
             if self.disaggregation.kv_events_endpoint is not None:

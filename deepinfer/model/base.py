@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 
 from deepinfer.attention.backend import AttentionBackend
 from deepinfer.attention.metadata import ForwardMetadata
 from deepinfer.cache_layout import CacheGroup, CacheTensor
+from deepinfer.kernels.gguf_blocks import PackedMatrix
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.parallel import ModelParallel
 
@@ -61,6 +62,22 @@ class CausalLM(torch.nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
         raise NotImplementedError
+
+    @property
+    def rounds_activations(self) -> bool:
+        """Whether some linear quantizes its input (int8, GGUF blocks): a difference in the last
+        bit of an activation can then change a rounding, and so a greedy token."""
+        from deepinfer.model.layers.gguf_linear import GGUFLinear
+        from deepinfer.model.layers.int8_linear import Int8Linear
+
+        return any(isinstance(m, (GGUFLinear, Int8Linear)) for m in self.modules())
+
+    def use_packed_weights(self, packed: Mapping[str, PackedMatrix]) -> set[str]:
+        """quantization="gguf": replace, in place and before the model is materialized, the layers
+        whose weights are among `packed` (HF names) by layers computing on the packed blocks;
+        return the names taken (the loader dequantizes the others and passes them to
+        load_weights)."""
+        raise ValueError(f"quantization: {type(self).__name__} does not support 'gguf'")
 
     def quantize(self, method: str) -> None:
         """Convert the weights in place (after loading) to a quantized `method`."""

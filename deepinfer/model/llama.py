@@ -9,7 +9,7 @@ them (SmolLM2's 3 KV heads over 2 ranks: 2 and 1).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -17,8 +17,10 @@ import torch.nn.functional as F
 from deepinfer.attention.backend import AttentionBackend
 from deepinfer.attention.metadata import AttentionMetadata, ForwardMetadata
 from deepinfer.cache_layout import CacheGroup
+from deepinfer.kernels.gguf_blocks import PackedMatrix
 from deepinfer.model.base import CausalLM, cache_tensor
 from deepinfer.model.config import ModelConfig
+from deepinfer.model.layers.gguf_linear import GGUFEmbedding, GGUFLinear, norm_then_project, packed_linear
 from deepinfer.model.layers.int8_linear import Int8Linear, quantize_linears_
 from deepinfer.model.layers.norm import RMSNorm
 from deepinfer.model.layers.parallel_linear import (
@@ -53,15 +55,17 @@ class LlamaAttention(torch.nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        qkv: torch.Tensor,
         positions: torch.Tensor,
         cache: torch.Tensor,
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        num_tokens = x.shape[0]
+        """qkv: qkv_proj of the normed input, [T, (H + 2 KVH) D] (the layer computes it, so that
+        the norm can be fused into the projection). Returns the o_proj output [T, hidden]."""
+        num_tokens = qkv.shape[0]
         heads = self.num_heads + 2 * self.num_kv_heads
-        qkv = self.qkv_proj(x).view(num_tokens, heads, self.head_dim)  # [T, H + 2 KVH, D]
+        qkv = qkv.view(num_tokens, heads, self.head_dim)  # [T, H + 2 KVH, D]
         qk = qkv[:, : self.num_heads + self.num_kv_heads]
         v = qkv[:, self.num_heads + self.num_kv_heads :]
         if self.q_norm is not None:
@@ -82,8 +86,11 @@ class LlamaMLP(torch.nn.Module):
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [columns, columns])
         self.down_proj = RowParallelLinear(columns, cfg.hidden_size, tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up: gate_up_proj of the normed input [T, 2 I] (computed by the layer, like qkv)."""
+        if isinstance(self.down_proj, GGUFLinear) and gate_up.dim() == 2 and gate_up.dtype is torch.float32:
+            return self.down_proj.forward_swiglu(gate_up)  # SwiGLU in the kernel's activation pass
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -104,13 +111,12 @@ class LlamaDecoderLayer(torch.nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm.add_forward(x, residual)
-        h = self.self_attn(h, positions, cache, meta, backend)
-        h, residual = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp(h), residual
+        qkv, residual = norm_then_project(self.input_layernorm, self.self_attn.qkv_proj, x, residual)
+        h = self.self_attn(qkv, positions, cache, meta, backend)
+        gate_up, residual = norm_then_project(
+            self.post_attention_layernorm, self.mlp.gate_up_proj, h, residual
+        )
+        return self.mlp(gate_up), residual
 
 
 @register_model("llama", "qwen2", "qwen3", "mistral", "smollm")
@@ -190,6 +196,34 @@ class LlamaForCausalLM(CausalLM):
         else:
             self.lm_head.linear = Int8Linear(self.lm_head.linear.weight)
 
+    def use_packed_weights(self, packed: Mapping[str, PackedMatrix]) -> set[str]:
+        """Every projection whose parts are all packed (q/k/v and gate/up as one group each), the
+        embedding (looked up row by row) and the LM head, which for tied embeddings is the
+        embedding's packed matrix itself."""
+        used: set[str] = set()
+        for i, layer in enumerate(self.layers):
+            attn, mlp, prefix = layer.self_attn, layer.mlp, f"model.layers.{i}."
+            qkv = [f"{prefix}self_attn.{p}_proj.weight" for p in "qkv"]
+            bias = self.config.attention_bias
+            attn.qkv_proj = packed_linear(packed, qkv, bias, used) or attn.qkv_proj
+            attn.o_proj = (
+                packed_linear(packed, [f"{prefix}self_attn.o_proj.weight"], False, used) or attn.o_proj
+            )
+            gate_up = [f"{prefix}mlp.gate_proj.weight", f"{prefix}mlp.up_proj.weight"]
+            mlp.gate_up_proj = packed_linear(packed, gate_up, False, used) or mlp.gate_up_proj
+            mlp.down_proj = (
+                packed_linear(packed, [f"{prefix}mlp.down_proj.weight"], False, used) or mlp.down_proj
+            )
+        embedding = packed.get("model.embed_tokens.weight")
+        if embedding is not None:
+            self.embed_tokens = GGUFEmbedding(embedding)
+            used.add("model.embed_tokens.weight")
+            if self.lm_head is None:
+                self.lm_head = packed_linear({"tied": embedding}, ["tied"], False, set())
+        if not self.config.tie_word_embeddings:
+            self.lm_head = packed_linear(packed, ["lm_head.weight"], False, used) or self.lm_head
+        return used
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named weights into this rank's part of every layer, fusing q/k/v and gate/up
         into their combined matrices."""
@@ -224,6 +258,8 @@ class LlamaForCausalLM(CausalLM):
             if isinstance(module, ColumnParallelLinear):
                 for kind, _ in module.linear.named_parameters():
                     expected |= {f"{module_name}.{kind}[{i}]" for i in range(len(module.segments))}
+            elif isinstance(module, GGUFLinear) and module.bias is not None:
+                expected |= {f"{module_name}.bias[{i}]" for i in range(len(module.segments))}
             elif isinstance(module, (*_SPLIT_LAYERS, RMSNorm)):
                 expected.add(f"{module_name}.weight")
         missing = expected - loaded

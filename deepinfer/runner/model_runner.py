@@ -34,7 +34,11 @@ def make_attention_backend(
     device: torch.device,
     kv_dtype: torch.dtype = torch.float32,
 ) -> AttentionBackend:
-    """`auto` picks the C kernel backend on CPU when it builds and fits the model, else the reference."""
+    """`auto` picks the C kernel backend on CPU when it builds and fits the model, else the reference.
+
+    For a model that rounds its activations, every prompt row goes through the per-row kernel:
+    the tiled prefill's GEMMs sum in an order that depends on the chunk's shape (differences of
+    ~1e-6), which the rounding can turn into another token once a prompt is chunked or cached."""
     if name == "torch" or (name == "auto" and device.type != "cpu"):
         return TorchReferenceBackend()
     from deepinfer.attention.cpu_paged import CpuPagedBackend
@@ -43,7 +47,7 @@ def make_attention_backend(
     fits = CpuPagedBackend.supports(num_heads, num_kv_heads, head_dim, block_size, kv_dtype)
     try:
         if fits or name == "cpu_paged":
-            return CpuPagedBackend()
+            return CpuPagedBackend(row_kernel_only=model.rounds_activations)
     except RuntimeError:
         if name == "cpu_paged":
             raise
