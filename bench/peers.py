@@ -33,6 +33,7 @@ from deepinfer.model.loader.source import default_model_path
 
 PEER_NAMES: tuple[str, ...] = (
     "deepinfer",
+    "deepinfer-fp32",
     "deepinfer-int8",
     "deepinfer-offline",
     "llama.cpp",
@@ -129,6 +130,10 @@ def _ours(
         "python " + " ".join(command[1:]),
         _measure_server(name, command, options),
     )
+
+
+def _ours_fp32(options: PeersOptions, gguf: Path) -> PeerOutcome:
+    return _ours(options, gguf, "deepinfer-fp32", ("--quantization", "none"))
 
 
 def _ours_int8(options: PeersOptions, gguf: Path) -> PeerOutcome:
@@ -250,6 +255,7 @@ def _ours_offline(options: PeersOptions, gguf: Path) -> PeerOutcome:
 
 _RUNNERS = {
     "deepinfer": _ours,
+    "deepinfer-fp32": _ours_fp32,
     "deepinfer-int8": _ours_int8,
     "deepinfer-offline": _ours_offline,
     "llama.cpp": _llama_cpp,

@@ -1,4 +1,4 @@
-"""The `deepinfer` command: serve | generate | bench.
+"""The `deepinfer` command: serve | generate | bench | router.
 
 Every EngineConfig field is a flag of `serve` and `generate` (`--kv-cache-memory 256MiB`,
 `--max-num-seqs 64`, `--no-enable-prefix-caching`, ...), derived from the dataclass so a new
@@ -67,7 +67,48 @@ def _run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=server_config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if engine_config.parallel.world_size > 1:
+        from deepinfer.distributed.topology import resolve_topology
+        from deepinfer.engine.parallel.worker import run_node
+
+        try:
+            rank = resolve_topology(engine_config.parallel).rank
+        except ValueError as error:
+            args.parser.error(str(error))
+        if rank != 0:  # another machine (--node-rank N) or a launcher's rank: no HTTP here
+            return run_node(engine_config, server_config.log_level)
     run_server(engine_config, server_config)
+    return 0
+
+
+# ------------------------------------------------------------------------------------ router
+
+
+def _add_router(commands: Any) -> None:
+    p = commands.add_parser(
+        "router",
+        help="one HTTP entry point in front of several replicas (cache-aware, prefill/decode)",
+        description="Route OpenAI and Anthropic requests across `deepinfer serve` replicas (--replica, "
+        "repeated) or across prefill and decode replicas (--prefill / --decode): round robin, least "
+        "load, or cache-aware from the KV events the replicas publish (--kv-events-endpoint).",
+    )
+    from deepinfer.config.flags import add_config_flags
+    from deepinfer.config.router import RouterConfig
+
+    add_config_flags(p, RouterConfig, "router options")
+    p.set_defaults(handler=_run_router, parser=p)
+
+
+def _run_router(args: argparse.Namespace) -> int:
+    from deepinfer.config.flags import build_config, given_options
+    from deepinfer.config.router import RouterConfig
+    from deepinfer.router.main import run_router
+
+    config = build_config(args.parser, RouterConfig, given_options(args, RouterConfig))
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    run_router(config)
     return 0
 
 
@@ -178,8 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="deepinfer", description="DeepInfer: an LLM inference engine.")
     parser.add_argument("--version", action="version", version=f"deepinfer {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate,bench}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate,bench,router}")
     _add_serve(commands)
+    _add_router(commands)
     _add_generate(commands)
     add_bench_parser(commands)
     commands.choices["bench"].set_defaults(handler=run_bench)

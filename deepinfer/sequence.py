@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from deepinfer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -31,6 +33,14 @@ class FinishReason(enum.StrEnum):
     ABORT = "abort"
 
 
+class KVSource(msgspec.Struct, frozen=True, array_like=True):
+    """Where a decode engine pulls a request's prompt KV from: the prefill engine's transfer
+    listener (host:port) and the id the prefill engine holds the blocks under."""
+
+    address: str
+    transfer_id: str
+
+
 @dataclass(slots=True)
 class EngineRequest:
     """The unit the engine core accepts: token ids only (text lives on the API side)."""
@@ -44,6 +54,8 @@ class EngineRequest:
     cache_salt: str | None = None
     traffic_class: str | None = None
     grammar: GrammarSpec | None = None  # structured output / forced tool call constraint
+    kv_handoff: str | None = None  # prefill role: hold the prompt's KV for a decoder under this id
+    kv_source: KVSource | None = None  # decode role: pull the prompt's KV from a prefill engine
 
 
 @dataclass(slots=True, eq=False)

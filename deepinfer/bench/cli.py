@@ -2,9 +2,9 @@
 
 What users run against an engine ships in the package: `serve` (the load generator for any
 OpenAI/Anthropic-compatible server), `throughput` and `latency` (the offline engine). Studies and
-peer comparisons (`peers`, `roofline`, `economics`, `prefix`, `kvstore`, `spec`, `structured`) are
-scripts in the repository's top-level bench/ folder; `deepinfer bench` finds and runs them when
-it is started from a checkout. `python -m deepinfer.bench ...` runs the same commands.
+peer comparisons (`peers`, `roofline`, `economics`, `prefix`, `kvstore`, `spec`, `structured`,
+`router`, `pd`, `parallel`) are scripts in the repository's top-level bench/ folder; `deepinfer bench` finds and
+runs them when it is started from a checkout. `python -m deepinfer.bench ...` runs the same commands.
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ REPO_COMMANDS = {
     "roofline": "roofline",
     "economics": "economics",
     "peers": "peers",
+    "router": "router_cache",
+    "pd": "pd_itl",
+    "parallel": "parallel",
 }
 
 

@@ -254,7 +254,11 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", type=int)
     parser.add_argument("--block-size", type=int)
     parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--quantization", choices=["int8"], help="W8A8 int8 linears (default: fp32)")
+    parser.add_argument(
+        "--quantization",
+        choices=["none", "int8", "gguf"],
+        help="gguf: a GGUF's own blocks (the default for a GGUF); none: fp32; int8: W8A8 linears",
+    )
     parser.add_argument("--kv-cache-dtype", choices=["auto", "float16"], help="default: the model dtype")
     parser.add_argument("--result-json")
     parser.add_argument("--quiet", action="store_true")

@@ -11,6 +11,7 @@ Torch-free: the engine resolves `device` and `dtype` to torch objects itself.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -151,6 +152,16 @@ class StoreConfig:
         return self.kv_store is not None or bool(self.kv_host_cache_bytes)
 
     @property
+    def identity(self) -> str | None:
+        """Which shared store this is, for engines and routers to compare (no credentials)."""
+        location = self.location
+        if location is None:
+            return None
+        if location.kind == "file":
+            return "file://" + os.path.abspath(os.path.expanduser(location.path))
+        return f"redis://{location.host}:{location.port}/{location.db}"
+
+    @property
     def traffic_classes(self) -> list[str]:
         """The classes requests may name (each has a retention)."""
         return sorted(self.retention.ttls)
@@ -166,11 +177,185 @@ class StoreConfig:
         )
 
 
+ROLES = ("both", "prefill", "decode")
+KV_TRANSFERS = ("direct", "store")
+TRANSFER_FAILURE_POLICIES = ("recompute", "fail")
+
+
+@dataclass(frozen=True, slots=True)
+class DisaggregationConfig:
+    """Prefill/decode disaggregation (the role, the KV handoff) and the KV events a router reads."""
+
+    role: Literal["both", "prefill", "decode"] = option(
+        "both",
+        help="both: prefill and decode every request (a plain replica); prefill: compute prompts' KV "
+        "and hand it off to a decode engine; decode: receive the KV and generate",
+    )
+    kv_transfer: Literal["direct", "store"] = option(
+        "direct",
+        help="how the prompt's KV goes from the prefill to the decode engine: direct (the decoder pulls "
+        "it over TCP) or store (through the shared --kv-store both engines use)",
+    )
+    kv_transfer_host: str = option(
+        "127.0.0.1", help="address the prefill engine's KV transfer listener binds (direct transfer)"
+    )
+    kv_transfer_port: int = option(0, help="port of the prefill engine's KV transfer listener (0: any free)")
+    kv_transfer_lease: float = option(
+        30.0,
+        help="seconds a prefill engine keeps a handed-off prompt's KV blocks for its decoder to pull them "
+        "(a decoder that never comes, or stalls, frees them when the lease ends)",
+    )
+    kv_transfer_timeout: float = option(
+        30.0, help="seconds a decode engine waits for a KV transfer before it applies --kv-transfer-failure"
+    )
+    kv_transfer_failure: Literal["recompute", "fail"] = option(
+        "recompute",
+        help="what a decode engine does when the prompt's KV does not arrive: recompute it, or fail the "
+        "request with an error",
+    )
+    kv_events_endpoint: str | None = option(
+        None,
+        help="publish KV events (block stored / removed, per tier) on this ZMQ PUB endpoint in vLLM's "
+        "wire format, e.g. tcp://127.0.0.1:5557 (port 0: any free port, reported by /v1/engine_info)",
+    )
+
+    def __post_init__(self) -> None:
+        check_choice("role", self.role, ROLES)
+        check_choice("kv_transfer", self.kv_transfer, KV_TRANSFERS)
+        check_choice("kv_transfer_failure", self.kv_transfer_failure, TRANSFER_FAILURE_POLICIES)
+        port = self.kv_transfer_port
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ConfigError("kv_transfer_port", f"expected 0..65535, got {port!r}")
+        check_positive("kv_transfer_lease", self.kv_transfer_lease, allow_none=False)
+        check_positive("kv_transfer_timeout", self.kv_transfer_timeout, allow_none=False)
+        endpoint = self.kv_events_endpoint
+        if endpoint is not None and not re.match(r"^(tcp|ipc|inproc)://\S+$", endpoint):
+            raise ConfigError(
+                "kv_events_endpoint",
+                f"expected a ZMQ endpoint such as tcp://127.0.0.1:5557, got {endpoint!r}",
+            )
+
+    @property
+    def direct_prefill(self) -> bool:
+        """A prefill engine that serves its KV to decoders over TCP."""
+        return self.role == "prefill" and self.kv_transfer == "direct"
+
+
+EPLB_POLICIES = ("auto", "hierarchical", "global")
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """How the engine spans processes and machines. `world = tensor_parallel_size *
+    data_parallel_size` ranks, one process each; `deepinfer serve` starts the ranks of its machine
+    itself, or a launcher (torchrun, Slurm, ...) starts every rank with RANK / WORLD_SIZE /
+    MASTER_ADDR / MASTER_PORT in the environment."""
+
+    tensor_parallel_size: int = option(
+        1, help="ranks that split every layer (attention heads, MLP, vocabulary) and step together"
+    )
+    data_parallel_size: int = option(
+        1, help="ranks that each schedule their own requests and KV cache (attention data parallelism)"
+    )
+    enable_expert_parallel: bool = option(
+        False, help="MoE: shard whole experts over all ranks, tokens dispatched and combined by all-to-all"
+    )
+    nnodes: int = option(1, help="machines the ranks span (torchrun style)")
+    node_rank: int | None = option(
+        None, help="this machine's index; node 0 serves HTTP (default: $NODE_RANK, $GROUP_RANK or 0)"
+    )
+    master_addr: str | None = option(
+        None, help="address of node 0 for the rendezvous (default: $MASTER_ADDR or 127.0.0.1)"
+    )
+    master_port: int | None = option(
+        None, help="rendezvous port on node 0 (default: $MASTER_PORT; one machine: a free port)"
+    )
+    distributed_backend: Literal["auto", "gloo", "nccl"] = option(
+        "auto", help="torch.distributed backend (auto: nccl on CUDA, gloo on CPU)"
+    )
+    distributed_timeout: float = option(
+        120.0, help="seconds a rank waits for its peers (rendezvous, collectives) before the engine fails"
+    )
+    cpu_binding: bool = option(
+        False, help="pin each rank of a machine to its own share of the cores (with --num-threads per rank)"
+    )
+    enable_eplb: bool = option(
+        False, help="expert-load balancing: record expert loads and re-place experts (needs expert parallel)"
+    )
+    num_redundant_experts: int = option(
+        0, help="EPLB: extra expert replicas per MoE layer, placed on the hottest experts"
+    )
+    eplb_interval: int = option(1000, help="EPLB: forward steps between rebalances")
+    eplb_policy: Literal["auto", "hierarchical", "global"] = option(
+        "auto",
+        help="EPLB placement: hierarchical (expert groups to nodes, then ranks) or global; auto: "
+        "hierarchical when the groups divide over the nodes",
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "data_parallel_size", "nnodes", "eplb_interval"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(name, f"must be an integer >= 1, got {value!r}")
+        if self.node_rank is not None and (
+            isinstance(self.node_rank, bool)
+            or not isinstance(self.node_rank, int)
+            or not 0 <= self.node_rank < self.nnodes
+        ):
+            raise ConfigError(
+                "node_rank", f"must be in 0..{self.nnodes - 1} (--nnodes), got {self.node_rank!r}"
+            )
+        if self.master_port is not None and not (
+            isinstance(self.master_port, int)
+            and not isinstance(self.master_port, bool)
+            and 0 < self.master_port < 65536
+        ):
+            raise ConfigError("master_port", f"must be a TCP port (1..65535), got {self.master_port!r}")
+        check_choice("distributed_backend", self.distributed_backend, ("auto", "gloo", "nccl"))
+        check_positive("distributed_timeout", self.distributed_timeout, allow_none=False)
+        if self.world_size % self.nnodes:
+            raise ConfigError(
+                "nnodes",
+                f"{self.world_size} ranks (tensor_parallel_size x data_parallel_size) do not divide "
+                f"over {self.nnodes} nodes",
+            )
+        if self.tensor_parallel_size > 1 and self.data_parallel_size > 1:
+            raise ConfigError(
+                "data_parallel_size",
+                "data parallelism together with tensor parallelism is not supported yet: use one of them",
+            )
+        if (
+            isinstance(self.num_redundant_experts, bool)
+            or not isinstance(self.num_redundant_experts, int)
+            or (self.num_redundant_experts < 0)
+        ):
+            raise ConfigError(
+                "num_redundant_experts", f"must be an integer >= 0, got {self.num_redundant_experts!r}"
+            )
+        if self.enable_eplb and not self.enable_expert_parallel:
+            raise ConfigError("enable_eplb", "expert-load balancing needs --enable-expert-parallel")
+        if self.num_redundant_experts and not self.enable_eplb:
+            raise ConfigError(
+                "num_redundant_experts", "redundant experts are placed by EPLB: add --enable-eplb"
+            )
+        check_choice("eplb_policy", self.eplb_policy, EPLB_POLICIES)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.data_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+
 SUB_CONFIGS = {
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "speculative": SpeculativeConfig,
     "store": StoreConfig,
+    "disaggregation": DisaggregationConfig,
+    "parallel": ParallelConfig,
 }
 
 
@@ -184,11 +369,16 @@ class EngineConfig:
     )
     device: str = option("auto", help="auto, cpu or cuda[:N]")
     attention_backend: Literal["auto", "torch", "cpu_paged"] = option("auto", help="attention implementation")
-    num_threads: int | None = option(None, help="CPU threads for torch (default: all cores)")
-    # int8: W8A8 linears on the CPU (int8 weights per channel, per-token activation scales);
-    # several times faster than fp32, not bit-equal to it. None: the weights' dtype as loaded.
-    quantization: Literal["int8"] | None = option(
-        None, help="int8: W8A8 linears on the CPU (per-channel weights, per-token activation scales)"
+    num_threads: int | None = option(
+        None, help="CPU threads for torch, per rank (default: the machine's cores split over its ranks)"
+    )
+    # gguf: a GGUF's linears computed on its own packed blocks (Q4_0/Q4_1/Q8_0/Q4_K/Q6_K) by
+    # native kernels, as llama.cpp does. int8: W8A8 linears (int8 weights per channel, per-token
+    # activation scales), not bit-equal to fp32. none: the weights dense in `dtype`.
+    quantization: Literal["none", "int8", "gguf"] | None = option(
+        None,
+        help="gguf: compute on a GGUF's packed blocks with native kernels; int8: W8A8 linears; none: "
+        "dense weights in --dtype (default: gguf for a GGUF file on the CPU in float32, none otherwise)",
     )
     grammar_compile_timeout: float = option(
         10.0,
@@ -199,6 +389,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
     store: StoreConfig = dataclasses.field(default_factory=StoreConfig)
+    disaggregation: DisaggregationConfig = dataclasses.field(default_factory=DisaggregationConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
@@ -207,11 +399,35 @@ class EngineConfig:
         check_choice("attention_backend", self.attention_backend, ("auto", "torch", "cpu_paged"))
         check_positive("num_threads", self.num_threads)
         if self.quantization is not None:
-            check_choice("quantization", self.quantization, ("int8",))
+            check_choice("quantization", self.quantization, ("none", "int8", "gguf"))
         check_positive("grammar_compile_timeout", self.grammar_compile_timeout, allow_none=False)
+        if self.parallel.world_size > 1:
+            if self.speculative.enabled:
+                raise ConfigError(
+                    "speculative_method", "speculative decoding over several ranks is not supported yet"
+                )
+            if self.store.enabled:
+                raise ConfigError("kv_store", "the KV store over several ranks is not supported yet")
+            if self.quantization not in (None, "none") and self.parallel.tensor_parallel_size > 1:
+                raise ConfigError(
+                    "quantization", f"{self.quantization} with tensor parallelism is not supported yet"
+                )
+            if self.disaggregation.role != "both":
+                raise ConfigError("role", "prefill/decode roles over several ranks are not supported yet")
+            if self.disaggregation.kv_events_endpoint is not None:
+                raise ConfigError("kv_events_endpoint", "KV events over several ranks are not supported yet")
         if self.store.enabled and not self.cache.enable_prefix_caching:
             raise ConfigError(
                 "kv_store", "the KV store and host tier need prefix caching (enable_prefix_caching)"
+            )
+        pd = self.disaggregation
+        if pd.role != "both" and not self.cache.enable_prefix_caching:
+            raise ConfigError(
+                "role", f"a {pd.role} engine hands KV off by prefix hash: it needs enable_prefix_caching"
+            )
+        if pd.role != "both" and pd.kv_transfer == "store" and self.store.kv_store is None:
+            raise ConfigError(
+                "kv_transfer", f"kv_transfer='store' needs a shared --kv-store on the {pd.role} engine"
             )
 
     @classmethod

@@ -3,21 +3,25 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from deepinfer.cache_layout import CacheGroup, CacheLayout, plan_cache_layout
 from deepinfer.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from deepinfer.engine.grammar import GrammarManager
+from deepinfer.engine.kv_cache.events import KVEvent, KVEventLog
 from deepinfer.engine.kv_cache.manager import KVCacheManager
 from deepinfer.engine.kv_cache.prefix import namespace_root
-from deepinfer.engine.kv_connector import KVConnector
-from deepinfer.engine.kv_offload import KVOffloader
-from deepinfer.engine.outputs import SequenceOutput, TokenLogprobs
+from deepinfer.engine.kv_connector import ConnectorChain, KVConnector
+from deepinfer.engine.kv_offload import KVOffloader, TierEvents
+from deepinfer.engine.kv_pd import DecodeReceiver, PrefillHandoff
+from deepinfer.engine.outputs import KVHandoff, SequenceOutput, TokenLogprobs
+from deepinfer.engine.parallel.context import RankContext, rank_threads
 from deepinfer.engine.scheduler import Scheduler, SequenceUpdate
+from deepinfer.model.base import CausalLM
+from deepinfer.model.layers.expert_parallel import ExpertBalancer
 from deepinfer.model.loader.load import LoadedModel, load_model
 from deepinfer.runner.device import torch_device, torch_dtype
 from deepinfer.runner.kv_caches import KVCaches
@@ -45,6 +49,8 @@ class EngineStats:
     prefix_evictions: int
     prefix_cached_blocks: int
     num_preemptions: int
+    # Data parallelism: the stats of every rank, in rank order (the fields above sum them).
+    per_rank: list[EngineStats] = field(default_factory=list)
 
     @property
     def kv_usage(self) -> float:
@@ -68,19 +74,94 @@ def check_model_options(config: EngineConfig, loaded: LoadedModel) -> None:
         )
 
 
+def engine_device(config: EngineConfig, parallel: RankContext | None) -> torch.device:
+    """The device of this rank (on CUDA, one per rank of the machine)."""
+    device = torch_device(config.device)
+    if device.type == "cuda" and parallel is not None and device.index is None:
+        return torch.device("cuda", parallel.topology.local_rank)
+    return device
+
+
+def kv_cache_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtype:
+    return torch.float16 if config.cache.kv_cache_dtype == "float16" else dtype
+
+
+def plan_engine_caches(
+    config: EngineConfig, groups: list[CacheGroup], device: torch.device, parallel: RankContext | None = None
+) -> CacheLayout:
+    """One budget for every cache of the engine (target, draft model, MTP). The ranks of a
+    tensor-parallel group hold different shares of the KV heads, but one scheduler addresses
+    their blocks: they all take the smallest block count any of them can afford."""
+    cache, scheduler = config.cache, config.scheduler
+    budget = cache.kv_cache_memory
+    if budget is None and cache.num_blocks is None:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = int(free * 0.9)
+        else:
+            budget = DEFAULT_CPU_KV_CACHE_BYTES
+
+    def plan(num_blocks: int | None) -> CacheLayout:
+        return plan_cache_layout(
+            groups,
+            cache.block_size,
+            budget_bytes=budget,
+            num_blocks=num_blocks,
+            max_num_seqs=scheduler.max_num_seqs,
+            max_num_batched_tokens=scheduler.max_num_batched_tokens,
+        )
+
+    layout = plan(cache.num_blocks)
+    if parallel is not None and parallel.topology.tp_size > 1:
+        agreed = parallel.comm.all_reduce_min(layout.groups[0].num_blocks)
+        if agreed != layout.groups[0].num_blocks:
+            layout = plan(agreed)
+    return layout
+
+
+def build_expert_balancer(
+    config: EngineConfig, model: CausalLM, parallel: RankContext | None
+) -> ExpertBalancer | None:
+    """EPLB over the model's expert-parallel layers (--enable-eplb)."""
+    layers = model.expert_layers()
+    if parallel is None or not config.parallel.enable_eplb or not layers:
+        return None
+    ep = layers[0].ep
+    router = getattr(getattr(model, "arch", None), "router", None)
+    return ExpertBalancer(
+        layers,
+        ep,
+        config.parallel.eplb_interval,
+        num_groups=router.num_groups if router is not None else 1,
+        num_nodes=parallel.topology.nnodes,
+        policy=config.parallel.eplb_policy,
+    )
+
+
 class EngineCore:
     """Builds every collaborator from one validated config (or takes weights already loaded),
-    then steps: schedule -> execute -> update -> outputs."""
+    then steps: schedule -> execute -> update -> outputs.
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    With `parallel`, this core is rank 0 of a tensor-parallel group (its runner hands every
+    forward to the other ranks) or one data-parallel rank (its own requests and KV cache); its
+    model is this rank's shard."""
+
+    def __init__(
+        self, config: EngineConfig, loaded: LoadedModel | None = None, parallel: RankContext | None = None
+    ) -> None:
         self.config = config
-        torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
-        device = torch_device(config.device)
+        self.parallel = parallel
+        torch.set_num_threads(rank_threads(config, parallel.topology if parallel else None))
+        device = engine_device(config, parallel)
         dtype = torch_dtype(config.dtype, device)
-        self.loaded = loaded or load_model(config.model, dtype, device, config.quantization)
+        if parallel is not None and loaded is not None:
+            raise ValueError("an engine over several ranks loads its own shards: `loaded` cannot be given")
+        self.loaded = loaded or load_model(
+            config.model, dtype, device, config.quantization, parallel.model_parallel() if parallel else None
+        )
         check_model_options(config, self.loaded)
         model = self.loaded.model
-        kv_dtype = torch.float16 if config.cache.kv_cache_dtype == "float16" else dtype
+        kv_dtype = kv_cache_dtype(config, dtype)
         max_positions = self.loaded.config.max_position_embeddings
         self.max_model_len = min(config.scheduler.max_model_len or max_positions, max_positions)
 
@@ -89,9 +170,13 @@ class EngineCore:
             "target": model.cache_groups(kv_dtype),
             **proposer_cache_groups(config.speculative.speculative_method, model, draft, kv_dtype),
         }
-        self.layout = self._plan_caches([g for groups in declared.values() for g in groups], device)
+        self.layout = plan_engine_caches(
+            config, [g for groups in declared.values() for g in groups], device, parallel
+        )
         self.fingerprint = f"{self.loaded.weights_fingerprint}:{self.layout.fingerprint()}"
-        self.kv = KVCacheManager(self.layout, config.cache.enable_prefix_caching)
+        # KV events are logged only when someone publishes them (a router reads them).
+        self.kv_events = KVEventLog() if config.disaggregation.kv_events_endpoint else None
+        self.kv = KVCacheManager(self.layout, config.cache.enable_prefix_caching, self.kv_events)
         caches = KVCaches(self.layout, declared, device)
         # On the CPU the model has every core: masks are computed inline rather than by a pool.
         self.grammars = GrammarManager(
@@ -100,12 +185,21 @@ class EngineCore:
             config.grammar_compile_timeout,
             mask_threads=0 if device.type == "cpu" else None,
         )
-        self.runner = ModelRunner(model, caches, device, config.attention_backend, self.grammars.bitmask)
+        self.runner = ModelRunner(
+            model,
+            caches,
+            device,
+            config.attention_backend,
+            self.grammars.bitmask,
+            peers=parallel.peers if parallel else None,
+            experts=build_expert_balancer(config, model, parallel),
+        )
         self.spec: SpeculativeDecoder | None = (
             build_speculative_decoder(config, self.runner, caches, draft)
             if config.speculative.enabled
             else None
         )
+        self.kv_transfer_address: str | None = None  # the prefill role's transfer listener
         self.connector: KVConnector | None = self._build_connector(caches)
         self.scheduler = Scheduler(config.scheduler, self.max_model_len, self.kv)
         self.num_preemptions = 0
@@ -118,36 +212,36 @@ class EngineCore:
             self.runner.backend.name,
         )
 
-    def _plan_caches(self, groups: list[CacheGroup], device: torch.device) -> CacheLayout:
-        """One budget for every cache of the engine (target, draft model, MTP)."""
-        cache, scheduler = self.config.cache, self.config.scheduler
-        budget = cache.kv_cache_memory
-        if budget is None and cache.num_blocks is None:
-            if device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(device)
-                budget = int(free * 0.9)
-            else:
-                budget = DEFAULT_CPU_KV_CACHE_BYTES
-        return plan_cache_layout(
-            groups,
-            cache.block_size,
-            budget_bytes=budget,
-            num_blocks=cache.num_blocks,
-            max_num_seqs=scheduler.max_num_seqs,
-            max_num_batched_tokens=scheduler.max_num_batched_tokens,
-        )
-
     def _build_connector(self, caches: KVCaches) -> KVConnector | None:
-        store = build_kv_store(self.config.store.settings())
-        return None if store is None else KVOffloader(store, self.kv, caches)
+        """The store connector (if a store or host tier is configured), then the role's."""
+        tier_events = TierEvents(self.kv_events) if self.kv_events is not None else None
+        store = build_kv_store(
+            self.config.store.settings(),
+            on_host_evict=tier_events.host_evicted if tier_events is not None else None,
+        )
+        connectors: list[KVConnector] = []
+        if store is not None:
+            connectors.append(KVOffloader(store, self.kv, caches, tier_events))
+        pd = self.config.disaggregation
+        if pd.role == "prefill":
+            handoff = PrefillHandoff(self.kv, caches, pd, store)
+            self.kv_transfer_address = handoff.address
+            connectors.append(handoff)
+        elif pd.role == "decode" and pd.kv_transfer == "direct":
+            connectors.append(DecodeReceiver(self.kv, caches, pd))
+        if not connectors:
+            return None
+        return connectors[0] if len(connectors) == 1 else ConnectorChain(connectors)
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Flush pending KV-store writes (for at most `timeout_s`) and stop background threads.
-        Idempotent."""
+        """Flush pending KV-store writes (for at most `timeout_s`), stop background threads and
+        (rank 0) the other ranks. Idempotent."""
         if self.connector is not None:
             self.connector.close(timeout_s)
             self.connector = None
         self.grammars.close()
+        if self.parallel is not None:
+            self.parallel.close()
 
     @property
     def num_blocks(self) -> int:
@@ -186,6 +280,23 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
 
+    @property
+    def connector_busy(self) -> bool:
+        """Whether the KV connector needs polling while no sequence runs (leases, writes)."""
+        return self.connector is not None and self.connector.busy
+
+    def housekeeping(self) -> list[SequenceOutput]:
+        """What an idle engine still owes its KV connector: land loads, release lent blocks."""
+        return self._poll_pending()
+
+    def take_handoffs(self) -> list[KVHandoff]:
+        """Prompts whose KV is ready for a decode engine (prefill role), since the last call."""
+        return self.connector.take_handoffs() if self.connector is not None else []
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """What the prefix caches gained and lost since the last call (empty unless logged)."""
+        return self.kv_events.drain() if self.kv_events is not None else []
+
     # -- the loop ------------------------------------------------------------------------------
 
     def step(self) -> list[SequenceOutput]:
@@ -194,6 +305,8 @@ class EngineCore:
         plan = self.scheduler.schedule(self._draft_lengths())
         self.num_preemptions += len(plan.preempted)
         if plan.is_empty:
+            if self.parallel is not None and self.parallel.lockstep:
+                self.runner.run_empty()  # the other data-parallel ranks need this rank in the MoE layers
             return self._idle(outputs)
         result = self._execute(plan)
         outputs += self._fail(result.failures)
@@ -249,10 +362,11 @@ class EngineCore:
         return outputs
 
     def _poll_pending(self) -> list[SequenceOutput]:
-        """Land finished KV loads and grammar compiles; a grammar that failed ends its request."""
-        if self.connector is not None:
-            self.connector.poll()
-        return self._fail({seq.request_id: error for seq, error in self.grammars.poll()})
+        """Land finished KV loads and grammar compiles; a grammar that failed, or KV that had to
+        come from elsewhere and did not (with kv_transfer_failure=fail), ends its request."""
+        failures = self.connector.poll() if self.connector is not None else {}
+        failures.update({seq.request_id: error for seq, error in self.grammars.poll()})
+        return self._fail(failures)
 
     def _release(self, seq_ids: list[int]) -> None:
         self.runner.release(seq_ids)

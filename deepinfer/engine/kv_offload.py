@@ -11,6 +11,10 @@ write-behind queue, tagged with the request's traffic class for retention. The b
 through the prefix-cache index, so a sequence that finished this step (its blocks freed but still
 indexed) is saved like any other.
 
+With an event log, what it saves is reported as Stored events of the host tier (CPU) and the
+shared store (STORE), and what the host tier drops as Removed ones: a router credits a chunk in
+the shared store to every engine that reads that store.
+
 One KVConnector implementation (kv_connector.py). Models with one cache group only, for now.
 """
 
@@ -24,7 +28,9 @@ from typing import Protocol
 
 import numpy as np
 
+from deepinfer.engine.kv_cache.events import HOST, STORE, KVEventLog
 from deepinfer.engine.kv_cache.manager import KVCacheManager
+from deepinfer.engine.outputs import KVHandoff
 from deepinfer.sequence import Sequence
 from deepinfer.store import DEFAULT_TRAFFIC_CLASS, TieredKVStore
 
@@ -47,8 +53,41 @@ class _PendingLoad:
     future: Future[list[np.ndarray]]
 
 
+class TierEvents:
+    """KV events of the tiers beyond the device: chunks saved (host and store) and chunks the
+    host tier dropped. Host evictions arrive on whichever thread touched the tier; the map of
+    chunk keys to their blocks' hashes is only ever changed by single dict operations."""
+
+    def __init__(self, log: KVEventLog) -> None:
+        self.log = log
+        self._host_chunks: dict[bytes, list[bytes]] = {}
+
+    def saved(
+        self, seq: Sequence, first_block: int, num_blocks: int, block_size: int, store: TieredKVStore
+    ) -> None:
+        hashes = seq.block_hashes[first_block : first_block + num_blocks]
+        parent = seq.block_hashes[first_block - 1] if first_block else None
+        tokens = seq.token_ids[first_block * block_size : (first_block + num_blocks) * block_size]
+        if store.host is not None:
+            self._host_chunks[hashes[-1]] = hashes
+            self.log.stored(hashes, parent, tokens, block_size, HOST)
+        if store.backend is not None:
+            self.log.stored(hashes, parent, tokens, block_size, STORE)
+
+    def host_evicted(self, key: bytes) -> None:
+        hashes = self._host_chunks.pop(key, None)
+        if hashes is not None:
+            self.log.removed(hashes, HOST)
+
+
 class KVOffloader:
-    def __init__(self, store: TieredKVStore, kv: KVCacheManager, transfer: BlockTransfer) -> None:
+    def __init__(
+        self,
+        store: TieredKVStore,
+        kv: KVCacheManager,
+        transfer: BlockTransfer,
+        events: TierEvents | None = None,
+    ) -> None:
         if len(kv.groups) != 1:
             raise ValueError(
                 "kv_store: the KV store holds models with one cache group; this model has "
@@ -58,6 +97,7 @@ class KVOffloader:
         self.kv = kv
         self.pool = kv.groups[0].pool
         self.transfer = transfer
+        self.events = events
         self.chunk_blocks = store.blocks_per_chunk
         self._pending: list[_PendingLoad] = []
         self.loaded_chunks = 0
@@ -80,8 +120,9 @@ class KVOffloader:
             _PendingLoad(seq, first, self.store.load(keys[first : first + found], seq.prefix_root))
         )
 
-    def poll(self) -> None:
-        """Install every finished load into device blocks and release its sequence."""
+    def poll(self) -> dict[str, str]:
+        """Install every finished load into device blocks and release its sequence (a load that
+        failed is a miss: the sequence recomputes, it never fails)."""
         still: list[_PendingLoad] = []
         for pending in self._pending:
             if not pending.future.done():
@@ -97,6 +138,7 @@ class KVOffloader:
                 continue
             self._install(pending.seq, pending.first_chunk, arrays)
         self._pending = still
+        return {}
 
     def _install(self, seq: Sequence, first_chunk: int, arrays: list[np.ndarray]) -> None:
         pool, c = self.pool, self.chunk_blocks
@@ -107,9 +149,7 @@ class KVOffloader:
             hashes = seq.block_hashes[chunk * c : (chunk + 1) * c]
             blocks = [pool.allocate() for _ in hashes]
             self.transfer.write_blocks(0, blocks, kv)
-            for block_id, prefix_hash in zip(blocks, hashes):
-                pool.register(block_id, prefix_hash)
-            pool.release(list(reversed(blocks)))  # cached and free, tail first, like any freed chain
+            self.kv.install_blocks(seq, chunk * c, blocks)
             seq.num_stored_chunks = chunk + 1
             self.loaded_chunks += 1
 
@@ -133,15 +173,24 @@ class KVOffloader:
                 return  # not computed yet (or evicted): later chunks cannot be complete either
             kv = self.transfer.read_blocks(0, blocks)
             traffic_class = seq.request.traffic_class or DEFAULT_TRAFFIC_CLASS
-            self.store.save(
+            accepted = self.store.save(
                 hashes[-1],
                 seq.prefix_root,
                 kv,
                 num_tokens=c * self.kv.block_size,
                 traffic_class=traffic_class,
             )
+            if accepted and self.events is not None:
+                self.events.saved(seq, chunk * c, c, self.kv.block_size, self.store)
             self.saved_chunks += 1
             seq.num_stored_chunks = chunk + 1
+
+    def take_handoffs(self) -> list[KVHandoff]:
+        return []
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._pending)
 
     def metrics(self) -> dict[str, float]:
         return {

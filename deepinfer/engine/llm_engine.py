@@ -6,8 +6,8 @@ import itertools
 from dataclasses import dataclass
 
 from deepinfer.config import EngineConfig
-from deepinfer.engine.core import EngineCore
 from deepinfer.engine.output_processor import OutputProcessor, SequenceDelta
+from deepinfer.engine.parallel.start import start_engine
 from deepinfer.model.loader.load import LoadedModel
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
@@ -25,7 +25,7 @@ class PreparedPrompt:
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
-        self.core = EngineCore(config, loaded)
+        self.core = start_engine(config, loaded)  # one core, or rank 0 of several ranks
         self.tokenizer = self.core.loaded.tokenizer
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()

@@ -166,3 +166,26 @@ void paged_decode_attention(const float *q, const void *k_cache, const void *v_c
         }
     }
 }
+
+/* Store a step's K and V (fp32, `row` values per token, tokens k_stride / v_stride apart) at
+ * their cache slots: k_cache/v_cache point at slot 0's K and V, slots are slot_stride elements
+ * apart; converted to fp16 (round to nearest even, as torch does) when kv_half. One call instead
+ * of a strided index copy per tensor, whose overhead dominates at batch 1. */
+void paged_write_kv(const float *k, const float *v, int64_t k_stride, int64_t v_stride, void *k_cache,
+                    void *v_cache, const int64_t *slots, int64_t tokens, int64_t row, int64_t slot_stride,
+                    int64_t kv_half) {
+    for (int64_t t = 0; t < tokens; ++t) {
+        const int64_t at = slots[t] * slot_stride;
+        const float *kt = k + t * k_stride, *vt = v + t * v_stride;
+        if (kv_half) {
+            _Float16 *kd = (_Float16 *)k_cache + at, *vd = (_Float16 *)v_cache + at;
+            for (int64_t i = 0; i < row; ++i) {
+                kd[i] = (_Float16)kt[i];
+                vd[i] = (_Float16)vt[i];
+            }
+        } else {
+            memcpy((float *)k_cache + at, kt, row * sizeof(float));
+            memcpy((float *)v_cache + at, vt, row * sizeof(float));
+        }
+    }
+}

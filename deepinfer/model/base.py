@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 
 from deepinfer.attention.backend import AttentionBackend
 from deepinfer.attention.metadata import ForwardMetadata
 from deepinfer.cache_layout import CacheGroup, CacheTensor
+from deepinfer.kernels.gguf_blocks import PackedMatrix
 from deepinfer.model.config import ModelConfig
+from deepinfer.model.parallel import ModelParallel
 
 
 def cache_tensor(
@@ -26,8 +28,18 @@ class CausalLM(torch.nn.Module):
     supports_kv_cache_dtype = False
 
     @classmethod
-    def from_config(cls, config: ModelConfig) -> CausalLM:
+    def from_config(cls, config: ModelConfig, parallel: ModelParallel | None = None) -> CausalLM:
+        """The model (or, with `parallel`, this rank's shard of it) with uninitialised weights."""
         raise NotImplementedError
+
+    def attention_shape(self) -> tuple[int, int, int]:
+        """(query heads, KV heads, head dim) this rank's attention runs with."""
+        cfg = self.config
+        return cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    def expert_layers(self) -> list[torch.nn.Module]:
+        """The expert-parallel MoE layers (ExpertParallelMoE), in layer order; none by default."""
+        return []
 
     def cache_groups(self, dtype: torch.dtype, owner: str = "target") -> list[CacheGroup]:
         """The caches this model keeps between steps, one group per kind of block table (tagged
@@ -50,6 +62,22 @@ class CausalLM(torch.nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
         raise NotImplementedError
+
+    @property
+    def rounds_activations(self) -> bool:
+        """Whether some linear quantizes its input (int8, GGUF blocks): a difference in the last
+        bit of an activation can then change a rounding, and so a greedy token."""
+        from deepinfer.model.layers.gguf_linear import GGUFLinear
+        from deepinfer.model.layers.int8_linear import Int8Linear
+
+        return any(isinstance(m, (GGUFLinear, Int8Linear)) for m in self.modules())
+
+    def use_packed_weights(self, packed: Mapping[str, PackedMatrix]) -> set[str]:
+        """quantization="gguf": replace, in place and before the model is materialized, the layers
+        whose weights are among `packed` (HF names) by layers computing on the packed blocks;
+        return the names taken (the loader dequantizes the others and passes them to
+        load_weights)."""
+        raise ValueError(f"quantization: {type(self).__name__} does not support 'gguf'")
 
     def quantize(self, method: str) -> None:
         """Convert the weights in place (after loading) to a quantized `method`."""

@@ -27,6 +27,29 @@ class RowSpan:
 
 
 @dataclass(slots=True)
+class ForwardWork:
+    """One forward, as plain data: what every rank of a tensor-parallel group runs identically
+    (rank 0 sends it to the others before running it itself). `logit_rows`: the distinct
+    flattened rows, ascending, whose logits are computed."""
+
+    spans: list[RowSpan]
+    block_copies: list[tuple[int, int, int]]
+    logit_rows: list[int]
+
+
+def span_offsets(spans: list[RowSpan]) -> tuple[list[int], list[int]]:
+    """(first flattened row of each span in the given order, the order rows are laid out in):
+    single-row spans (decodes) first, then longer chunks, each group in the given order."""
+    order = sorted(range(len(spans)), key=lambda i: len(spans[i].token_ids) != 1)
+    offsets = [0] * len(spans)
+    row = 0
+    for i in order:
+        offsets[i] = row
+        row += len(spans[i].token_ids)
+    return offsets, order
+
+
+@dataclass(slots=True)
 class ForwardInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
@@ -50,9 +73,9 @@ def _group_metadata(
 ) -> AttentionMetadata:
     per_block, rate = layout.entries_per_block, layout.group.tokens_per_entry
     tables_list = [np.maximum(np.asarray(s.block_tables[group], dtype=np.int64), 0) for s in spans]
-    width = max(len(t) for t in tables_list)
+    width = max((len(t) for t in tables_list), default=0)
     tables = np.zeros((len(spans), width), dtype=np.int64)
-    slots = []
+    slots = [np.zeros(0, dtype=np.int64)]
     first = 0
     for row, (table, count) in enumerate(zip(tables_list, query_lens)):
         tables[row, : len(table)] = table
@@ -73,18 +96,16 @@ def _group_metadata(
 
 
 def build_inputs(spans: list[RowSpan], groups: list[GroupLayout], device: torch.device) -> ForwardInputs:
-    """Tensors for a forward over `spans`, with one AttentionMetadata per group in `groups`."""
-    order = sorted(range(len(spans)), key=lambda i: len(spans[i].token_ids) != 1)
+    """Tensors for a forward over `spans`, with one AttentionMetadata per group in `groups`
+    (no spans: the empty forward of a rank without work that steps with the others)."""
+    offsets, order = span_offsets(spans)
     ordered = [spans[i] for i in order]
-    offsets = [0] * len(spans)
-    token_ids: list[int] = []
-    for i, span in zip(order, ordered):
-        offsets[i] = len(token_ids)
-        token_ids.extend(span.token_ids)
+    token_ids = [t for span in ordered for t in span.token_ids]
     query_lens = [len(s.token_ids) for s in ordered]
     seq_lens = [s.start + len(s.token_ids) for s in ordered]
     positions = np.concatenate(
-        [np.arange(s.start, s.start + len(s.token_ids), dtype=np.int64) for s in ordered]
+        [np.zeros(0, dtype=np.int64)]
+        + [np.arange(s.start, s.start + len(s.token_ids), dtype=np.int64) for s in ordered]
     )
     meta = ForwardMetadata(
         [

@@ -5,13 +5,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from deepinfer.attention.backend import AttentionBackend, TorchReferenceBackend
 from deepinfer.attention.metadata import ForwardMetadata
 from deepinfer.model.base import CausalLM
-from deepinfer.runner.inputs import ForwardInputs, RowSpan
+from deepinfer.model.layers.expert_parallel import ExpertBalancer
+from deepinfer.runner.inputs import ForwardInputs, ForwardWork, RowSpan, span_offsets
 from deepinfer.runner.kv_caches import KVCaches
 from deepinfer.runner.sampler import SampledToken, Sampler, SamplingRow
 from deepinfer.sequence import Sequence
@@ -32,16 +34,20 @@ def make_attention_backend(
     device: torch.device,
     kv_dtype: torch.dtype = torch.float32,
 ) -> AttentionBackend:
-    """`auto` picks the C kernel backend on CPU when it builds and fits the model, else the reference."""
+    """`auto` picks the C kernel backend on CPU when it builds and fits the model, else the reference.
+
+    For a model that rounds its activations, every prompt row goes through the per-row kernel:
+    the tiled prefill's GEMMs sum in an order that depends on the chunk's shape (differences of
+    ~1e-6), which the rounding can turn into another token once a prompt is chunked or cached."""
     if name == "torch" or (name == "auto" and device.type != "cpu"):
         return TorchReferenceBackend()
     from deepinfer.attention.cpu_paged import CpuPagedBackend
 
-    cfg = model.config
-    fits = CpuPagedBackend.supports(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size, kv_dtype)
+    num_heads, num_kv_heads, head_dim = model.attention_shape()
+    fits = CpuPagedBackend.supports(num_heads, num_kv_heads, head_dim, block_size, kv_dtype)
     try:
         if fits or name == "cpu_paged":
-            return CpuPagedBackend()
+            return CpuPagedBackend(row_kernel_only=model.rounds_activations)
     except RuntimeError:
         if name == "cpu_paged":
             raise
@@ -60,6 +66,19 @@ def prepare_backend(backend: AttentionBackend, meta: ForwardMetadata) -> None:
     """Per-step precomputation of the backend, for every cache group."""
     for group in meta.groups:
         backend.prepare(group)
+
+
+@dataclass(slots=True)
+class RebalanceExperts:
+    """Re-place the experts by their recorded load (EPLB), on every rank at once."""
+
+
+class Peers(Protocol):
+    """The other ranks of rank 0's tensor-parallel group."""
+
+    def submit(self, work: ForwardWork | RebalanceExperts) -> None:
+        """Hand `work` to every other rank, which runs it with this one (never waits for them)."""
+        ...
 
 
 @dataclass(slots=True)
@@ -89,8 +108,17 @@ class ModelRunner:
         device: torch.device,
         attention_backend: str = "auto",
         grammar_masks: GrammarMasks | None = None,
+        peers: Peers | None = None,
+        experts: ExpertBalancer | None = None,
     ) -> None:
+        """`peers`: on rank 0 of a tensor-parallel group, the other ranks every forward runs on;
+        `experts`: the expert-load balancer of an expert-parallel MoE model."""
         self.model = model
+        self.peers = peers
+        self.experts = experts
+        # A forward that meets other ranks in collectives (rank 0 of a group, an expert-parallel rank).
+        self._collective = peers is not None or bool(model.expert_layers())
+        self.failed: str | None = None  # set when a forward over several ranks failed
         self.caches = caches
         self.device = device
         self.view = caches.view("target")
@@ -188,37 +216,84 @@ class ModelRunner:
         return RowSpan(self.view.tables(seq), item.start, tokens)
 
     @torch.inference_mode()
+    def run(self, work: ForwardWork) -> tuple[ForwardInputs, torch.Tensor, torch.Tensor | None]:
+        """What every rank of the group runs: block copies, the forward, and the logits of
+        `work.logit_rows` ([N, V], None without rows). Rank 0 hands `work` to its peers first."""
+        if self.failed is not None:
+            raise RuntimeError(f"the ranks are out of step since an earlier failure: {self.failed}")
+        try:
+            if self.peers is not None:
+                self.peers.submit(work)
+            self.caches.copy_blocks(work.block_copies)
+            inputs = self.view.inputs(work.spans)
+            hidden = self.forward(inputs)  # [T, hidden]
+            logits = None
+            if work.logit_rows:
+                rows = torch.tensor(work.logit_rows, dtype=torch.long, device=self.device)
+                logits = self.compute_logits(hidden[rows])
+            if self.experts is not None:
+                self.experts.step_done()
+        except Exception as error:
+            # With other ranks, a forward that failed half way leaves their collectives waiting
+            # on this one: no later forward may pair with them.
+            if self._collective:
+                self.failed = f"{type(error).__name__}: {error}"
+            raise
+        return inputs, hidden, logits
+
+    def run_empty(self) -> None:
+        """A forward over no tokens: a rank without work steps through the MoE layers' all-to-alls
+        with the ranks that have some."""
+        self.run(ForwardWork([], [], []))
+
+    def handle(self, work: ForwardWork | RebalanceExperts) -> None:
+        """A message from rank 0 (on the other ranks of a tensor-parallel group)."""
+        if isinstance(work, RebalanceExperts):
+            self.rebalance_experts()
+        else:
+            self.run(work)
+
+    @torch.inference_mode()
+    def rebalance_experts(self) -> None:
+        """EPLB: every rank re-places its experts from the load recorded since the last time."""
+        if self.experts is None:
+            raise RuntimeError("expert-load balancing needs an expert-parallel MoE model with --enable-eplb")
+        if self.peers is not None:
+            self.peers.submit(RebalanceExperts())
+        self.experts.rebalance()
+
     def prompt_logits(self, seq: Sequence) -> torch.Tensor:
         """Logits [L, V] at every position of a sequence whose blocks are allocated (scoring, tests)."""
-        hidden = self.forward(self.view.inputs([RowSpan(self.view.tables(seq), 0, list(seq.token_ids))]))
-        return self.compute_logits(hidden)
+        span = RowSpan(self.view.tables(seq), 0, list(seq.token_ids))
+        _, _, logits = self.run(ForwardWork([span], [], list(range(len(span.token_ids)))))
+        assert logits is not None
+        return logits
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> StepResult:
         """Copy blocks, run the forward of every scheduled item (drafts included), and sample the
         items that end at their last token and carry no drafts (the verifier samples those)."""
-        self.caches.copy_blocks(plan.block_copies)
         items = plan.scheduled
-        inputs = self.view.inputs([self._span(item) for item in items])
-        hidden = self.forward(inputs)  # [T, hidden]
-
+        spans = [self._span(item) for item in items]
+        offsets, _ = span_offsets(spans)
         hidden_rows: list[int] = []
         rows: list[SamplingRow] = []
         owners: list[Sequence] = []
-        for item, offset in zip(items, inputs.offsets):
+        for item, offset in zip(items, offsets):
             if not item.sample or item.num_draft_tokens:
                 continue
             for seq in (item.seq, *item.forks):
                 hidden_rows.append(offset + item.num_new_tokens - 1)
                 rows.append(self.sampling_row(seq))
                 owners.append(seq)
+        # Forks share their parent's row: compute logits once per distinct row.
+        unique, inverse = torch.unique(torch.tensor(hidden_rows, dtype=torch.long), return_inverse=True)
+        inputs, hidden, unique_logits = self.run(ForwardWork(spans, plan.block_copies, unique.tolist()))
         sampled: dict[int, list[SampledToken]] = {}
         failures: dict[str, str] = {}
         if rows:
-            index = torch.tensor(hidden_rows, dtype=torch.long, device=self.device)
-            # Forks share their parent's row: compute logits once per distinct row.
-            unique, inverse = torch.unique(index, return_inverse=True)
-            logits = self.compute_logits(hidden[unique])[inverse]  # [N, V]
+            assert unique_logits is not None
+            logits = unique_logits[inverse.to(self.device)]  # [N, V]
             bitmask, constrained = self._grammar_bitmask(owners, failures)
             tokens = self._sample(logits, rows, owners, bitmask, constrained, failures)
             for i in constrained:

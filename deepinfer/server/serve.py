@@ -25,6 +25,7 @@ import uvicorn
 
 from deepinfer.config import EngineConfig, ServerConfig
 from deepinfer.engine.ipc.client import EngineClient
+from deepinfer.engine.ipc.protocol import EngineInfo
 from deepinfer.engine.ipc.transport import EngineTransport, ProcessTransport, ThreadTransport
 from deepinfer.model.loader.source import DEFAULT_MODEL_NAME, converted_gguf_dir, resolve_model_path
 from deepinfer.recipe import ModelInfo, Recipe, RecipeError
@@ -122,6 +123,17 @@ def reasoning_sealer(config: ServerConfig) -> ReasoningSealer:
     return ReasoningSealer.generate()
 
 
+def _role_note(info: EngineInfo) -> str:
+    parts = []
+    if info.role != "both":
+        parts.append(f"role {info.role}, KV transfer {info.kv_transfer}")
+    if info.kv_transfer_address:
+        parts.append(f"KV transfer listener {info.kv_transfer_address}")
+    if info.kv_events_endpoint:
+        parts.append(f"KV events {info.kv_events_endpoint}")
+    return f" [{'; '.join(parts)}]" if parts else ""
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.create_server((host, port), family=family, backlog=2048)
@@ -214,7 +226,8 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> Non
         names = ", ".join(state.served_names)
         print(
             f"DeepInfer is serving {names} at {url}  (OpenAI: {url}/v1, Anthropic: {url}/v1/messages, "
-            f"health: {url}/health, metrics: {url}/metrics; engine pid {state.client.transport.engine_pid})",
+            f"health: {url}/health, metrics: {url}/metrics; engine pid {state.client.transport.engine_pid})"
+            + _role_note(state.client.info),
             flush=True,
         )
 

@@ -3,22 +3,23 @@ that come before generation (API key, model name, backpressure, prompt size)."""
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from fastapi import Request
 
 from deepinfer.config import ServerConfig
 from deepinfer.engine.ipc.client import EngineClient, EngineDeadError, GenerationStream
+from deepinfer.engine.kv_cache.prefix import tenant_cache_salt
 from deepinfer.recipe import Recipe, RenderedPrompt
 from deepinfer.recipe.api.responses import ResponsesOptions
 from deepinfer.recipe.api.responses_reasoning import ReasoningSealer
 from deepinfer.recipe.ir import Conversation
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.sequence import EngineRequest
+from deepinfer.sequence import EngineRequest, KVSource
 from deepinfer.server.constraints import (
     FormatField,
     GrammarValidator,
@@ -33,6 +34,20 @@ from deepinfer.tokenizer import Tokenizer
 from deepinfer.validation import check_context
 
 TRAFFIC_CLASS_HEADER = "x-traffic-class"
+# Set by the router on a request for a decode engine: where the prompt's KV waits.
+KV_TRANSFER_HEADER = "x-deepinfer-kv-transfer"
+
+
+class KVTransferHeader(msgspec.Struct):
+    """The header's JSON: a direct source (address and transfer id), the store (nothing to pull:
+    the decode engine's store connector finds it), or the prefill's failure."""
+
+    address: str | None = None
+    transfer_id: str | None = None
+    error: str | None = None
+
+
+_transfer_header = msgspec.json.Decoder(KVTransferHeader)
 
 
 @dataclass(slots=True)
@@ -154,8 +169,36 @@ class ServerState:
         """The body's salt, scoped to the API key when the cache is isolated per key."""
         if not (self.config.cache_salt_per_key and api_key):
             return body_salt
-        tenant = hashlib.sha256(api_key.encode()).hexdigest()[:16]
-        return f"key:{tenant}" if body_salt is None else f"key:{tenant}:{body_salt}"
+        return tenant_cache_salt(api_key, body_salt)
+
+    def kv_source(self, request: Request) -> KVSource | None:
+        """Where a decode engine pulls the prompt's KV from, per the router's header. A prefill
+        that failed is recomputed here, or is an error (kv_transfer_failure=fail)."""
+        text = request.headers.get(KV_TRANSFER_HEADER)
+        if text is None:
+            return None
+        info = self.client.info
+        if info.role != "decode":
+            raise ApiError(
+                400,
+                f"{KV_TRANSFER_HEADER}: this engine's role is {info.role}, not decode",
+                param=KV_TRANSFER_HEADER,
+            )
+        try:
+            header = _transfer_header.decode(text)
+        except msgspec.DecodeError as error:
+            raise ApiError(400, f"{KV_TRANSFER_HEADER}: {error}", param=KV_TRANSFER_HEADER) from None
+        if header.error is not None:
+            if info.kv_transfer_failure == "fail":
+                raise ApiError(
+                    502,
+                    f"the prefill engine did not hand the prompt off: {header.error}",
+                    code="kv_transfer_failed",
+                )
+            return None
+        if header.address is None or header.transfer_id is None:
+            return None  # through the store: nothing to pull
+        return KVSource(header.address, header.transfer_id)
 
     def engine_request(
         self,
@@ -178,6 +221,7 @@ class ServerState:
             cache_salt=self.cache_salt(api_key, cache_salt),
             traffic_class=self.traffic_class(request, traffic_class),
             grammar=grammar,
+            kv_source=self.kv_source(request),
         )
 
     def traffic_class(self, request: Request, body_class: str | None) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from deepinfer.store.clock import SYSTEM_CLOCK, Clock
 from deepinfer.store.config import KVStoreConfig
@@ -12,8 +13,14 @@ from deepinfer.store.redis_backend import RedisBackend
 from deepinfer.store.tiered import TieredKVStore
 
 
-def build_kv_store(config: KVStoreConfig, *, clock: Clock = SYSTEM_CLOCK) -> TieredKVStore | None:
+def build_kv_store(
+    config: KVStoreConfig,
+    *,
+    clock: Clock = SYSTEM_CLOCK,
+    on_host_evict: Callable[[bytes], None] | None = None,
+) -> TieredKVStore | None:
     """The tier stack for `config`; None when neither a store nor a host cache is configured.
+    `on_host_evict(key)` hears of every chunk the host tier drops (for KV events).
 
     Objects live under a format-version directory or key prefix, so engines of different
     format versions can share one store during a rolling upgrade without blocking each other.
@@ -48,4 +55,5 @@ def build_kv_store(config: KVStoreConfig, *, clock: Clock = SYSTEM_CLOCK) -> Tie
         size_cap_bytes=config.size_cap_bytes,
         lookup_timeout_s=config.lookup_timeout_s,
         gc_interval_s=config.gc_interval_s,
+        on_host_evict=on_host_evict,
     )

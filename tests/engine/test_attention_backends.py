@@ -82,3 +82,40 @@ def test_cpu_kernel_matches_reference(
         backend.prepare(meta)
         outputs.append(backend.forward(q, k, v, cache.clone(), meta, HEAD_DIM**-0.5))
     torch.testing.assert_close(outputs[0], outputs[1], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("window", [None, 37])
+def test_row_kernel_only_is_the_same_however_a_prompt_is_chunked(window: int | None) -> None:
+    """A 300-token prompt attended in one chunk, and again as chunks of 100 and 7 over the cache
+    the earlier chunks wrote: bit-identical rows (the tiled path differs in the last bits)."""
+    backend = CpuPagedBackend(row_kernel_only=True)
+    torch.manual_seed(0)
+    length = 300
+    q = torch.randn(length, HEADS, HEAD_DIM)
+    k = torch.randn(length, KV_HEADS, HEAD_DIM)
+    v = torch.randn(length, KV_HEADS, HEAD_DIM)
+    num_blocks = -(-length // BLOCK) + 1
+    whole_meta = _step([length], [length], num_blocks, seed=3, window=window)
+    backend.prepare(whole_meta)
+    whole = backend.forward(
+        q, k, v, torch.zeros(num_blocks * BLOCK, 2, KV_HEADS, HEAD_DIM), whole_meta, 0.125
+    )
+    cache = torch.zeros(num_blocks * BLOCK, 2, KV_HEADS, HEAD_DIM)
+    table = whole_meta.block_tables[0].tolist()
+    pieces, start = [], 0
+    for size in (100, 7, 193):
+        end = start + size
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, end)]),
+            block_tables=whole_meta.block_tables,
+            seq_lens=torch.tensor([end]),
+            query_lens=[size],
+            seq_lens_list=[end],
+            num_decodes=0,
+            block_size=BLOCK,
+            window=window,
+        )
+        backend.prepare(meta)
+        pieces.append(backend.forward(q[start:end], k[start:end], v[start:end], cache, meta, 0.125))
+        start = end
+    assert torch.equal(torch.cat(pieces), whole)

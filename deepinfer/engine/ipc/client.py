@@ -27,6 +27,7 @@ from deepinfer.engine.ipc.protocol import (
 )
 from deepinfer.engine.ipc.transport import EngineTransport
 from deepinfer.engine.output_processor import OutputProcessor, SequenceDelta
+from deepinfer.engine.outputs import KVHandoff
 from deepinfer.sequence import EngineRequest
 from deepinfer.tokenizer import Tokenizer
 
@@ -130,6 +131,7 @@ class EngineClient:
         self._streams: dict[str, GenerationStream] = {}
         self._on_request_done = on_request_done
         self._reset_waiters: list[asyncio.Future[bool]] = []
+        self._handoff_waiters: dict[str, asyncio.Future[KVHandoff]] = {}
         transport.listen(self._on_message, self._on_death)
 
     @property
@@ -174,6 +176,16 @@ class EngineClient:
         if self._on_request_done is not None:
             self._on_request_done(record, outcome)
 
+    def expect_handoff(self, transfer_id: str) -> asyncio.Future[KVHandoff]:
+        """The KVHandoff a prefill engine sends once `transfer_id`'s KV is ready (register it
+        before submitting the request). Fails with EngineDeadError if the engine dies first."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        waiter: asyncio.Future[KVHandoff] = asyncio.get_running_loop().create_future()
+        self._handoff_waiters[transfer_id] = waiter
+        waiter.add_done_callback(lambda _: self._handoff_waiters.pop(transfer_id, None))
+        return waiter
+
     async def reset_prefix_cache(self) -> bool:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
@@ -197,6 +209,10 @@ class EngineClient:
             self.stats = message.stats
             if message.outputs:
                 self._dispatch(message)
+            for handoff in message.handoffs:
+                handoff_waiter = self._handoff_waiters.get(handoff.transfer_id)
+                if handoff_waiter is not None and not handoff_waiter.done():
+                    handoff_waiter.set_result(handoff)
             if message.prefix_cache_reset is not None and self._reset_waiters:
                 waiter = self._reset_waiters.pop(0)
                 if not waiter.done():
@@ -234,6 +250,9 @@ class EngineClient:
             if not waiter.done():
                 waiter.set_exception(EngineDeadError(reason))
         self._reset_waiters.clear()
+        for handoff_waiter in list(self._handoff_waiters.values()):
+            if not handoff_waiter.done():
+                handoff_waiter.set_exception(EngineDeadError(reason))
 
     @property
     def num_in_flight(self) -> int:

@@ -217,30 +217,38 @@ class ThreadTransport(EngineTransport):
         return os.getpid()
 
     async def start(self) -> EngineInfo:
-        from deepinfer.engine.core import EngineCore
-        from deepinfer.engine.ipc.loop import DEFAULT_FLUSH_TIMEOUT_S, EngineLoop, engine_info
+        from deepinfer.engine.ipc.loop import (
+            DEFAULT_FLUSH_TIMEOUT_S,
+            EngineLoop,
+            build_publisher,
+            engine_info,
+        )
+        from deepinfer.engine.parallel.start import start_engine
 
         loop = self._loop = asyncio.get_running_loop()
         ready: asyncio.Future[EngineInfo] = loop.create_future()
 
         def run() -> None:
             try:
-                core = EngineCore(self.config)
+                core = start_engine(self.config)
+                publisher = build_publisher(self.config)
             except Exception as error:
                 loop.call_soon_threadsafe(
                     ready.set_exception, EngineStartError(f"{type(error).__name__}: {error}")
                 )
                 return
-            loop.call_soon_threadsafe(ready.set_result, engine_info(core))
+            loop.call_soon_threadsafe(ready.set_result, engine_info(core, publisher))
             flush_timeout_s = DEFAULT_FLUSH_TIMEOUT_S
             try:
-                flush_timeout_s = EngineLoop(core, self._inbox, self._emit).run()
+                flush_timeout_s = EngineLoop(core, self._inbox, self._emit, publisher=publisher).run()
             except Exception as error:
                 log.exception("the engine loop failed")
                 self._emit(EngineFailed(f"the engine failed: {type(error).__name__}: {error}"))
                 loop.call_soon_threadsafe(self._died, f"the engine thread failed: {error}")
             finally:
                 core.close(flush_timeout_s)
+                if publisher is not None:
+                    publisher.close()
 
         self._thread = threading.Thread(target=run, name="deepinfer-engine", daemon=True)
         self._thread.start()

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from deepinfer.engine.kv_cache.events import KVEventLog
+
 
 @dataclass(slots=True)
 class Block:
@@ -22,7 +24,7 @@ class Block:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, events: KVEventLog | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -30,6 +32,7 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._by_hash: dict[bytes, int] = {}
         self.num_evictions = 0  # hashed blocks reused for other content
+        self.events = events
 
     @property
     def num_blocks(self) -> int:
@@ -58,6 +61,8 @@ class BlockPool:
         block = self.blocks[block_id]
         if block.prefix_hash is not None:
             del self._by_hash[block.prefix_hash]
+            if self.events is not None:
+                self.events.removed([block.prefix_hash])
             block.prefix_hash = None
             self.num_evictions += 1
         block.ref_count = 1
@@ -82,17 +87,18 @@ class BlockPool:
                 if block.prefix_hash is None:
                     self._free.move_to_end(block_id, last=False)
 
-    def register(self, block_id: int, prefix_hash: bytes) -> None:
-        """Mark a full, computed block as reusable under `prefix_hash`.
+    def register(self, block_id: int, prefix_hash: bytes) -> bool:
+        """Mark a full, computed block as reusable under `prefix_hash`; True when it is newly indexed.
 
         If another block already holds that hash, the index keeps the existing one: both hold the
         same KV, and the duplicate simply stays unindexed until it is freed.
         """
         block = self.blocks[block_id]
         if block.prefix_hash is not None or prefix_hash in self._by_hash:
-            return
+            return False
         block.prefix_hash = prefix_hash
         self._by_hash[prefix_hash] = block_id
+        return True
 
     def reset_prefix_cache(self) -> bool:
         """Forget every hash. Only allowed when no block is in use, like vLLM's reset."""
@@ -101,4 +107,6 @@ class BlockPool:
         for block in self.blocks:
             block.prefix_hash = None
         self._by_hash.clear()
+        if self.events is not None:
+            self.events.cleared()
         return True

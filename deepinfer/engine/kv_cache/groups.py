@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from deepinfer.cache_layout import GroupLayout
 from deepinfer.engine.kv_cache.block_pool import BlockPool
+from deepinfer.engine.kv_cache.events import KVEventLog
 from deepinfer.utils import cdiv
 
 NULL_BLOCK = -1  # a table entry whose block was released (out of a sliding window)
@@ -26,7 +27,7 @@ class FullAttentionGroup:
 
     prefix_closed = True  # a hit of L tokens implies hits of every shorter length
 
-    def __init__(self, layout: GroupLayout, hash_block_size: int) -> None:
+    def __init__(self, layout: GroupLayout, hash_block_size: int, events: KVEventLog | None = None) -> None:
         self.layout = layout
         self.block_tokens = layout.block_tokens
         if self.block_tokens % hash_block_size:
@@ -35,7 +36,7 @@ class FullAttentionGroup:
                 f"the block size {hash_block_size}"
             )
         self.hashes_per_block = self.block_tokens // hash_block_size
-        self.pool = BlockPool(layout.num_blocks)
+        self.pool = BlockPool(layout.num_blocks, events)
 
     # -- queries (no mutation) --------------------------------------------------------------------
 
@@ -115,13 +116,44 @@ class FullAttentionGroup:
                 table[i] = NULL_BLOCK
         self.pool.release(block_ids)
 
-    def register(self, table: list[int], hashes: list[bytes], num_computed: int, num_registered: int) -> int:
-        """Index every full, computed block; returns the new count of indexed leading blocks."""
+    def register(
+        self,
+        table: list[int],
+        hashes: list[bytes],
+        num_computed: int,
+        num_registered: int,
+        token_ids: list[int],
+    ) -> int:
+        """Index every full, computed block; returns the new count of indexed leading blocks.
+        Blocks newly indexed are reported to the pool's event log, with their tokens."""
         num_full = min(num_computed // self.block_tokens, len(hashes) // self.hashes_per_block)
-        for i in range(num_registered, num_full):
-            if table[i] != NULL_BLOCK:
-                self.pool.register(table[i], self._key(hashes, i))
+        indexed = [
+            i
+            for i in range(num_registered, num_full)
+            if table[i] != NULL_BLOCK and self.pool.register(table[i], self._key(hashes, i))
+        ]
+        if indexed and self.pool.events is not None:
+            self.log_stored(hashes, indexed, token_ids)
         return max(num_full, num_registered)
+
+    def log_stored(self, hashes: list[bytes], indexed: list[int], token_ids: list[int]) -> None:
+        """One Stored event per run of consecutive newly indexed blocks."""
+        assert self.pool.events is not None
+        runs: list[list[int]] = []
+        for i in indexed:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        size = self.block_tokens
+        for run in runs:
+            first, last = run[0], run[-1]
+            self.pool.events.stored(
+                [self._key(hashes, i) for i in run],
+                self._key(hashes, first - 1) if first else None,
+                token_ids[first * size : (last + 1) * size],
+                size,
+            )
 
     def fork(self, table: list[int]) -> list[int]:
         for block_id in table:
@@ -151,8 +183,8 @@ class SlidingWindowGroup(FullAttentionGroup):
 
     prefix_closed = False
 
-    def __init__(self, layout: GroupLayout, hash_block_size: int) -> None:
-        super().__init__(layout, hash_block_size)
+    def __init__(self, layout: GroupLayout, hash_block_size: int, events: KVEventLog | None = None) -> None:
+        super().__init__(layout, hash_block_size, events)
         if self.hashes_per_block != 1:
             raise ValueError("a sliding-window group's blocks must be of the block size")
         assert layout.group.window is not None
@@ -192,7 +224,9 @@ class SlidingWindowGroup(FullAttentionGroup):
         return blocks
 
 
-def make_group_manager(layout: GroupLayout, hash_block_size: int) -> FullAttentionGroup:
+def make_group_manager(
+    layout: GroupLayout, hash_block_size: int, events: KVEventLog | None = None
+) -> FullAttentionGroup:
     if layout.group.kind == "sliding":
-        return SlidingWindowGroup(layout, hash_block_size)
-    return FullAttentionGroup(layout, hash_block_size)
+        return SlidingWindowGroup(layout, hash_block_size, events)
+    return FullAttentionGroup(layout, hash_block_size, events)

@@ -14,6 +14,10 @@ Contract (what each method mutates; all are called from the engine's one thread)
 - `cache_computed_blocks`: the sequence's hashes and registered counts, the pools' indexes.
 - `trim`, `free`: the sequence's tables (and `free` its counters), the pools.
 - `take_copies`: empties the pending copies.
+- `install_blocks`: the first group's pool and index (blocks filled by a KV connector).
+
+With an event log (passed at construction), the first group's pool reports what it indexes and
+drops: that group's blocks are the ones a router outside the engine can credit.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import dataclass, field
 from math import lcm
 
 from deepinfer.cache_layout import CacheLayout
+from deepinfer.engine.kv_cache.events import KVEventLog
 from deepinfer.engine.kv_cache.groups import NULL_BLOCK, FullAttentionGroup, make_group_manager
 from deepinfer.engine.kv_cache.prefix import extend_block_hashes
 from deepinfer.sequence import Sequence
@@ -50,12 +55,16 @@ class PrefixHit:
 
 
 class KVCacheManager:
-    def __init__(self, layout: CacheLayout, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, layout: CacheLayout, enable_prefix_caching: bool = True, events: KVEventLog | None = None
+    ) -> None:
         self.layout = layout
         self.block_size = layout.block_size  # prefix-hash granularity, in tokens
         self.enable_prefix_caching = enable_prefix_caching
+        self.events = events
         self.groups: list[FullAttentionGroup] = [
-            make_group_manager(g, layout.block_size) for g in layout.groups
+            make_group_manager(g, layout.block_size, events if i == 0 else None)
+            for i, g in enumerate(layout.groups)
         ]
         # A hit must end on a block boundary of every group.
         self.hit_granularity = lcm(*(g.block_tokens for g in self.groups))
@@ -181,7 +190,7 @@ class KVCacheManager:
         tables = self._tables(seq)
         for i, (g, table) in enumerate(zip(self.groups, tables)):
             seq.num_registered[i] = g.register(
-                table, seq.block_hashes, seq.num_computed_tokens, seq.num_registered[i]
+                table, seq.block_hashes, seq.num_computed_tokens, seq.num_registered[i], seq.token_ids
             )
 
     def trim(self, seq: Sequence) -> None:
@@ -196,6 +205,22 @@ class KVCacheManager:
             g.free(table)
         seq.num_computed_tokens = 0
         seq.num_registered = [0] * len(self.groups)
+
+    def install_blocks(self, seq: Sequence, first_block: int, block_ids: list[int]) -> None:
+        """Index blocks a KV connector filled (taken with `pool.allocate()`) under `seq`'s hashes
+        from block `first_block` on, then release them: cached and free, tail first, like any
+        freed chain, so admission finds them as ordinary hits. Single-group models only."""
+        group = self.groups[0]
+        assert group.hashes_per_block == 1, "connectors install blocks of one hash each"
+        hashes = seq.block_hashes
+        indexed = [
+            first_block + i
+            for i, block_id in enumerate(block_ids)
+            if group.pool.register(block_id, hashes[first_block + i])
+        ]
+        if indexed and self.events is not None:
+            group.log_stored(hashes, indexed, seq.token_ids)
+        group.pool.release(list(reversed(block_ids)))
 
     def take_copies(self) -> list[BlockCopy]:
         copies, self._pending_copies = self._pending_copies, []
