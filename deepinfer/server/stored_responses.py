@@ -13,8 +13,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from deepinfer.config import EngineConfig, ServerConfig
 from deepinfer.recipe.api.responses_items import output_as_input
-from deepinfer.response_store import ACTIVE_STATUSES, ResponseStore, StoredResponse
+from deepinfer.response_store import (
+    ACTIVE_STATUSES,
+    ResponseStore,
+    StoredResponse,
+    build_response_store,
+    parse_response_store,
+    parse_retention_overrides,
+    resolve_location,
+    response_retention,
+)
 from deepinfer.response_store.build import STORE_ERRORS
 from deepinfer.server.background_runs import BackgroundRuns
 from deepinfer.server.errors import ApiError
@@ -24,6 +34,21 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _OFF = "this server keeps no responses (--response-store off)"
+
+
+def open_response_store(engine_config: EngineConfig, server_config: ServerConfig) -> ResponseStore | None:
+    """The store the options name (None: `--response-store off`); classes keep their KV
+    retention unless `--response-retention` names them."""
+    configured = server_config.response_store
+    location = resolve_location(
+        parse_response_store(configured) if configured else None, engine_config.store.location
+    )
+    retention = response_retention(
+        engine_config.store.retention, parse_retention_overrides(server_config.response_retention or "")
+    )
+    return build_response_store(
+        location, retention=retention, max_bytes=server_config.response_store_max_bytes
+    )
 
 
 @dataclass(slots=True)
