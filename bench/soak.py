@@ -194,13 +194,14 @@ async def _one(
         tally.other_failures.append(f"{api} transport: {error!r}")
 
 
-def _rss_bytes(pids: list[int]) -> int:
-    total = 0
+def _rss_bytes(pids: list[int]) -> list[int]:
+    """The resident set of each process."""
+    sizes = []
     for pid in pids:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
-                total += int(line.split()[1]) * 1024
-    return total
+                sizes.append(int(line.split()[1]) * 1024)
+    return sizes
 
 
 def _metric(text: str, name: str) -> float:
@@ -237,6 +238,10 @@ async def _load(args: argparse.Namespace, url: str, model: str, count: int, seed
     return tally
 
 
+def _mib(sizes: list[int]) -> str:
+    return " + ".join(f"{size / 2**20:.0f}" for size in sizes)
+
+
 def _percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -260,7 +265,8 @@ def run(args: argparse.Namespace) -> int:
         assert server.process is not None
         pids = [server.process.pid, int(info["engine"]["pid"])]
         model = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
-        warm = asyncio.run(_load(args, server.url, model, args.warmup, args.seed + 1))
+        warmup = args.warmup if args.warmup is not None else 2 * args.concurrency
+        warm = asyncio.run(_load(args, server.url, model, warmup, args.seed + 1))
         rss_warm = _rss_bytes(pids)
         started = time.perf_counter()
         tally = asyncio.run(_load(args, server.url, model, args.num_requests, args.seed))
@@ -276,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
             time.sleep(0.5)
         rss_after = _rss_bytes(pids)
         healthy = httpx.get(server.url + "/health", timeout=30).status_code == 200
-    rss_growth = rss_after / rss_warm - 1
+    rss_growth = sum(rss_after) / sum(rss_warm) - 1
     ttft_p50, ttft_p99 = _percentile(tally.ttft_s, 0.5), _percentile(tally.ttft_s, 0.99)
     passed = (
         tally.server_errors == 0
@@ -294,7 +300,7 @@ def run(args: argparse.Namespace) -> int:
         ["errors inside streams", tally.stream_errors],
         ["other failures", len(tally.other_failures)],
         ["KV blocks in use at the end", int(used_blocks)],
-        ["RSS after warm-up / after run (MiB)", f"{rss_warm / 2**20:.0f} / {rss_after / 2**20:.0f}"],
+        ["RSS after warm-up / after run, API + engine (MiB)", f"{_mib(rss_warm)} / {_mib(rss_after)}"],
         ["RSS growth", f"{rss_growth:+.1%}"],
         ["TTFT p50 / p99 (ms)", f"{(ttft_p50 or 0) * 1e3:.0f} / {(ttft_p99 or 0) * 1e3:.0f}"],
         ["run (s)", f"{duration:.0f}"],
@@ -321,6 +327,7 @@ def run(args: argparse.Namespace) -> int:
                 "stream_errors": tally.stream_errors,
                 "other_failures": tally.other_failures,
                 "kv_blocks_in_use_at_end": used_blocks,
+                "rss_processes": ["api", "engine"],
                 "rss_warm_bytes": rss_warm,
                 "rss_after_bytes": rss_after,
                 "ttft_p50_s": ttft_p50,
@@ -335,7 +342,13 @@ def run(args: argparse.Namespace) -> int:
 def add_parser(commands: Any) -> argparse.ArgumentParser:
     p = commands.add_parser("soak", help="mixed hostile load on one server: no 5xx, no leaks, bounded RSS")
     p.add_argument("--num-requests", type=int, default=1000)
-    p.add_argument("--warmup", type=int, default=64, help="requests before the RSS baseline")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="requests before the RSS baseline (default: 2 x --concurrency, so that the baseline has "
+        "seen batches as large as the run's)",
+    )
     p.add_argument("--concurrency", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--cancel-fraction", type=float, default=0.2, help="of the streams")
