@@ -7,11 +7,14 @@ import torch.nn.functional as F
 
 
 class GatedMLP(torch.nn.Module):
-    """down(silu(gate(x)) * up(x)); gate_up_proj holds the gate rows then the up rows."""
+    """down(silu(gate(x)) * up(x)); gate_up_proj holds the gate rows then the up rows.
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    With `swiglu_limit` (DeepSeek-V4), gate is clamped from above and up to [-limit, limit] first."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, swiglu_limit: float | None = None) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
+        self.swiglu_limit = swiglu_limit
         self.gate_up_proj = torch.nn.Parameter(
             torch.empty(2 * intermediate_size, hidden_size), requires_grad=False
         )
@@ -19,4 +22,10 @@ class GatedMLP(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.gate_up_proj).split(self.intermediate_size, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj)
+        return F.linear(swiglu(gate, up, self.swiglu_limit), self.down_proj)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from deepinfer.model.layers.mlp import GatedMLP
+from deepinfer.model.layers.mlp import GatedMLP, swiglu
 
 
 @dataclass(slots=True, frozen=True)
@@ -95,11 +95,15 @@ def _keep_top_groups(
 
 
 class RoutedExperts(torch.nn.Module):
-    """Stacked SwiGLU experts: w13 [E, 2I, hidden] (gate rows then up rows), w2 [E, hidden, I]."""
+    """Stacked SwiGLU experts: w13 [E, 2I, hidden] (gate rows then up rows), w2 [E, hidden, I];
+    `swiglu_limit` clamps the gate and up activations (DeepSeek-V4)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, swiglu_limit: float | None = None
+    ) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
+        self.swiglu_limit = swiglu_limit
         self.w13 = torch.nn.Parameter(
             torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False
         )
@@ -128,7 +132,7 @@ class RoutedExperts(torch.nn.Module):
                 continue
             rows = slice(start, start + count)
             gate, up = F.linear(hidden[rows], self.w13[expert]).split(self.intermediate_size, dim=-1)
-            out_rows[rows] = F.linear(F.silu(gate) * up, self.w2[expert])
+            out_rows[rows] = F.linear(swiglu(gate, up, self.swiglu_limit), self.w2[expert])
             start += count
         weights = topk_weights.flatten()[order].unsqueeze(1)
         out = torch.zeros_like(x)
