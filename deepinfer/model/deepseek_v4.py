@@ -183,6 +183,14 @@ class DeepseekV4ForCausalLM(CausalLM):
         layout: StepLayout,
         cache: V4Cache,
     ) -> torch.Tensor:  # final streams [T, hc_mult, hidden]
+        expected = torch.cat(
+            [
+                torch.arange(s, s + n, device=positions.device)
+                for s, n in zip(layout.starts, layout.query_lens)
+            ]
+        )
+        if not torch.equal(positions, expected):
+            raise ValueError("positions must run consecutively from each sequence's start in the step layout")
         h = self.embed(input_ids)
         streams = h.unsqueeze(1).expand(-1, self.arch.hc_mult, -1).contiguous()
         for layer in self.layers:

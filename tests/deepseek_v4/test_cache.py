@@ -103,3 +103,14 @@ def test_indexer_ties_do_not_depend_on_chunking(tiny, tiny_model):
     seq = run.new_sequence()
     ours = torch.cat([run.logits({seq: ids[p : p + 5]})[0] for p in range(0, len(ids), 5)])
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
+
+
+def test_layout_from_engine_lengths_and_position_check(tiny_model):
+    layout = StepLayout.from_lengths(query_lens=[1, 5], context_lens=[40, 5])
+    assert layout.starts == (39, 0) and layout.offsets == [0, 1, 6]
+    cache = ContiguousV4Cache(tiny_model.cache_declarations(), torch.float32, torch.device("cpu"))
+    seqs = [cache.add_sequence(), cache.add_sequence()]
+    with pytest.raises(ValueError, match="positions must run consecutively"):
+        tiny_model.forward_cached(
+            torch.zeros(6, dtype=torch.long), torch.arange(6), layout, cache.step(seqs, layout)
+        )
