@@ -83,3 +83,14 @@ def test_greedy_64_tokens_match_hf_generate(tiny, tiny_model):
         expected = tiny.hf.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False, pad_token_id=2)
     assert generated == expected[0, len(ids) :].tolist()
     assert len(set(generated)) > 8  # a real continuation, not one token repeated
+
+
+def test_queries_in_blocks_match_hf(tiny, tiny_model, monkeypatch):
+    """A long prefill attends its queries in blocks (QUERY_BLOCK); blocks of 5 over 61 tokens."""
+    import deepinfer.model.layers.v4_attention as v4_attention
+
+    monkeypatch.setattr(v4_attention, "QUERY_BLOCK", 5)
+    ids = _prompt(61, 17, tiny.config["vocab_size"])
+    run = CachedRun(tiny_model)
+    (ours,) = run.logits({run.new_sequence(): ids})
+    torch.testing.assert_close(ours, _hf_logits(tiny, ids), atol=ATOL, rtol=0)

@@ -24,6 +24,9 @@ from deepinfer.model.deepseek_v4_config import CSA, SLIDING, DeepseekV4Arch
 from deepinfer.model.layers.v4_norm import Fp32RMSNorm, unweighted_rms_norm
 from deepinfer.model.layers.v4_rotary import TrailingRope
 
+# Queries attended per block within a sequence (bounds a long prefill's score tensors).
+QUERY_BLOCK = 256
+
 
 def _param(*shape: int) -> torch.nn.Parameter:
     return torch.nn.Parameter(torch.empty(*shape), requires_grad=False)
@@ -142,37 +145,39 @@ class V4Attention(torch.nn.Module):
         out = torch.empty_like(q)
         offsets = layout.offsets
         for seq, start in enumerate(layout.starts):
-            rows = slice(offsets[seq], offsets[seq + 1])
-            pos = torch.arange(start, start + layout.query_lens[seq], device=x.device)
-            keys, mask = self._window(cache, seq, start, pos, kv[rows])
+            first, count = offsets[seq], layout.query_lens[seq]
+            rows = slice(first, first + count)
+            # Everything this step contributes is written first; reads then see it.
+            cache.write(seq, self.layer, CacheKind.SLIDING_KV, torch.arange(start, start + count), kv[rows])
             if self.compressor is not None:
-                self.compressor.update(
-                    cache,
-                    seq,
-                    self.layer,
-                    (CacheKind.COMPRESSOR_STATE, CacheKind.COMPRESSED_KV),
-                    start,
-                    state[rows],
-                    self.compress_rope,
+                kinds = (CacheKind.COMPRESSOR_STATE, CacheKind.COMPRESSED_KV)
+                self.compressor.update(cache, seq, self.layer, kinds, start, state[rows], self.compress_rope)
+            if self.indexer is not None:
+                kinds = (CacheKind.INDEXER_STATE, CacheKind.INDEXER_KEYS)
+                self.indexer.compressor.update(
+                    cache, seq, self.layer, kinds, start, index_state[rows], self.compress_rope
                 )
-                if self.indexer is None:
-                    entries, entry_mask = self._all_entries(cache, seq, pos)
-                else:
+            # Queries in blocks: the window part of a long prefill stays [block, block + W] wide.
+            for block in range(0, count, QUERY_BLOCK):
+                sub = slice(first + block, first + min(block + QUERY_BLOCK, count))
+                pos = torch.arange(start + block, start + min(block + QUERY_BLOCK, count), device=x.device)
+                keys, mask = self._window(cache, seq, pos)
+                if self.indexer is not None:
                     entries, entry_mask = self._picked_entries(
-                        cache, seq, start, pos, index_state[rows], index_q[rows], index_weights[rows]
+                        cache, seq, pos, index_q[sub], index_weights[sub]
                     )
-                keys, mask = torch.cat((keys, entries)), torch.cat((mask, entry_mask), dim=1)
-            out[rows] = attend_with_sink(q[rows], keys, mask, self.attn_sink, self.scale)
+                    keys, mask = torch.cat((keys, entries)), torch.cat((mask, entry_mask), dim=1)
+                elif self.compressor is not None:
+                    entries, entry_mask = self._all_entries(cache, seq, pos)
+                    keys, mask = torch.cat((keys, entries)), torch.cat((mask, entry_mask), dim=1)
+                out[sub] = attend_with_sink(q[sub], keys, mask, self.attn_sink, self.scale)
         out = self.rope(out, positions, inverse=True)
         return F.linear(self._grouped_down(out), self.wo_b)
 
-    def _window(
-        self, cache: V4Cache, seq: int, start: int, pos: torch.Tensor, kv: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _window(self, cache: V4Cache, seq: int, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of the raw window and which of them each query sees: keys at p - W < j <= p."""
         window = self.arch.sliding_window
-        cache.write(seq, self.layer, CacheKind.SLIDING_KV, pos, kv)
-        key_pos = torch.arange(max(0, start - window + 1), int(pos[-1]) + 1, device=pos.device)
+        key_pos = torch.arange(max(0, int(pos[0]) - window + 1), int(pos[-1]) + 1, device=pos.device)
         keys = cache.read(seq, self.layer, CacheKind.SLIDING_KV, key_pos)
         distance = pos.unsqueeze(1) - key_pos.unsqueeze(0)
         return keys, (distance >= 0) & (distance < window)
@@ -188,31 +193,14 @@ class V4Attention(torch.nn.Module):
         return entries, ids.unsqueeze(0) < self._visible(pos).unsqueeze(1)
 
     def _picked_entries(
-        self,
-        cache: V4Cache,
-        seq: int,
-        start: int,
-        pos: torch.Tensor,
-        index_state: torch.Tensor,
-        index_q: torch.Tensor,
-        index_weights: torch.Tensor,
+        self, cache: V4Cache, seq: int, pos: torch.Tensor, index_q: torch.Tensor, index_weights: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The CSA entries the indexer picks: only their union is read from the cache."""
         indexer = self.indexer
-        indexer.compressor.update(
-            cache,
-            seq,
-            self.layer,
-            (CacheKind.INDEXER_STATE, CacheKind.INDEXER_KEYS),
-            start,
-            index_state,
-            self.compress_rope,
-        )
         count = int(pos[-1] + 1) // self.rate
         if count == 0:
-            return index_q.new_empty((0, self.arch.head_dim)), torch.zeros(
-                (pos.shape[0], 0), dtype=torch.bool, device=pos.device
-            )
+            empty = torch.zeros((pos.shape[0], 0), dtype=torch.bool, device=pos.device)
+            return index_q.new_empty((0, self.arch.head_dim)), empty
         keys = cache.read(seq, self.layer, CacheKind.INDEXER_KEYS, torch.arange(count, device=pos.device))
         scores = indexer_scores(index_q, keys, index_weights, indexer.head_dim**-0.5)
         selected = select_entries(scores, self._visible(pos), indexer.top_k)  # [n, count]
