@@ -17,8 +17,8 @@ indexer_keys      1 / m           index_head_dim              CSA       every en
 [kv | gate] (CSA and the indexer: two halves each, for the overlapping windows); entry w of a
 compressed kind pools the rows of tokens w*m .. w*m + m - 1 (CSA also the previous window's) and
 is written by the step holding its last token, (w + 1) * m - 1. A step writes every row of its
-own tokens and entries before reading, and never reads an index at or beyond its last token, so
-rolling a sequence back (rejected draft tokens) needs no undo: the indices are written again.
+own tokens and entries before reading, and never reads past its last token, so rolling a
+sequence back (rejected draft tokens) needs no undo: the indices are written again.
 """
 
 from __future__ import annotations

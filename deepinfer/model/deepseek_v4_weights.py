@@ -34,7 +34,7 @@ _SHARED = re.compile(r"ffn\.shared_experts\.(w1|w2|w3)\.weight")
 _HC = re.compile(r"hc_(attn|ffn)_(fn|base|scale)")
 _HC_HEAD = re.compile(r"hc_head(?:_|\.hc_)(fn|base|scale)")
 _MTP_OWN = ("e_proj.weight", "h_proj.weight", "enorm.weight", "hnorm.weight", "norm.weight")
-_MTP_TIED = ("embed.weight", "head.weight", "emb.tok_emb.weight", "shared_head.head.weight")
+_MTP_TIED = ("embed.weight", "head.weight")
 _FP32 = re.compile(
     r".*(norm\.weight|attn_sink|\.ape|ffn\.gate\.weight|ffn\.gate\.bias|hc_(attn|ffn|head)\..*)"
 )
