@@ -28,6 +28,7 @@ from deepinfer.attention.v4_cache import CacheDecl, CacheKind, StepLayout, V4Cac
 from deepinfer.model.base import CausalLM, KVCacheSpec
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.deepseek_v4_config import CSA, DeepseekV4Arch
+from deepinfer.model.deepseek_v4_weights import load_v4_weights
 from deepinfer.model.layers.mhc import HyperConnection, HyperHead
 from deepinfer.model.layers.v4_attention import V4Attention
 from deepinfer.model.layers.v4_moe import V4MoE
@@ -237,6 +238,4 @@ class DeepseekV4ForCausalLM(CausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Official DeepSeek-V4 names (and the variants transformers' save_pretrained writes); FP8
         block-scaled weights and MXFP4 experts are dequantized on the way."""
-        from deepinfer.model.deepseek_v4_weights import load_v4_weights
-
         load_v4_weights(self, weights)
