@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.deepinfer-installed
 
-.PHONY: serve test lint format install clean test-services
+.PHONY: serve test lint format install clean test-services agent-clients
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,7 +33,21 @@ format: $(STAMP)
 test-services:
 	command -v redis-server >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
 
-test: lint test-services
+# The agent CLIs the end-to-end client tests drive (tests/agents), pinned, installed under build/npm.
+AGENT_CLIENTS := @openai/codex@0.169.0 @anthropic-ai/claude-code@2.1.328
+NPM_PREFIX := build/npm
+AGENT_STAMP := $(NPM_PREFIX)/.installed-codex-0.169.0-claude-2.1.328
+
+$(AGENT_STAMP):
+	@if command -v npm >/dev/null; then \
+		mkdir -p $(NPM_PREFIX) && npm install --silent --no-audit --no-fund --prefix $(NPM_PREFIX) $(AGENT_CLIENTS) && touch $(AGENT_STAMP); \
+	else \
+		echo "npm is not installed: the Codex CLI and Claude Code tests (tests/agents) will be skipped"; \
+	fi
+
+agent-clients: $(AGENT_STAMP)
+
+test: lint test-services agent-clients
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 clean:

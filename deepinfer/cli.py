@@ -1,4 +1,4 @@
-"""The `deepinfer` command: serve | generate | bench.
+"""The `deepinfer` command: serve | generate | bench | router.
 
 Every EngineConfig field is a flag of `serve` and `generate` (`--kv-cache-memory 256MiB`,
 `--max-num-seqs 64`, `--no-enable-prefix-caching`, ...), derived from the dataclass so a new
@@ -8,96 +8,31 @@ engine option is a new flag without touching this file.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
-import re
 import sys
-import types
-import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
-
-_HELP = {
-    "dtype": "weights and activations dtype (auto: float32 on CPU, bfloat16 on CUDA)",
-    "device": "auto, cpu or cuda[:N]",
-    "block_size": "tokens per KV-cache block",
-    "kv_cache_memory": "bytes for the KV cache, e.g. 268435456, 256MiB or 2GiB (default: 2 GiB on CPU, 90%% of free memory on GPU)",
-    "num_blocks": "number of KV-cache blocks (overrides --kv-cache-memory)",
-    "max_num_seqs": "most sequences running at once",
-    "max_num_batched_tokens": "token budget of one step",
-    "prefill_chunk_size": "most prompt tokens of one sequence per step",
-    "max_model_len": "context length (default: the model's)",
-    "enable_prefix_caching": "reuse the KV of shared prompt prefixes",
-    "scheduling_policy": "fcfs, or priority (lower value first)",
-    "attention_backend": "attention implementation",
-    "num_threads": "CPU threads for torch (default: all cores)",
-    "speculative_method": "speculative decoding: ngram (prompt lookup), draft (a draft model) or mtp (DeepSeek MTP)",
-    "num_speculative_tokens": "most draft tokens verified per step",
-    "speculative_length": "dynamic: per-step length from expected acceptance and the profiled step cost; fixed: always the most",
-    "speculative_model": "draft model for --speculative-method draft (default: the target model itself)",
-    "speculative_ngram_min": "shortest suffix n-gram prompt lookup matches",
-    "speculative_ngram_max": "longest suffix n-gram prompt lookup tries first",
-    "grammar_compile_timeout": "seconds a structured-output grammar (JSON schema, forced tool call) may take to compile; slower ones are refused (400)",
-}
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """`268435456`, `256MiB`, `256M`, `1.5GiB` -> bytes (K/M/G/T are powers of 1024)."""
-    match = _SIZE.match(text)
-    if match is None:
-        raise argparse.ArgumentTypeError(f"expected a size such as 268435456, 256MiB or 2GiB, got {text!r}")
-    number, unit = float(match.group(1)), match.group(2).lower()
-    return int(number * (1024 ** " kmgt".index(unit or " ")))
-
-
-def positive_int_list(text: str) -> list[int]:
-    """`1,4,16` -> [1, 4, 16]; every value must be a positive integer."""
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
-def _is_optional(hint: Any) -> tuple[Any, bool]:
-    args = typing.get_args(hint)
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        rest = [a for a in args if a is not type(None)]
-        if len(rest) == 1:
-            return rest[0], True
-    return hint, False
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """Every engine option as a flag (the model is the command's positional argument)."""
     from deepinfer.config import EngineConfig
+    from deepinfer.config.flags import add_config_flags
 
-    group = parser.add_argument_group("engine options")
-    hints = typing.get_type_hints(EngineConfig)
-    for f in dataclasses.fields(EngineConfig):
-        if f.name == "model":
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        kind, _ = _is_optional(hints[f.name])
-        help_text = _HELP.get(f.name, f"engine option {f.name}")
-        if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
-        elif typing.get_origin(kind) is typing.Literal:
-            group.add_argument(flag, choices=typing.get_args(kind), default=f.default, help=help_text)
-        else:
-            convert: Callable[[str], Any] = parse_size if f.name.endswith("_memory") else kind
-            group.add_argument(flag, type=convert, default=f.default, help=help_text)
+    add_config_flags(parser, EngineConfig, "engine options", skip=("model",))
 
 
-def engine_config_from_args(args: argparse.Namespace, model: str | None) -> Any:
+def engine_config_from_args(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, model: str | None
+) -> Any:
+    """The validated EngineConfig of the parsed flags; a bad value is a usage error naming its flag."""
     from deepinfer.config import EngineConfig
+    from deepinfer.config.flags import build_config, given_options
 
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.name != "model"}
-    return EngineConfig.from_kwargs(model=model, **values)
+    return build_config(
+        parser, EngineConfig, {"model": model, **given_options(args, EngineConfig, skip=("model",))}
+    )
 
 
 # ------------------------------------------------------------------------------------- serve
@@ -113,69 +48,67 @@ def _add_serve(commands: Any) -> None:
     p.add_argument(
         "model", nargs="?", default=None, help="a .gguf file or a HF directory (default: the embedded model)"
     )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at startup)")
-    p.add_argument(
-        "--api-key",
-        action="append",
-        default=[],
-        help="require this key (Authorization: Bearer or x-api-key); repeat for several",
-    )
-    p.add_argument(
-        "--served-model-name",
-        action="append",
-        default=[],
-        help="a name clients use in `model` (default: the model's); repeat for several",
-    )
-    p.add_argument(
-        "--max-waiting-requests",
-        type=int,
-        default=512,
-        help="requests waiting for their first token before new ones get 429 (Anthropic: 529)",
-    )
-    p.add_argument("--max-body-bytes", type=parse_size, default=32 << 20, help="larger bodies get 413")
-    p.add_argument(
-        "--cache-salt-per-key",
-        action="store_true",
-        help="isolate the prefix cache between API keys (on top of any cache_salt in bodies)",
-    )
-    p.add_argument("--recipe-family", help="override the detected prompt family (e.g. deepseek_v32)")
-    p.add_argument(
-        "--engine-mode",
-        choices=("process", "thread"),
-        default="process",
-        help="run the engine core in its own process (default) or on a thread of the server",
-    )
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    from deepinfer.config import ServerConfig
+    from deepinfer.config.flags import add_config_flags
+
+    add_config_flags(p, ServerConfig, "server options")
     add_engine_options(p)
-    p.set_defaults(handler=_run_serve)
+    p.set_defaults(handler=_run_serve, parser=p)
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    from deepinfer.config import ServerConfig
+    from deepinfer.config.flags import build_config, given_options
     from deepinfer.server.serve import run_server
-    from deepinfer.server.state import ServerConfig
 
-    if args.max_waiting_requests < 1:
-        raise SystemExit("error: --max-waiting-requests must be at least 1")
-    if not args.grammar_compile_timeout > 0:
-        raise SystemExit("error: --grammar-compile-timeout must be a positive number of seconds")
+    # Every option is validated here, before the engine process starts loading weights.
+    server_config = build_config(args.parser, ServerConfig, given_options(args, ServerConfig))
+    engine_config = engine_config_from_args(args.parser, args, args.model)
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=server_config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    engine_config = engine_config_from_args(args, args.model)
-    server_config = ServerConfig(
-        host=args.host,
-        port=args.port,
-        api_keys=list(args.api_key),
-        served_model_names=list(args.served_model_name),
-        max_waiting_requests=args.max_waiting_requests,
-        max_body_bytes=args.max_body_bytes,
-        cache_salt_per_key=args.cache_salt_per_key,
-        recipe_family=args.recipe_family,
-        engine_mode=args.engine_mode,
-        log_level=args.log_level,
-    )
+    if engine_config.parallel.world_size > 1:
+        from deepinfer.distributed.topology import resolve_topology
+        from deepinfer.engine.parallel.worker import run_node
+
+        try:
+            rank = resolve_topology(engine_config.parallel).rank
+        except ValueError as error:
+            args.parser.error(str(error))
+        if rank != 0:  # another machine (--node-rank N) or a launcher's rank: no HTTP here
+            return run_node(engine_config, server_config.log_level)
     run_server(engine_config, server_config)
+    return 0
+
+
+# ------------------------------------------------------------------------------------ router
+
+
+def _add_router(commands: Any) -> None:
+    p = commands.add_parser(
+        "router",
+        help="one HTTP entry point in front of several replicas (cache-aware, prefill/decode)",
+        description="Route OpenAI and Anthropic requests across `deepinfer serve` replicas (--replica, "
+        "repeated) or across prefill and decode replicas (--prefill / --decode): round robin, least "
+        "load, or cache-aware from the KV events the replicas publish (--kv-events-endpoint).",
+    )
+    from deepinfer.config.flags import add_config_flags
+    from deepinfer.config.router import RouterConfig
+
+    add_config_flags(p, RouterConfig, "router options")
+    p.set_defaults(handler=_run_router, parser=p)
+
+
+def _run_router(args: argparse.Namespace) -> int:
+    from deepinfer.config.flags import build_config, given_options
+    from deepinfer.config.router import RouterConfig
+    from deepinfer.router.main import run_router
+
+    config = build_config(args.parser, RouterConfig, given_options(args, RouterConfig))
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    run_router(config)
     return 0
 
 
@@ -204,7 +137,7 @@ def _add_generate(commands: Any) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string; repeat for several")
     p.add_argument("--recipe-family", help="override the detected prompt family")
     add_engine_options(p)
-    p.set_defaults(handler=_run_generate)
+    p.set_defaults(handler=_run_generate, parser=p)
 
 
 def _run_generate(args: argparse.Namespace) -> int:
@@ -213,10 +146,10 @@ def _run_generate(args: argparse.Namespace) -> int:
     from deepinfer.recipe import RecipeError
     from deepinfer.recipe.events import ReasoningDelta, TextDelta, ToolCallEnd
     from deepinfer.sampling_params import InvalidRequestError, SamplingParams
-    from deepinfer.server.generation import check_prompt, max_tokens_for
+    from deepinfer.validation import check_prompt, max_tokens_for
 
     prompt_text = sys.stdin.read() if args.prompt == "-" else args.prompt
-    engine = LLMEngine(engine_config_from_args(args, args.model))
+    engine = LLMEngine(engine_config_from_args(args.parser, args, args.model))
     tokenizer, max_model_len = engine.tokenizer, engine.core.max_model_len
     parser = None
     try:
@@ -286,8 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="deepinfer", description="DeepInfer: an LLM inference engine.")
     parser.add_argument("--version", action="version", version=f"deepinfer {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate,bench}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate,bench,router}")
     _add_serve(commands)
+    _add_router(commands)
     _add_generate(commands)
     add_bench_parser(commands)
     commands.choices["bench"].set_defaults(handler=run_bench)

@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from deepinfer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -31,6 +33,14 @@ class FinishReason(enum.StrEnum):
     ABORT = "abort"
 
 
+class KVSource(msgspec.Struct, frozen=True, array_like=True):
+    """Where a decode engine pulls a request's prompt KV from: the prefill engine's transfer
+    listener (host:port) and the id the prefill engine holds the blocks under."""
+
+    address: str
+    transfer_id: str
+
+
 @dataclass(slots=True)
 class EngineRequest:
     """The unit the engine core accepts: token ids only (text lives on the API side)."""
@@ -44,6 +54,8 @@ class EngineRequest:
     cache_salt: str | None = None
     traffic_class: str | None = None
     grammar: GrammarSpec | None = None  # structured output / forced tool call constraint
+    kv_handoff: str | None = None  # prefill role: hold the prompt's KV for a decoder under this id
+    kv_source: KVSource | None = None  # decode role: pull the prompt's KV from a prefill engine
 
 
 @dataclass(slots=True, eq=False)
@@ -56,9 +68,11 @@ class Sequence:
     prefix_root: bytes
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)
-    num_registered_blocks: int = 0  # leading blocks already indexed in the prefix cache
+    # One block table per cache group (the KV manager's order), and per group how many leading
+    # blocks are already indexed in the prefix cache.
+    block_tables: list[list[int]] = field(default_factory=list)
+    num_registered: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix hashes of its full blocks
     num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
@@ -75,6 +89,11 @@ class Sequence:
     @property
     def params(self) -> SamplingParams:
         return self.request.params
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first cache group's table: the only one of a single-group model."""
+        return self.block_tables[0] if self.block_tables else []
 
     @property
     def num_tokens(self) -> int:

@@ -35,18 +35,25 @@ class AttentionBackend(Protocol):
 
 
 def context_slots(meta: AttentionMetadata, i: int) -> torch.Tensor:
-    """Cache slots [L] of sequence i's whole context, in position order."""
-    length = meta.seq_lens_list[i]
-    positions = torch.arange(length, device=meta.block_tables.device)
+    """Cache slots [L] of the context sequence i's queries see (from `first_key_position`), in
+    position order."""
+    positions = torch.arange(
+        meta.first_key_position(i), meta.seq_lens_list[i], device=meta.block_tables.device
+    )
     blocks = meta.block_tables[i, positions // meta.block_size]
     return blocks * meta.block_size + positions % meta.block_size
 
 
-def attend_sequence(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of q [Q, H, D] over its context keys/values [L, KVH, D] (queries are the last Q)."""
+def attend_sequence(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, window: int | None = None
+) -> torch.Tensor:
+    """Causal attention of q [Q, H, D] over context keys/values [L, KVH, D] (the queries are the
+    last Q positions); with a `window`, a query sees only its last `window` positions."""
     num_q, length = q.shape[0], keys.shape[0]
     # Query j sits at context position length - num_q + j and may see keys 0..that position.
     mask = torch.ones(num_q, length, dtype=torch.bool, device=q.device).tril(diagonal=length - num_q)
+    if window is not None:
+        mask &= ~torch.ones_like(mask).tril(diagonal=length - num_q - window)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1),
         keys.transpose(0, 1),
@@ -81,7 +88,11 @@ class TorchReferenceBackend:
         for i, num_q in enumerate(meta.query_lens):
             slots = meta.extra["slots"][i]
             out[start : start + num_q] = attend_sequence(
-                q[start : start + num_q], cache[slots, 0].to(q.dtype), cache[slots, 1].to(q.dtype), scale
+                q[start : start + num_q],
+                cache[slots, 0].to(q.dtype),
+                cache[slots, 1].to(q.dtype),
+                scale,
+                meta.window,
             )
             start += num_q
         return out

@@ -15,10 +15,11 @@ QUERY_TILE = 128  # rows per tile: enough for GEMM efficiency, small enough to s
 
 
 def attend_chunk_tiled(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, window: int | None = None
 ) -> torch.Tensor:
     """Causal attention of q [Q, H, D] over keys/values [L, KVH, D]; the queries are the last Q
-    positions of the context. Returns [Q, H, D]."""
+    positions of the context. With a `window`, a query sees only its last `window` positions, and
+    a tile multiplies only the keys some of its queries see. Returns [Q, H, D]."""
     num_q, num_heads, head_dim = q.shape
     length, num_kv_heads, _ = keys.shape
     group = num_heads // num_kv_heads
@@ -31,14 +32,25 @@ def attend_chunk_tiled(
     for start in range(0, num_q, QUERY_TILE):
         stop = min(start + QUERY_TILE, num_q)
         tile = stop - start
-        visible = first_position + stop  # keys 0 .. visible-1 are seen by at least the tile's last query
+        visible = first_position + stop  # keys before this are seen by at least the tile's last query
+        # With a window, keys before `lowest` are out of every query's window in the tile.
+        lowest = 0 if window is None else max(first_position + start - window + 1, 0)
+        width = visible - lowest
         q_tile = q_grouped[:, :, start:stop].reshape(num_kv_heads, group * tile, head_dim)
-        scores = torch.bmm(q_tile, k[:, :visible].transpose(1, 2))  # [KVH, G*tile, visible]
-        scores = scores.view(num_kv_heads, group, tile, visible)
-        # Only the last `tile` key columns hold positions some query of the tile may not see yet.
-        diagonal = scores[..., visible - tile :]
-        future = torch.ones(tile, tile, dtype=torch.bool, device=q.device).triu(1)
-        diagonal.masked_fill_(future, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).view(num_kv_heads, group * tile, visible)
-        out[:, :, start:stop] = torch.bmm(probs, v[:, :visible]).view(num_kv_heads, group, tile, head_dim)
+        scores = torch.bmm(q_tile, k[:, lowest:visible].transpose(1, 2))  # [KVH, G*tile, width]
+        scores = scores.view(num_kv_heads, group, tile, width)
+        if window is None:
+            # Only the last `tile` key columns hold positions some query of the tile may not see yet.
+            diagonal = scores[..., width - tile :]
+            future = torch.ones(tile, tile, dtype=torch.bool, device=q.device).triu(1)
+            diagonal.masked_fill_(future, float("-inf"))
+        else:
+            query_pos = torch.arange(first_position + start, first_position + stop, device=q.device)[:, None]
+            key_pos = torch.arange(lowest, visible, device=q.device)[None, :]
+            hidden = (key_pos > query_pos) | (key_pos <= query_pos - window)  # [tile, width]
+            scores.masked_fill_(hidden, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).view(num_kv_heads, group * tile, width)
+        out[:, :, start:stop] = torch.bmm(probs, v[:, lowest:visible]).view(
+            num_kv_heads, group, tile, head_dim
+        )
     return out.permute(2, 0, 1, 3).reshape(num_q, num_heads, head_dim)

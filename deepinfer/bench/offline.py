@@ -22,8 +22,8 @@ import random
 import time
 from typing import Any
 
+from deepinfer.bench.peak import DEFAULT_GEMM_SIZES, measure_gemm_flops, measure_int8_gemm_ops
 from deepinfer.bench.report import markdown_table, provenance, write_json
-from deepinfer.bench.roofline import DEFAULT_GEMM_SIZES, measure_int8_gemm_ops, measure_roofline
 
 
 def _model_dims(config: Any) -> dict[str, int]:
@@ -63,7 +63,7 @@ def random_prompts(tokenizer: Any, count: int, min_len: int, max_len: int, seed:
     return [[rng.choice(vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(count)]
 
 
-def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     options: dict[str, Any] = {"num_threads": args.threads}
     forwarded = (
         "max_num_batched_tokens",
@@ -115,14 +115,12 @@ def run_hf(
 def run_throughput(args: argparse.Namespace) -> int:
     from deepinfer import LLM, SamplingParams
 
-    roofline = measure_roofline(threads=args.threads)
+    fp32_peak = max(measure_gemm_flops(DEFAULT_GEMM_SIZES, args.threads).values())
     # int8 linears run against the int8 GEMM peak, not the fp32 one.
     peak = (
-        measure_int8_gemm_ops(DEFAULT_GEMM_SIZES, args.threads)
-        if args.quantization == "int8"
-        else roofline.peak_flops
+        measure_int8_gemm_ops(DEFAULT_GEMM_SIZES, args.threads) if args.quantization == "int8" else fp32_peak
     )
-    llm = LLM(args.model, **_engine_options(args))
+    llm = LLM(args.model, **engine_options(args))
     prompts = random_prompts(
         llm.get_tokenizer(), args.num_prompts, args.input_len_min, args.input_len_max, args.seed
     )
@@ -151,7 +149,7 @@ def run_throughput(args: argparse.Namespace) -> int:
         "peak_gemm_flops_per_s": peak,
         "peak_kind": "int8" if args.quantization == "int8" else "fp32",
         "mfu": flops / seconds / peak,
-        "engine_options": _engine_options(args),
+        "engine_options": engine_options(args),
         "preemptions": llm.engine.core.num_preemptions,
     }
     rows = [
@@ -172,7 +170,7 @@ def run_throughput(args: argparse.Namespace) -> int:
             "seconds": hf_seconds,
             "output_tokens_per_s": hf_out,
             "total_tokens_per_s": (prompt_tokens + len(prompts) * args.output_len) / hf_seconds,
-            "mfu": flops / hf_seconds / roofline.peak_flops,  # fp32 weights
+            "mfu": flops / hf_seconds / fp32_peak,  # fp32 weights
         }
         result["speedup_vs_hf"] = hf_seconds / seconds
         rows.append(
@@ -185,7 +183,7 @@ def run_throughput(args: argparse.Namespace) -> int:
             ]
         )
     print(markdown_table(["engine", "output tok/s", "total tok/s", "MFU", "time ratio to deepinfer"], rows))
-    print(f"fp32 GEMM peak measured: {roofline.peak_flops / 1e9:.1f} GFLOP/s on {args.threads} threads")
+    print(f"fp32 GEMM peak measured: {fp32_peak / 1e9:.1f} GFLOP/s on {args.threads} threads")
     if args.quantization == "int8":
         print(f"int8 GEMM peak measured: {peak / 1e9:.1f} GOP/s (the MFU of int8 runs is against it)")
     if args.result_json:
@@ -196,7 +194,7 @@ def run_throughput(args: argparse.Namespace) -> int:
 def run_latency(args: argparse.Namespace) -> int:
     from deepinfer import LLM, SamplingParams
 
-    llm = LLM(args.model, **_engine_options(args))
+    llm = LLM(args.model, **engine_options(args))
     [prompt] = random_prompts(llm.get_tokenizer(), 1, args.input_len, args.input_len, args.seed)
     llm.generate([prompt], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     engine = llm.engine
@@ -246,147 +244,8 @@ def run_latency(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ttft(engine: Any, prompt: list[int], cache_salt: str | None = None) -> float:
-    from deepinfer import SamplingParams
-
-    start = time.perf_counter()
-    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=1), cache_salt=cache_salt)
-    while engine.has_unfinished_requests():
-        engine.step()
-    return time.perf_counter() - start
-
-
-def run_prefix(args: argparse.Namespace) -> int:
-    """Prefix caching: TTFT of a hit vs a miss, and the cost of caching on a workload with no hits."""
-    from deepinfer import LLM, SamplingParams
-
-    llm = LLM(args.model, **_engine_options(args))
-    tokenizer = llm.get_tokenizer()
-    [prefix] = random_prompts(tokenizer, 1, args.prefix_len, args.prefix_len, args.seed)
-    suffixes = random_prompts(
-        tokenizer, 2 * args.repeats + 1, args.suffix_len, args.suffix_len, args.seed + 1
-    )
-    _ttft(llm.engine, prefix + suffixes[-1], cache_salt="warm-up")
-    misses, hits = [], []
-    for i in range(args.repeats):
-        salt = f"run-{i}"  # a new salt makes the shared prefix a guaranteed miss
-        misses.append(_ttft(llm.engine, prefix + suffixes[2 * i], cache_salt=salt))
-        hits.append(_ttft(llm.engine, prefix + suffixes[2 * i + 1], cache_salt=salt))
-    miss, hit = min(misses), min(hits)
-
-    # A workload with 0% hits: caching on vs off, alternated so drift hits both equally.
-    prompts = random_prompts(
-        tokenizer, args.num_prompts, args.input_len_min, args.input_len_max, args.seed + 2
-    )
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    engines = {
-        "on": llm,
-        "off": LLM(
-            args.model,
-            loaded=llm.engine.core.loaded,
-            **{**_engine_options(args), "enable_prefix_caching": False},
-        ),
-    }
-    best = {"on": float("inf"), "off": float("inf")}
-    for round_ in range(args.rounds):
-        for name, engine in engines.items():
-            batch = [{"prompt_token_ids": p} for p in prompts]
-            engine.generate(
-                batch[:1], SamplingParams(max_tokens=1), use_tqdm=False, cache_salt=f"warm-{round_}"
-            )
-            start = time.perf_counter()
-            engine.generate(batch, params, use_tqdm=False, cache_salt=f"{name}-{round_}")
-            best[name] = min(best[name], time.perf_counter() - start)
-    output_tokens = args.num_prompts * args.output_len
-    result = {
-        "benchmark": "prefix",
-        **provenance(),
-        "prefix_len": args.prefix_len,
-        "suffix_len": args.suffix_len,
-        "ttft_miss_s": miss,
-        "ttft_hit_s": hit,
-        "hit_over_miss": hit / miss,
-        "zero_hit_output_tokens_per_s": {k: output_tokens / v for k, v in best.items()},
-        "zero_hit_throughput_ratio_on_over_off": best["off"] / best["on"],
-    }
-    print(
-        markdown_table(
-            ["measure", "value"],
-            [
-                [f"TTFT miss ({args.prefix_len}+{args.suffix_len} tokens)", f"{miss * 1e3:.1f} ms"],
-                [f"TTFT hit (prefix of {args.prefix_len} cached)", f"{hit * 1e3:.1f} ms"],
-                ["hit / miss", f"{hit / miss:.1%}"],
-                ["0%-hit throughput, caching on", f"{output_tokens / best['on']:.1f} tok/s"],
-                ["0%-hit throughput, caching off", f"{output_tokens / best['off']:.1f} tok/s"],
-                ["on / off", f"{best['off'] / best['on']:.3f}"],
-            ],
-        )
-    )
-    if args.result_json:
-        write_json(args.result_json, result)
-    return 0
-
-
-_STORE_WRITER = """
-import json, sys
-from deepinfer import LLM, SamplingParams
-args = json.loads(sys.argv[1])
-llm = LLM(args["model"], kv_store=args["store"], num_threads=args["threads"])
-llm.generate([{"prompt_token_ids": args["prompt"]}], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
-llm.close()
-"""
-
-
-def run_kvstore(args: argparse.Namespace) -> int:
-    """A restart: one process prefills a long prompt into the store and exits; a new process
-    measures TTFT on that prefix (a store hit) against a cold prefill of the same length."""
-    import json
-    import subprocess
-    import sys
-    import tempfile
-
-    from deepinfer import LLM
-
-    store = args.kv_store or tempfile.mkdtemp(prefix="deepinfer-kv-")
-    llm = LLM(args.model, kv_store=store, **_engine_options(args))
-    tokenizer = llm.get_tokenizer()
-    prompts = random_prompts(tokenizer, 2 * args.repeats, args.prefix_len, args.prefix_len, args.seed)
-    for prompt in prompts[: args.repeats]:
-        payload = {"model": args.model, "store": store, "prompt": prompt, "threads": args.threads}
-        subprocess.run([sys.executable, "-c", _STORE_WRITER, json.dumps(payload)], check=True)
-    _ttft(llm.engine, prompts[-1][:64])  # warm-up
-    hits = [_ttft(llm.engine, p) for p in prompts[: args.repeats]]
-    colds = [_ttft(llm.engine, p) for p in prompts[args.repeats :]]
-    hit, cold = min(hits), min(colds)
-    metrics = llm.engine.core.offloader.metrics()
-    llm.close()
-    result = {
-        "benchmark": "kvstore",
-        **provenance(),
-        "store": store,
-        "prefix_len": args.prefix_len,
-        "ttft_cold_s": cold,
-        "ttft_store_hit_s": hit,
-        "hit_over_cold": hit / cold,
-        "store_metrics": metrics,
-    }
-    print(
-        markdown_table(
-            ["measure", "value"],
-            [
-                [f"TTFT cold prefill ({args.prefix_len} tokens)", f"{cold * 1e3:.0f} ms"],
-                ["TTFT after restart, prefix from the store", f"{hit * 1e3:.0f} ms"],
-                ["hit / cold", f"{hit / cold:.1%}"],
-                ["bytes read from the store", f"{metrics['bytes_read'] / 2**20:.0f} MiB"],
-            ],
-        )
-    )
-    if args.result_json:
-        write_json(args.result_json, result)
-    return 0
-
-
-def _common(parser: argparse.ArgumentParser) -> None:
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine options every offline benchmark takes."""
     parser.add_argument("--model", default=None, help="GGUF file or HF dir (default: the embedded model)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
@@ -395,15 +254,20 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", type=int)
     parser.add_argument("--block-size", type=int)
     parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--quantization", choices=["int8"], help="W8A8 int8 linears (default: fp32)")
+    parser.add_argument(
+        "--quantization",
+        choices=["none", "int8", "gguf"],
+        help="gguf: a GGUF's own blocks (the default for a GGUF); none: fp32; int8: W8A8 linears",
+    )
     parser.add_argument("--kv-cache-dtype", choices=["auto", "float16"], help="default: the model dtype")
     parser.add_argument("--result-json")
     parser.add_argument("--quiet", action="store_true")
 
 
 def add_offline_parsers(commands: Any) -> None:
+    """`throughput` and `latency`."""
     throughput = commands.add_parser("throughput", help="offline engine throughput (vs HF transformers)")
-    _common(throughput)
+    add_common_arguments(throughput)
     throughput.add_argument("--num-prompts", type=int, default=64)
     throughput.add_argument("--input-len-min", type=int, default=128)
     throughput.add_argument("--input-len-max", type=int, default=512)
@@ -414,24 +278,7 @@ def add_offline_parsers(commands: Any) -> None:
     throughput.add_argument("--hf-batch-size", type=int, default=32)
 
     latency = commands.add_parser("latency", help="batch-1 prefill and decode latency")
-    _common(latency)
+    add_common_arguments(latency)
     latency.add_argument("--input-len", type=int, default=512)
     latency.add_argument("--output-len", type=int, default=64)
     latency.add_argument("--repeats", type=int, default=3)
-
-    prefix = commands.add_parser("prefix", help="prefix caching: TTFT hit vs miss, cost at 0%% hits")
-    _common(prefix)
-    prefix.add_argument("--prefix-len", type=int, default=2000)
-    prefix.add_argument("--suffix-len", type=int, default=50)
-    prefix.add_argument("--repeats", type=int, default=3)
-    prefix.add_argument("--num-prompts", type=int, default=32)
-    prefix.add_argument("--input-len-min", type=int, default=128)
-    prefix.add_argument("--input-len-max", type=int, default=512)
-    prefix.add_argument("--output-len", type=int, default=64)
-    prefix.add_argument("--rounds", type=int, default=2)
-
-    kvstore = commands.add_parser("kvstore", help="TTFT of a prefix loaded from the KV store after a restart")
-    _common(kvstore)
-    kvstore.add_argument("--kv-store", help="store URL or directory (default: a fresh temp dir)")
-    kvstore.add_argument("--prefix-len", type=int, default=4000)
-    kvstore.add_argument("--repeats", type=int, default=2)

@@ -3,29 +3,36 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import torch
 
+from deepinfer.cache_layout import CacheGroup, CacheLayout, plan_cache_layout
 from deepinfer.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from deepinfer.engine.grammar import GrammarManager
+from deepinfer.engine.kv_cache.events import KVEvent, KVEventLog
 from deepinfer.engine.kv_cache.manager import KVCacheManager
 from deepinfer.engine.kv_cache.prefix import namespace_root
-from deepinfer.engine.kv_offload import KVOffloader
-from deepinfer.engine.outputs import SequenceOutput, TokenLogprobs
-from deepinfer.engine.scheduler import Scheduler, SchedulerConfig, SequenceUpdate
+from deepinfer.engine.kv_connector import ConnectorChain, KVConnector
+from deepinfer.engine.kv_offload import KVOffloader, TierEvents
+from deepinfer.engine.kv_pd import DecodeReceiver, PrefillHandoff
+from deepinfer.engine.outputs import KVHandoff, SequenceOutput, TokenLogprobs
+from deepinfer.engine.parallel.context import RankContext, rank_threads
+from deepinfer.engine.scheduler import Scheduler, SequenceUpdate
+from deepinfer.model.base import CausalLM
+from deepinfer.model.layers.expert_parallel import ExpertBalancer
 from deepinfer.model.loader.load import LoadedModel, load_model
+from deepinfer.runner.device import torch_device, torch_dtype
+from deepinfer.runner.kv_caches import KVCaches
 from deepinfer.runner.model_runner import ModelRunner, StepResult
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.sequence import EngineRequest, Sequence
-from deepinfer.store import KVStoreConfig, build_kv_store
-
-if TYPE_CHECKING:
-    from deepinfer.speculative.decoder import SpeculativeDecoder
-    from deepinfer.speculative.stats import SpecDecodeStats
+from deepinfer.speculative.build import build_speculative_decoder, load_draft_model, proposer_cache_groups
+from deepinfer.speculative.decoder import SpeculativeDecoder
+from deepinfer.speculative.stats import SpecDecodeStats
+from deepinfer.step import SchedulerOutput
+from deepinfer.store import build_kv_store
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +49,8 @@ class EngineStats:
     prefix_evictions: int
     prefix_cached_blocks: int
     num_preemptions: int
+    # Data parallelism: the stats of every rank, in rank order (the fields above sum them).
+    per_rank: list[EngineStats] = field(default_factory=list)
 
     @property
     def kv_usage(self) -> float:
@@ -52,116 +61,195 @@ class EngineStats:
         return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
 
 
-class EngineCore:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
-        self.config = config
-        torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
-        device, dtype = config.torch_device(), config.torch_dtype()
-        self.loaded = loaded or load_model(config.model, dtype, device, config.quantization)
-        if self.loaded.quantization != config.quantization:
-            raise ValueError(
-                f"quantization={config.quantization!r} but the model given was loaded with "
-                f"{self.loaded.quantization!r}"
-            )
-        model_cfg = self.loaded.config
-        self.kv_spec = self.loaded.model.kv_cache_spec(self._kv_dtype(dtype))
-        self.max_model_len = min(
-            config.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings
+def check_model_options(config: EngineConfig, loaded: LoadedModel) -> None:
+    """Options that depend on the model, checked before any cache is allocated."""
+    if loaded.quantization != config.quantization:
+        raise ValueError(
+            f"quantization={config.quantization!r} but the model given was loaded with {loaded.quantization!r}"
         )
-        self.num_blocks = self._num_blocks(device)
-        self.fingerprint = f"{self.loaded.weights_fingerprint}:{self.kv_spec.layout()}"
-        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                prefill_chunk_size=config.prefill_chunk_size,
-                max_model_len=self.max_model_len,
-                policy=config.scheduling_policy,
-            ),
-            self.kv,
+    if config.cache.kv_cache_dtype != "auto" and not loaded.model.supports_kv_cache_dtype:
+        raise ValueError(
+            f"kv_cache_dtype={config.cache.kv_cache_dtype!r}: {type(loaded.model).__name__} keeps its KV "
+            "cache in the model's dtype"
         )
-        self.runner = ModelRunner(
-            self.loaded.model,
-            self.kv_spec,
-            self.num_blocks,
-            config.block_size,
-            device,
-            config.attention_backend,
-        )
-        self.spec: SpeculativeDecoder | None = None
-        if config.speculative_method is not None:
-            from deepinfer.speculative.build import build_speculative_decoder
 
-            self.spec = build_speculative_decoder(self)
-            self.runner.speculator = self.spec
-        self.offloader = self._build_offloader()
+
+def engine_device(config: EngineConfig, parallel: RankContext | None) -> torch.device:
+    """The device of this rank (on CUDA, one per rank of the machine)."""
+    device = torch_device(config.device)
+    if device.type == "cuda" and parallel is not None and device.index is None:
+        return torch.device("cuda", parallel.topology.local_rank)
+    return device
+
+
+def kv_cache_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtype:
+    return torch.float16 if config.cache.kv_cache_dtype == "float16" else dtype
+
+
+def plan_engine_caches(
+    config: EngineConfig, groups: list[CacheGroup], device: torch.device, parallel: RankContext | None = None
+) -> CacheLayout:
+    """One budget for every cache of the engine (target, draft model, MTP). The ranks of a
+    tensor-parallel group hold different shares of the KV heads, but one scheduler addresses
+    their blocks: they all take the smallest block count any of them can afford."""
+    cache, scheduler = config.cache, config.scheduler
+    budget = cache.kv_cache_memory
+    if budget is None and cache.num_blocks is None:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = int(free * 0.9)
+        else:
+            budget = DEFAULT_CPU_KV_CACHE_BYTES
+
+    def plan(num_blocks: int | None) -> CacheLayout:
+        return plan_cache_layout(
+            groups,
+            cache.block_size,
+            budget_bytes=budget,
+            num_blocks=num_blocks,
+            max_num_seqs=scheduler.max_num_seqs,
+            max_num_batched_tokens=scheduler.max_num_batched_tokens,
+        )
+
+    layout = plan(cache.num_blocks)
+    if parallel is not None and parallel.topology.tp_size > 1:
+        agreed = parallel.comm.all_reduce_min(layout.groups[0].num_blocks)
+        if agreed != layout.groups[0].num_blocks:
+            layout = plan(agreed)
+    return layout
+
+
+def build_expert_balancer(
+    config: EngineConfig, model: CausalLM, parallel: RankContext | None
+) -> ExpertBalancer | None:
+    """EPLB over the model's expert-parallel layers (--enable-eplb)."""
+    layers = model.expert_layers()
+    if parallel is None or not config.parallel.enable_eplb or not layers:
+        return None
+    ep = layers[0].ep
+    router = getattr(getattr(model, "arch", None), "router", None)
+    return ExpertBalancer(
+        layers,
+        ep,
+        config.parallel.eplb_interval,
+        num_groups=router.num_groups if router is not None else 1,
+        num_nodes=parallel.topology.nnodes,
+        policy=config.parallel.eplb_policy,
+    )
+
+
+class EngineCore:
+    """Builds every collaborator from one validated config (or takes weights already loaded),
+    then steps: schedule -> execute -> update -> outputs.
+
+    With `parallel`, this core is rank 0 of a tensor-parallel group (its runner hands every
+    forward to the other ranks) or one data-parallel rank (its own requests and KV cache); its
+    model is this rank's shard."""
+
+    def __init__(
+        self, config: EngineConfig, loaded: LoadedModel | None = None, parallel: RankContext | None = None
+    ) -> None:
+        self.config = config
+        self.parallel = parallel
+        torch.set_num_threads(rank_threads(config, parallel.topology if parallel else None))
+        device = engine_device(config, parallel)
+        dtype = torch_dtype(config.dtype, device)
+        if parallel is not None and loaded is not None:
+            raise ValueError("an engine over several ranks loads its own shards: `loaded` cannot be given")
+        self.loaded = loaded or load_model(
+            config.model, dtype, device, config.quantization, parallel.model_parallel() if parallel else None
+        )
+        check_model_options(config, self.loaded)
+        model = self.loaded.model
+        kv_dtype = kv_cache_dtype(config, dtype)
+        max_positions = self.loaded.config.max_position_embeddings
+        self.max_model_len = min(config.scheduler.max_model_len or max_positions, max_positions)
+
+        draft = load_draft_model(config, self.loaded, self.max_model_len, dtype, device)
+        declared: dict[str, list[CacheGroup]] = {
+            "target": model.cache_groups(kv_dtype),
+            **proposer_cache_groups(config.speculative.speculative_method, model, draft, kv_dtype),
+        }
+        self.layout = plan_engine_caches(
+            config, [g for groups in declared.values() for g in groups], device, parallel
+        )
+        self.fingerprint = f"{self.loaded.weights_fingerprint}:{self.layout.fingerprint()}"
+        # KV events are logged only when someone publishes them (a router reads them).
+        self.kv_events = KVEventLog() if config.disaggregation.kv_events_endpoint else None
+        self.kv = KVCacheManager(self.layout, config.cache.enable_prefix_caching, self.kv_events)
+        caches = KVCaches(self.layout, declared, device)
         # On the CPU the model has every core: masks are computed inline rather than by a pool.
         self.grammars = GrammarManager(
             self.loaded.tokenizer,
-            model_cfg.vocab_size,
+            self.loaded.config.vocab_size,
             config.grammar_compile_timeout,
             mask_threads=0 if device.type == "cpu" else None,
         )
-        self.runner.grammars = self.grammars
+        self.runner = ModelRunner(
+            model,
+            caches,
+            device,
+            config.attention_backend,
+            self.grammars.bitmask,
+            peers=parallel.peers if parallel else None,
+            experts=build_expert_balancer(config, model, parallel),
+        )
+        self.spec: SpeculativeDecoder | None = (
+            build_speculative_decoder(config, self.runner, caches, draft)
+            if config.speculative.enabled
+            else None
+        )
+        self.kv_transfer_address: str | None = None  # the prefill role's transfer listener
+        self.connector: KVConnector | None = self._build_connector(caches)
+        self.scheduler = Scheduler(config.scheduler, self.max_model_len, self.kv)
         self.num_preemptions = 0
         log.info(
-            "engine ready: %s, %d KV blocks of %d tokens (%d bytes/token), attention=%s",
+            "engine ready: %s, %d KV blocks in %d cache group(s) (%.0f bytes/token), attention=%s",
             self.loaded.name,
-            self.num_blocks,
-            config.block_size,
-            self.kv_spec.bytes_per_token,
+            self.kv.num_blocks,
+            len(self.layout.groups),
+            self.layout.bytes_per_token,
             self.runner.backend.name,
         )
 
-    def _kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        choice = self.config.kv_cache_dtype
-        if choice == "auto":
-            return model_dtype
-        if choice != "float16":
-            raise ValueError(f"kv_cache_dtype: expected 'auto' or 'float16', got {choice!r}")
-        if not self.loaded.model.supports_kv_cache_dtype:
-            raise ValueError(
-                f"kv_cache_dtype={choice!r}: {type(self.loaded.model).__name__} keeps its KV cache "
-                "in the model's dtype"
-            )
-        return torch.float16
-
-    def _build_offloader(self) -> KVOffloader | None:
-        c = self.config
+    def _build_connector(self, caches: KVCaches) -> KVConnector | None:
+        """The store connector (if a store or host tier is configured), then the role's."""
+        tier_events = TierEvents(self.kv_events) if self.kv_events is not None else None
         store = build_kv_store(
-            KVStoreConfig.from_cli(
-                c.kv_store, c.kv_host_cache_bytes, c.kv_retention, c.kv_store_max_bytes, c.kv_chunk_blocks
-            )
+            self.config.store.settings(),
+            on_host_evict=tier_events.host_evicted if tier_events is not None else None,
         )
-        if store is None:
+        connectors: list[KVConnector] = []
+        if store is not None:
+            connectors.append(KVOffloader(store, self.kv, caches, tier_events))
+        pd = self.config.disaggregation
+        if pd.role == "prefill":
+            handoff = PrefillHandoff(self.kv, caches, pd, store)
+            self.kv_transfer_address = handoff.address
+            connectors.append(handoff)
+        elif pd.role == "decode" and pd.kv_transfer == "direct":
+            connectors.append(DecodeReceiver(self.kv, caches, pd))
+        if not connectors:
             return None
-        if not c.enable_prefix_caching:
-            raise ValueError("kv_store / kv_host_cache_bytes need prefix caching (enable_prefix_caching)")
-        return KVOffloader(store, self.kv, self.runner)
+        return connectors[0] if len(connectors) == 1 else ConnectorChain(connectors)
 
-    def close(self) -> None:
-        """Flush pending KV-store writes and stop background threads."""
-        if self.offloader is not None:
-            self.offloader.close()
-            self.offloader = None
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Flush pending KV-store writes (for at most `timeout_s`), stop background threads and
+        (rank 0) the other ranks. Idempotent."""
+        if self.connector is not None:
+            self.connector.close(timeout_s)
+            self.connector = None
         self.grammars.close()
-
-    def _num_blocks(self, device: torch.device) -> int:
-        if self.config.num_blocks is not None:
-            return self.config.num_blocks
-        budget = self.config.kv_cache_memory
-        if budget is None:
-            if device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(device)
-                budget = int(free * 0.9)
-            else:
-                budget = DEFAULT_CPU_KV_CACHE_BYTES
-        return max(budget // (self.config.block_size * self.kv_spec.bytes_per_token), 1)
+        if self.parallel is not None:
+            self.parallel.close()
 
     @property
-    def kv_bytes_per_token(self) -> int:
-        return self.kv_spec.bytes_per_token
+    def num_blocks(self) -> int:
+        return self.kv.num_blocks
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return self.layout.bytes_per_token
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -170,15 +258,15 @@ class EngineCore:
         seq = self.scheduler.add_request(request, root)
         if request.grammar is not None:
             self.grammars.attach(seq, request.grammar)
-        if self.offloader is not None:
-            self.offloader.prefetch(seq)
+        if self.connector is not None:
+            self.connector.prefetch(seq)
 
     def abort(self, request_id: str, index: int | None = None) -> list[SequenceOutput]:
         """Abort a request (or one of its sequences); its blocks are free when this returns."""
         seqs = self.scheduler.abort_request(request_id, index)
         if index is None:
             self.grammars.release(request_id)
-        self.runner.release([s.seq_id for s in seqs])
+        self._release([s.seq_id for s in seqs])
         return [
             SequenceOutput(
                 request_id, s.index, [], finish_reason="abort", num_prompt_tokens=s.num_prompt_tokens
@@ -192,38 +280,98 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
 
+    @property
+    def connector_busy(self) -> bool:
+        """Whether the KV connector needs polling while no sequence runs (leases, writes)."""
+        return self.connector is not None and self.connector.busy
+
+    def housekeeping(self) -> list[SequenceOutput]:
+        """What an idle engine still owes its KV connector: land loads, release lent blocks."""
+        return self._poll_pending()
+
+    def take_handoffs(self) -> list[KVHandoff]:
+        """Prompts whose KV is ready for a decode engine (prefill role), since the last call."""
+        return self.connector.take_handoffs() if self.connector is not None else []
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """What the prefix caches gained and lost since the last call (empty unless logged)."""
+        return self.kv_events.drain() if self.kv_events is not None else []
+
     # -- the loop ------------------------------------------------------------------------------
 
     def step(self) -> list[SequenceOutput]:
         began = time.perf_counter()
-        failed = self._poll_pending()
-        draft_lengths = self.spec.plan(self.scheduler) if self.spec is not None else None
-        plan = self.scheduler.schedule(draft_lengths)
+        outputs = self._poll_pending()
+        plan = self.scheduler.schedule(self._draft_lengths())
         self.num_preemptions += len(plan.preempted)
+        if plan.is_empty:
+            if self.parallel is not None and self.parallel.lockstep:
+                self.runner.run_empty()  # the other data-parallel ranks need this rank in the MoE layers
+            return self._idle(outputs)
+        result = self._execute(plan)
+        outputs += self._fail(result.failures)
+        updates = self.scheduler.update(plan, result.token_ids())
+        outputs += [self._output(update, result) for update in updates]
+        outputs += self._fail(self._after_step(plan, time.perf_counter() - began))
+        return outputs
+
+    def _draft_lengths(self) -> dict[int, int] | None:
+        if self.spec is None:
+            return None
+        s = self.scheduler
+        return self.spec.plan(s.running, s.max_model_len, s.expected_prefill_tokens())
+
+    def _idle(self, outputs: list[SequenceOutput]) -> list[SequenceOutput]:
+        if self.scheduler.waiting and not outputs:
+            time.sleep(0.001)  # everything waits on a KV load or a grammar: don't spin a core
+        return outputs
+
+    def _execute(self, plan: SchedulerOutput) -> StepResult:
+        """Forks get their grammar matchers; drafts are proposed into the reserved slots, the
+        target runs the step, and the drafts are verified."""
         for item in plan.scheduled:
             for child in item.forks:
                 self.grammars.fork(child)
-        if plan.is_empty:
-            if self.scheduler.waiting and not failed:
-                time.sleep(0.001)  # everything waits on a KV load or a grammar: don't spin a core
-            return failed
-        result = self.runner.execute(plan)
-        updates = self.scheduler.update(plan, {k: [t.token_id for t in v] for k, v in result.sampled.items()})
-        outputs = failed + [self._output(update, result) for update in updates]
         if self.spec is not None:
-            self.spec.observe_step(time.perf_counter() - began, plan)
-        return outputs
+            self.spec.propose(plan)
+        result = self.runner.execute(plan)
+        if self.spec is not None:
+            self.spec.verify(result)
+        return result
 
-    def _poll_pending(self) -> list[SequenceOutput]:
-        """Land finished KV loads and grammar compiles; a grammar that failed ends its request."""
-        if self.offloader is not None:
-            self.offloader.poll()
+    def _after_step(self, plan: SchedulerOutput, seconds: float) -> dict[str, str]:
+        """Hand newly computed chunks to the KV connector (returns the requests it failed for);
+        calibrate speculation's cost model."""
+        failures = {}
+        if self.connector is not None:
+            failures = self.connector.save_completed(
+                [s for item in plan.scheduled for s in (item.seq, *item.forks)]
+            )
+        if self.spec is not None:
+            self.spec.observe_step(seconds, plan)
+        return failures
+
+    def _fail(self, failures: dict[str, str]) -> list[SequenceOutput]:
+        """End requests one step could not serve (its grammar, sampling, KV save failed for
+        them), with their error; everything else runs on."""
         outputs = []
-        for seq, error in self.grammars.poll():
-            for out in self.abort(seq.request_id):
+        for request_id, error in failures.items():
+            for out in self.abort(request_id):
                 out.finish_reason, out.error = "error", error
                 outputs.append(out)
         return outputs
+
+    def _poll_pending(self) -> list[SequenceOutput]:
+        """Land finished KV loads and grammar compiles; a grammar that failed, or KV that had to
+        come from elsewhere and did not (with kv_transfer_failure=fail), ends its request."""
+        failures = self.connector.poll() if self.connector is not None else {}
+        failures.update({seq.request_id: error for seq, error in self.grammars.poll()})
+        return self._fail(failures)
+
+    def _release(self, seq_ids: list[int]) -> None:
+        self.runner.release(seq_ids)
+        if self.spec is not None:
+            self.spec.release(seq_ids)
 
     def _output(self, update: SequenceUpdate, result: StepResult) -> SequenceOutput:
         seq: Sequence = update.seq
@@ -248,7 +396,7 @@ class EngineCore:
         if update.finished:
             out.finish_reason = str(seq.finish_reason)
             out.stop_reason = seq.stop_reason
-            self.runner.release([seq.seq_id])
+            self._release([seq.seq_id])
             if not self.scheduler.sequences_of(seq.request_id):
                 self.grammars.release(seq.request_id)
         return out
@@ -271,16 +419,16 @@ class EngineCore:
         return self.spec.stats if self.spec is not None else None
 
     def stats(self) -> EngineStats:
-        pool = self.kv.pool
+        kv = self.kv
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
-            num_free_blocks=pool.num_free,
-            num_blocks=pool.num_blocks,
-            prefix_lookups=pool.stats.lookups,
-            prefix_queried_tokens=pool.stats.queried_tokens,
-            prefix_hit_tokens=pool.stats.hit_tokens,
-            prefix_evictions=pool.stats.evictions,
-            prefix_cached_blocks=pool.num_cached,
+            num_free_blocks=kv.num_free_blocks,
+            num_blocks=kv.num_blocks,
+            prefix_lookups=kv.stats.lookups,
+            prefix_queried_tokens=kv.stats.queried_tokens,
+            prefix_hit_tokens=kv.stats.hit_tokens,
+            prefix_evictions=kv.num_evictions,
+            prefix_cached_blocks=kv.num_cached_blocks,
             num_preemptions=self.num_preemptions,
         )

@@ -9,7 +9,9 @@ the request has been accepted.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from deepinfer.sequence import Sequence
 from deepinfer.structured import (
@@ -20,9 +22,16 @@ from deepinfer.structured import (
     LLGuidanceOptions,
     TokenizerInfo,
 )
+from deepinfer.structured.backend import GrammarMatcher
+from deepinfer.structured.bitmask import allocate_bitmask
+
+if TYPE_CHECKING:
+    import torch
 from deepinfer.tokenizer import Tokenizer
 
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -54,6 +63,24 @@ class GrammarManager:
         if self._service is None:
             self._service = GrammarCompileService(self.backend, timeout_s=self.compile_timeout_s)
         return self._service
+
+    def bitmask(self, matchers: list[GrammarMatcher]) -> tuple[torch.Tensor, list[int]]:
+        """One packed allowed-token bitmask row per matcher (their current states), and the rows
+        whose matcher failed (left all-allowed; their requests are to be ended)."""
+        backend = self.backend
+        bitmask = allocate_bitmask(len(matchers), backend.tokenizer_info.vocab_size)
+        try:
+            backend.fill_bitmasks([(matcher, row) for row, matcher in enumerate(matchers)], bitmask)
+            return bitmask, []
+        except Exception:
+            log.exception("filling grammar masks failed; isolating the matcher at fault")
+        failed = []
+        for row, matcher in enumerate(matchers):  # one by one: only the faulty ones fail
+            try:
+                backend.fill_bitmasks([(matcher, row)], bitmask)
+            except Exception:
+                failed.append(row)
+        return bitmask, failed
 
     def validate(self, spec: GrammarSpec) -> None:
         """Compile now (cached for the engine's later submit); raises an InvalidRequestError subclass

@@ -7,33 +7,43 @@ ordinary admission path finds them as device hits and computes only the rest.
 
 Writes: when a sequence's computed, full blocks complete a chunk, the chunk's KV is copied off
 the device (synchronously: the blocks may be reused after this step) and handed to the store's
-write-behind queue, tagged with the request's traffic class for retention.
+write-behind queue, tagged with the request's traffic class for retention. The blocks are found
+through the prefix-cache index, so a sequence that finished this step (its blocks freed but still
+indexed) is saved like any other.
+
+With an event log, what it saves is reported as Stored events of the host tier (CPU) and the
+shared store (STORE), and what the host tier drops as Removed ones: a router credits a chunk in
+the shared store to every engine that reads that store.
+
+One KVConnector implementation (kv_connector.py). Models with one cache group only, for now.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
+from deepinfer.engine.kv_cache.events import HOST, STORE, KVEventLog
 from deepinfer.engine.kv_cache.manager import KVCacheManager
+from deepinfer.engine.outputs import KVHandoff
 from deepinfer.sequence import Sequence
-from deepinfer.store import TieredKVStore
+from deepinfer.store import DEFAULT_TRAFFIC_CLASS, TieredKVStore
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TRAFFIC_CLASS = "chat"
-
 
 class BlockTransfer(Protocol):
-    """The runner's side: KV of whole blocks to and from host arrays [layers, tokens, *slot]."""
+    """The caches' side: one group's KV of whole blocks to and from host arrays
+    [tensors, tokens, *slot]."""
 
-    def read_blocks(self, block_ids: list[int]) -> np.ndarray: ...
+    def read_blocks(self, group: int, block_ids: list[int]) -> np.ndarray: ...
 
-    def write_blocks(self, block_ids: list[int], kv: np.ndarray) -> None: ...
+    def write_blocks(self, group: int, block_ids: list[int], kv: np.ndarray) -> None: ...
 
 
 @dataclass(slots=True)
@@ -43,20 +53,59 @@ class _PendingLoad:
     future: Future[list[np.ndarray]]
 
 
+class TierEvents:
+    """KV events of the tiers beyond the device: chunks saved (host and store) and chunks the
+    host tier dropped. Host evictions arrive on whichever thread touched the tier; the map of
+    chunk keys to their blocks' hashes is only ever changed by single dict operations."""
+
+    def __init__(self, log: KVEventLog) -> None:
+        self.log = log
+        self._host_chunks: dict[bytes, list[bytes]] = {}
+
+    def saved(
+        self, seq: Sequence, first_block: int, num_blocks: int, block_size: int, store: TieredKVStore
+    ) -> None:
+        hashes = seq.block_hashes[first_block : first_block + num_blocks]
+        parent = seq.block_hashes[first_block - 1] if first_block else None
+        tokens = seq.token_ids[first_block * block_size : (first_block + num_blocks) * block_size]
+        if store.host is not None:
+            self._host_chunks[hashes[-1]] = hashes
+            self.log.stored(hashes, parent, tokens, block_size, HOST)
+        if store.backend is not None:
+            self.log.stored(hashes, parent, tokens, block_size, STORE)
+
+    def host_evicted(self, key: bytes) -> None:
+        hashes = self._host_chunks.pop(key, None)
+        if hashes is not None:
+            self.log.removed(hashes, HOST)
+
+
 class KVOffloader:
-    def __init__(self, store: TieredKVStore, kv: KVCacheManager, transfer: BlockTransfer) -> None:
+    def __init__(
+        self,
+        store: TieredKVStore,
+        kv: KVCacheManager,
+        transfer: BlockTransfer,
+        events: TierEvents | None = None,
+    ) -> None:
+        if len(kv.groups) != 1:
+            raise ValueError(
+                "kv_store: the KV store holds models with one cache group; this model has "
+                f"{len(kv.groups)} ({', '.join(g.layout.group.kind for g in kv.groups)})"
+            )
         self.store = store
         self.kv = kv
+        self.pool = kv.groups[0].pool
         self.transfer = transfer
+        self.events = events
         self.chunk_blocks = store.blocks_per_chunk
         self._pending: list[_PendingLoad] = []
         self.loaded_chunks = 0
         self.saved_chunks = 0
-        kv.on_blocks_cached = self._on_blocks_cached
 
     def prefetch(self, seq: Sequence) -> None:
         """Start loading the stored chunks beyond the device hits; the sequence waits for them."""
-        hits = len(self.kv.find_cached_prefix(seq))
+        hits = self.kv.find_cached_prefix(seq).num_tokens // self.kv.block_size
         usable = (seq.num_tokens - 1) // self.kv.block_size  # the last token is always computed
         keys = self.store.chunk_keys(seq.block_hashes[:usable])
         first = hits // self.chunk_blocks
@@ -71,8 +120,9 @@ class KVOffloader:
             _PendingLoad(seq, first, self.store.load(keys[first : first + found], seq.prefix_root))
         )
 
-    def poll(self) -> None:
-        """Install every finished load into device blocks and release its sequence."""
+    def poll(self) -> dict[str, str]:
+        """Install every finished load into device blocks and release its sequence (a load that
+        failed is a miss: the sequence recomputes, it never fails)."""
         still: list[_PendingLoad] = []
         for pending in self._pending:
             if not pending.future.done():
@@ -88,35 +138,59 @@ class KVOffloader:
                 continue
             self._install(pending.seq, pending.first_chunk, arrays)
         self._pending = still
+        return {}
 
     def _install(self, seq: Sequence, first_chunk: int, arrays: list[np.ndarray]) -> None:
-        pool, c = self.kv.pool, self.chunk_blocks
+        pool, c = self.pool, self.chunk_blocks
         for i, kv in enumerate(arrays):
             if pool.num_free < c:
                 break  # never evict running work to make room for a prefetch
             chunk = first_chunk + i
             hashes = seq.block_hashes[chunk * c : (chunk + 1) * c]
             blocks = [pool.allocate() for _ in hashes]
-            self.transfer.write_blocks(blocks, kv)
-            for block_id, prefix_hash in zip(blocks, hashes):
-                pool.register(block_id, prefix_hash)
-            pool.release(list(reversed(blocks)))  # cached and free, tail first, like any freed chain
+            self.transfer.write_blocks(0, blocks, kv)
+            self.kv.install_blocks(seq, chunk * c, blocks)
             seq.num_stored_chunks = chunk + 1
             self.loaded_chunks += 1
 
-    def _on_blocks_cached(self, seq: Sequence) -> None:
+    def save_completed(self, seqs: Iterable[Sequence]) -> dict[str, str]:
+        failures = {}
+        for seq in seqs:
+            try:
+                self._save(seq)
+            except Exception:
+                log.exception("saving the KV of %s failed", seq.request_id)
+                failures[seq.request_id] = "internal error while saving the KV cache"
+        return failures
+
+    def _save(self, seq: Sequence) -> None:
+        """Queue every chunk of `seq` whose blocks are all indexed and that is not stored yet."""
         c = self.chunk_blocks
-        complete = seq.num_registered_blocks // c
-        for chunk in range(seq.num_stored_chunks, complete):
-            blocks = seq.block_table[chunk * c : (chunk + 1) * c]
-            key = seq.block_hashes[(chunk + 1) * c - 1]
-            kv = self.transfer.read_blocks(blocks)
+        for chunk in range(seq.num_stored_chunks, len(seq.block_hashes) // c):
+            hashes = seq.block_hashes[chunk * c : (chunk + 1) * c]
+            blocks = [self.pool.lookup(h) for h in hashes]
+            if None in blocks:
+                return  # not computed yet (or evicted): later chunks cannot be complete either
+            kv = self.transfer.read_blocks(0, blocks)
             traffic_class = seq.request.traffic_class or DEFAULT_TRAFFIC_CLASS
-            self.store.save(
-                key, seq.prefix_root, kv, num_tokens=c * self.kv.block_size, traffic_class=traffic_class
+            accepted = self.store.save(
+                hashes[-1],
+                seq.prefix_root,
+                kv,
+                num_tokens=c * self.kv.block_size,
+                traffic_class=traffic_class,
             )
+            if accepted and self.events is not None:
+                self.events.saved(seq, chunk * c, c, self.kv.block_size, self.store)
             self.saved_chunks += 1
-        seq.num_stored_chunks = max(seq.num_stored_chunks, complete)
+            seq.num_stored_chunks = chunk + 1
+
+    def take_handoffs(self) -> list[KVHandoff]:
+        return []
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._pending)
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -126,6 +200,19 @@ class KVOffloader:
             "engine_pending_loads": len(self._pending),
         }
 
-    def close(self) -> None:
-        self.store.flush(timeout=30.0)
-        self.store.close()
+    def close(self, timeout_s: float) -> None:
+        """Write every queued chunk (up to `timeout_s`), then stop; logs what reached the store."""
+        before = self.store.metrics_snapshot()
+        queued = int(before["write_queue_depth"])
+        flushed = self.store.flush(timeout=timeout_s)
+        self.store.close(timeout=0.0 if not flushed else 1.0)
+        left = int(self.store.metrics_snapshot()["write_queue_depth"])
+        log.info(
+            "KV store at shutdown: %d of %d queued chunks written, %d dropped by the deadline "
+            "(this run: %d chunks saved, %d dropped under memory pressure)",
+            queued - left,
+            queued,
+            left,
+            self.saved_chunks,
+            int(before.get("write_drops", 0)),
+        )

@@ -6,13 +6,14 @@ import itertools
 from dataclasses import dataclass
 
 from deepinfer.config import EngineConfig
-from deepinfer.engine.core import EngineCore
 from deepinfer.engine.output_processor import OutputProcessor, SequenceDelta
+from deepinfer.engine.parallel.start import start_engine
 from deepinfer.model.loader.load import LoadedModel
 from deepinfer.outputs import RequestOutput
-from deepinfer.sampling_params import InvalidRequestError, SamplingParams
+from deepinfer.sampling_params import SamplingParams
 from deepinfer.sequence import EngineRequest
 from deepinfer.structured import GrammarSpec
+from deepinfer.validation import check_prompt
 
 
 @dataclass(slots=True)
@@ -21,25 +22,10 @@ class PreparedPrompt:
     token_ids: list[int]
 
 
-def validate_prompt(token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
-    if not token_ids:
-        raise InvalidRequestError("prompt: must not be empty", param="prompt")
-    if len(token_ids) >= max_model_len:
-        raise InvalidRequestError(
-            f"prompt: {len(token_ids)} tokens leave no room to generate within the model's context of {max_model_len} tokens",
-            param="prompt",
-        )
-    bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise InvalidRequestError(
-            f"prompt: token id {bad!r} is outside the vocabulary [0, {vocab_size})", param="prompt"
-        )
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
-        self.core = EngineCore(config, loaded)
+        self.core = start_engine(config, loaded)  # one core, or rank 0 of several ranks
         self.tokenizer = self.core.loaded.tokenizer
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -56,7 +42,7 @@ class LLMEngine:
     def validate(self, prompt: PreparedPrompt, params: SamplingParams) -> GrammarSpec | None:
         """Raise InvalidRequestError naming the bad field; nothing enters the engine. A structured
         output constraint is compiled here (and cached), so an unsupported schema fails now."""
-        validate_prompt(prompt.token_ids, self.vocab_size, self.core.max_model_len)
+        check_prompt(prompt.token_ids, self.vocab_size, self.core.max_model_len)
         params.validate(self.vocab_size)
         if params.structured_outputs is None:
             return None

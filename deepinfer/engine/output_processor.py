@@ -9,6 +9,7 @@ a match. A matched stop string ends the sequence; the caller aborts it in the en
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass, field
 
 import msgspec
@@ -18,6 +19,8 @@ from deepinfer.engine.outputs import SequenceOutput, TokenLogprobs
 from deepinfer.outputs import CompletionOutput, Logprob, RequestOutput
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -110,7 +113,12 @@ class OutputProcessor:
             state = self._state(request, out.index)
             if state.output.finished:
                 continue
-            delta = self._advance(request, state, out)
+            try:
+                delta = self._advance(request, state, out)
+            except Exception:
+                # This sequence's text cannot be made: it ends with an error, nothing else does.
+                log.exception("processing the output of %s failed", out.request_id)
+                delta = self._failed(request, state, out, "internal error while detokenizing the output")
             deltas.append(delta)
             if delta.finish_reason is not None and out.finish_reason is None:
                 to_abort.append((out.request_id, out.index))
@@ -169,6 +177,25 @@ class OutputProcessor:
             request.num_cached_tokens,
             len(output.token_ids),
             out.error,
+        )
+
+    @staticmethod
+    def _failed(
+        request: _RequestState, state: _SequenceState, out: SequenceOutput, error: str
+    ) -> SequenceDelta:
+        state.output.finish_reason = "error"
+        return SequenceDelta(
+            request.request_id,
+            out.index,
+            "",
+            [],
+            None,
+            "error",
+            None,
+            out.num_prompt_tokens,
+            request.num_cached_tokens,
+            len(state.output.token_ids),
+            error,
         )
 
     def request_output(self, request_id: str) -> RequestOutput:

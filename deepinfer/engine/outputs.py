@@ -26,3 +26,13 @@ class SequenceOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     num_prompt_tokens: int = 0
     error: str | None = None  # why the engine ended it (finish_reason "error"), e.g. a grammar failure
+
+
+class KVHandoff(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A prefill engine's news that a request's prompt KV is ready for its decoder: leased for a
+    direct pull, or written to the shared store. `error` says why there is none."""
+
+    transfer_id: str
+    num_blocks: int = 0
+    num_tokens: int = 0
+    error: str | None = None

@@ -13,20 +13,11 @@ from __future__ import annotations
 import bisect
 import itertools
 from dataclasses import dataclass
-from typing import Literal
 
+from deepinfer.config import SchedulerConfig
 from deepinfer.engine.kv_cache.manager import KVCacheManager
 from deepinfer.sequence import EngineRequest, FinishReason, Sequence, SequenceStatus
 from deepinfer.step import ScheduledSequence, SchedulerOutput
-
-
-@dataclass(slots=True)
-class SchedulerConfig:
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048  # the token budget of one step
-    prefill_chunk_size: int | None = None  # cap on one sequence's prefill chunk (None: budget)
-    max_model_len: int = 8192
-    policy: Literal["fcfs", "priority"] = "fcfs"
 
 
 @dataclass(slots=True)
@@ -39,8 +30,9 @@ class SequenceUpdate:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, max_model_len: int, kv: KVCacheManager) -> None:
         self.config = config
+        self.max_model_len = max_model_len  # the context limit, resolved against the model's
         self.kv = kv
         self.waiting: list[Sequence] = []  # sorted by _key
         self.running: list[Sequence] = []
@@ -94,11 +86,25 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def expected_prefill_tokens(self) -> int:
+        """Prompt tokens the next step will likely carry: unfinished prefills of running
+        sequences, then waiting ones up to the free seats, within the token budget."""
+        config = self.config
+        cap = config.prefill_chunk_size or config.max_num_batched_tokens
+        total = sum(
+            min(s.num_tokens - s.num_computed_tokens, cap)
+            for s in self.running
+            if s.num_tokens - s.num_computed_tokens > 1
+        )
+        seats = max(config.max_num_seqs - len(self.running), 0)
+        total += sum(min(s.num_tokens, cap) for s in self.waiting[:seats])
+        return min(total, config.max_num_batched_tokens)
+
     # -- one step ------------------------------------------------------------------------------
 
     def _key(self, seq: Sequence) -> tuple[int, float, int]:
         priority, arrival, seq_id = seq.sort_key()
-        return (priority if self.config.policy == "priority" else 0, arrival, seq_id)
+        return (priority if self.config.scheduling_policy == "priority" else 0, arrival, seq_id)
 
     def _enqueue(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -155,18 +161,20 @@ class Scheduler:
         (tokens and blocks), so speculation never preempts or starves anyone."""
         if wanted <= 0 or seq.num_tokens - seq.num_computed_tokens != 1 or seq.pending_forks:
             return 0
-        k = min(wanted, self.config.max_model_len - seq.num_tokens, budget - 1 - len(later))
+        k = min(wanted, self.max_model_len - seq.num_tokens, budget - 1 - len(later))
         if seq.params.max_tokens is not None:
             k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1)
         if k <= 0:
             return 0
         cap = self.config.prefill_chunk_size or budget
-        reserved = sum(
-            self.kv.blocks_needed(s, min(s.num_tokens - s.num_computed_tokens, cap)) for s in later
-        )
-        base = self.kv.blocks_needed(seq, 1)
-        spare = max(self.kv.num_free_blocks - base - reserved, 0)
-        while k > 0 and self.kv.blocks_needed(seq, 1 + k) - base > spare:
+        kv = self.kv
+        reserved = [0] * len(kv.groups)
+        for s in later:
+            for g, need in enumerate(kv.blocks_needed(s, min(s.num_tokens - s.num_computed_tokens, cap))):
+                reserved[g] += need
+        base = kv.blocks_needed(seq, 1)
+        spare = [max(group.pool.num_free - b - r, 0) for group, b, r in zip(kv.groups, base, reserved)]
+        while k > 0 and any(n - b > room for n, b, room in zip(kv.blocks_needed(seq, 1 + k), base, spare)):
             k -= 1
         return k
 
@@ -210,7 +218,7 @@ class Scheduler:
             if seq.num_pending:
                 continue  # waiting for its grammar or a KV load; later arrivals may go first
             hits = self.kv.find_cached_prefix(seq)
-            num_hit_tokens = len(hits) * self.kv.block_size
+            num_hit_tokens = hits.num_tokens
             remaining = seq.num_tokens - num_hit_tokens
             if seq.num_computed_tokens < seq.num_prompt_tokens and self.config.prefill_chunk_size:
                 remaining = min(remaining, self.config.prefill_chunk_size)
@@ -274,7 +282,7 @@ class Scheduler:
                 self._mark_finished(seq, FinishReason.STOP, token)
                 break
             if (params.max_tokens is not None and num_out >= params.max_tokens) or (
-                seq.num_tokens >= self.config.max_model_len
+                seq.num_tokens >= self.max_model_len
             ):
                 self._mark_finished(seq, FinishReason.LENGTH, None)
                 break

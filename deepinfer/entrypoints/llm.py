@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,10 +41,19 @@ class LLM:
     ) -> None:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args), loaded)
         self._chat_recipe: Recipe | None = None
+        # At interpreter exit (or when collected) queued KV-store writes are flushed too.
+        self._finalizer = weakref.finalize(self, self.engine.close)
 
     def close(self) -> None:
-        """Flush KV-store writes and stop background threads (also done at interpreter exit)."""
-        self.engine.close()
+        """Flush queued KV-store writes and stop background threads; idempotent. Also done on
+        leaving a `with LLM(...)` block and at interpreter exit."""
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer

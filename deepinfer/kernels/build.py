@@ -2,8 +2,9 @@
 
 Plain C with no torch headers compiles in about a second, so it is built on first use and cached
 under the DeepInfer cache directory, keyed by the source and the compiler flags. `-march=native`
-is safe because the binary never leaves the machine that built it. If no compiler is available the
-caller falls back to the PyTorch reference path.
+is safe because the binary never leaves the machine that built it (a caller may name another
+target, e.g. `-mavx2` to test an AVX2 path on an AVX-512 machine). If no compiler is available
+the caller falls back to the PyTorch reference path.
 """
 
 from __future__ import annotations
@@ -22,24 +23,34 @@ from deepinfer.utils import cache_dir
 
 log = logging.getLogger(__name__)
 
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno"]
+_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno"]
+NATIVE = ("-march=native",)
 
 
 @cache
-def load_kernel_library(name: str) -> ctypes.CDLL | None:
-    """Build (if needed) and load `<name>.c` from this package; None when it cannot be built."""
+def load_kernel_library(
+    name: str, extra_flags: tuple[str, ...] = (), target_flags: tuple[str, ...] = NATIVE
+) -> ctypes.CDLL | None:
+    """Build (if needed) and load `<name>.c` from this package; None when it cannot be built.
+
+    `target_flags` picks the instruction set (default: this machine's); `extra_flags` are the
+    library's own (e.g. -ffp-contract=off)."""
     source = Path(__file__).with_name(f"{name}.c")
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         log.warning("no C compiler found; using the PyTorch reference kernels")
         return None
-    digest = hashlib.sha256(source.read_bytes() + " ".join([compiler, *_FLAGS]).encode()).hexdigest()[:16]
+    flags = [*_FLAGS, *target_flags, *extra_flags]
+    headers = b"".join(p.read_bytes() for p in sorted(source.parent.glob("*.h")))  # included by sources
+    digest = hashlib.sha256(
+        source.read_bytes() + headers + " ".join([compiler, *flags]).encode()
+    ).hexdigest()[:16]
     target = cache_dir("kernels") / f"{name}-{digest}.so"
     if not target.exists():
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
             result = subprocess.run(
-                [compiler, *_FLAGS, str(source), "-o", str(built), "-lm"], capture_output=True, text=True
+                [compiler, *flags, str(source), "-o", str(built), "-lm"], capture_output=True, text=True
             )
             if result.returncode != 0:
                 log.warning(

@@ -68,11 +68,13 @@ static inline const float *block_rows(const void *cache, int64_t kv_half, int64_
 }
 
 void paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, float *out,
-                            const int64_t *block_tables, const int64_t *seq_lens, int64_t num_seqs,
+                            const int64_t *block_tables, const int64_t *seq_lens,
+                            const int64_t *seq_starts, int64_t num_seqs,
                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t slot_stride,
                             int64_t block_size, int64_t max_blocks, float scale, int64_t kv_half) {
     /* k_cache/v_cache point at slot 0's K and V; consecutive slots are slot_stride elements apart
-     * (float, or _Float16 when kv_half). */
+     * (float, or _Float16 when kv_half). Row s attends to positions seq_starts[s] .. seq_lens[s]-1
+     * (seq_starts NULL: from 0; a sliding window starts later). */
     const int64_t element = kv_half ? 2 : 4;
     const int64_t group = num_heads / num_kv_heads;
 #pragma omp parallel for schedule(dynamic, 1)
@@ -95,10 +97,12 @@ void paged_decode_attention(const float *q, const void *k_cache, const void *v_c
             m[g] = -FLT_MAX;
             l[g] = 0.0f;
         }
-        for (int64_t start = 0; start < len; start += block_size) {
-            const int64_t n = (len - start < block_size) ? len - start : block_size;
-            const int64_t base = table[start / block_size] * block_size;
-            if (start + block_size < len) {
+        for (int64_t start = seq_starts ? seq_starts[s] : 0; start < len;) {
+            const int64_t offset = start % block_size;
+            const int64_t room = block_size - offset;
+            const int64_t n = (len - start < room) ? len - start : room;
+            const int64_t base = table[start / block_size] * block_size + offset;
+            if (start + n < len) {
                 /* The next block's rows are scattered (one per slot, slot_stride apart): ask for
                  * them now so the loads overlap this block's arithmetic. */
                 const int64_t next = table[start / block_size + 1] * block_size;
@@ -153,11 +157,35 @@ void paged_decode_attention(const float *q, const void *k_cache, const void *v_c
                     for (int64_t d = 0; d < head_dim; ++d) a[d] += p * v[d];
                 }
             }
+            start += n;
         }
         for (int64_t g = 0; g < group; ++g) {
             float *o = out + (s * num_heads + kvh * group + g) * head_dim;
             const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
             for (int64_t d = 0; d < head_dim; ++d) o[d] = acc[g][d] * inv;
+        }
+    }
+}
+
+/* Store a step's K and V (fp32, `row` values per token, tokens k_stride / v_stride apart) at
+ * their cache slots: k_cache/v_cache point at slot 0's K and V, slots are slot_stride elements
+ * apart; converted to fp16 (round to nearest even, as torch does) when kv_half. One call instead
+ * of a strided index copy per tensor, whose overhead dominates at batch 1. */
+void paged_write_kv(const float *k, const float *v, int64_t k_stride, int64_t v_stride, void *k_cache,
+                    void *v_cache, const int64_t *slots, int64_t tokens, int64_t row, int64_t slot_stride,
+                    int64_t kv_half) {
+    for (int64_t t = 0; t < tokens; ++t) {
+        const int64_t at = slots[t] * slot_stride;
+        const float *kt = k + t * k_stride, *vt = v + t * v_stride;
+        if (kv_half) {
+            _Float16 *kd = (_Float16 *)k_cache + at, *vd = (_Float16 *)v_cache + at;
+            for (int64_t i = 0; i < row; ++i) {
+                kd[i] = (_Float16)kt[i];
+                vd[i] = (_Float16)vt[i];
+            }
+        } else {
+            memcpy((float *)k_cache + at, kt, row * sizeof(float));
+            memcpy((float *)v_cache + at, vt, row * sizeof(float));
         }
     }
 }

@@ -1,36 +1,25 @@
-"""What every model gives the runner: a forward over flattened tokens, logits, and its KV layout."""
+"""What every model gives the runner: a forward over flattened tokens, logits, and its caches."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
 
 import torch
 
 from deepinfer.attention.backend import AttentionBackend
-from deepinfer.attention.metadata import AttentionMetadata
+from deepinfer.attention.metadata import ForwardMetadata
+from deepinfer.cache_layout import CacheGroup, CacheTensor
+from deepinfer.kernels.gguf_blocks import PackedMatrix
 from deepinfer.model.config import ModelConfig
+from deepinfer.model.parallel import ModelParallel
 
 
-@dataclass(slots=True, frozen=True)
-class KVCacheSpec:
-    """Per layer, each cache slot holds a tensor of `slot_shape` (e.g. (2, kv_heads, head_dim) or
-    a latent vector (kv_lora_rank + rope_dim,) for MLA); a layer's cache is [num_slots, *slot_shape]."""
-
-    num_layers: int
-    slot_shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def bytes_per_token(self) -> int:
-        numel = 1
-        for dim in self.slot_shape:
-            numel *= dim
-        return self.num_layers * numel * torch.tensor([], dtype=self.dtype).element_size()
-
-    def layout(self) -> str:
-        """Part of the model fingerprint: KV from another layout or dtype must never match."""
-        return f"{self.num_layers}x{self.slot_shape}:{self.dtype}"
+def cache_tensor(
+    name: str, slot_shape: tuple[int, ...], dtype: torch.dtype, owner: str = "target"
+) -> CacheTensor:
+    """A layer's cache declaration: slots of `slot_shape` in `dtype` (e.g. (2, kv_heads, head_dim)
+    for K and V, or MLA's latent (kv_lora_rank + rope_dim,))."""
+    return CacheTensor(name, tuple(slot_shape), str(dtype).removeprefix("torch."), dtype.itemsize, owner)
 
 
 class CausalLM(torch.nn.Module):
@@ -39,10 +28,23 @@ class CausalLM(torch.nn.Module):
     supports_kv_cache_dtype = False
 
     @classmethod
-    def from_config(cls, config: ModelConfig) -> CausalLM:
+    def from_config(cls, config: ModelConfig, parallel: ModelParallel | None = None) -> CausalLM:
+        """The model (or, with `parallel`, this rank's shard of it) with uninitialised weights."""
         raise NotImplementedError
 
-    def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
+    def attention_shape(self) -> tuple[int, int, int]:
+        """(query heads, KV heads, head dim) this rank's attention runs with."""
+        cfg = self.config
+        return cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    def expert_layers(self) -> list[torch.nn.Module]:
+        """The expert-parallel MoE layers (ExpertParallelMoE), in layer order; none by default."""
+        return []
+
+    def cache_groups(self, dtype: torch.dtype, owner: str = "target") -> list[CacheGroup]:
+        """The caches this model keeps between steps, one group per kind of block table (tagged
+        with `owner`, the role the model plays in the engine); `forward` takes their tensors
+        flattened in this order."""
         raise NotImplementedError
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -52,14 +54,30 @@ class CausalLM(torch.nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
+        kv_caches: list[torch.Tensor],  # the tensors of cache_groups(), in order
+        meta: ForwardMetadata,  # one AttentionMetadata per cache group
         backend: AttentionBackend,
     ) -> torch.Tensor:  # hidden states [T, hidden]
         raise NotImplementedError
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
         raise NotImplementedError
+
+    @property
+    def rounds_activations(self) -> bool:
+        """Whether some linear quantizes its input (int8, GGUF blocks): a difference in the last
+        bit of an activation can then change a rounding, and so a greedy token."""
+        from deepinfer.model.layers.gguf_linear import GGUFLinear
+        from deepinfer.model.layers.int8_linear import Int8Linear
+
+        return any(isinstance(m, (GGUFLinear, Int8Linear)) for m in self.modules())
+
+    def use_packed_weights(self, packed: Mapping[str, PackedMatrix]) -> set[str]:
+        """quantization="gguf": replace, in place and before the model is materialized, the layers
+        whose weights are among `packed` (HF names) by layers computing on the packed blocks;
+        return the names taken (the loader dequantizes the others and passes them to
+        load_weights)."""
+        raise ValueError(f"quantization: {type(self).__name__} does not support 'gguf'")
 
     def quantize(self, method: str) -> None:
         """Convert the weights in place (after loading) to a quantized `method`."""

@@ -23,6 +23,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q, k, v projections
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    # Per layer, the sliding window of its attention (None: full attention).
+    layer_windows: list[int | None] = field(default_factory=list)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     raw: dict[str, Any] = field(default_factory=dict)  # the full source config, for model-specific keys
@@ -42,12 +44,13 @@ class ModelConfig:
         if rope_scaling is not None and "rope_type" not in rope_scaling and "type" in rope_scaling:
             rope_scaling = {**rope_scaling, "rope_type": rope_scaling["type"]}
         eos = cfg.get("eos_token_id")
+        num_layers = cfg["num_hidden_layers"]
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
             hidden_size=hidden,
             intermediate_size=cfg.get("intermediate_size", 4 * hidden),
-            num_layers=cfg["num_hidden_layers"],
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=cfg.get("head_dim") or hidden // num_heads,
@@ -58,7 +61,32 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
             qk_norm=model_type == "qwen3",
+            layer_windows=_layer_windows(cfg, model_type, num_layers),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
             raw=dict(cfg),
         )
+
+
+def _layer_windows(cfg: dict[str, Any], model_type: str, num_layers: int) -> list[int | None]:
+    """HF's sliding-window settings: `layer_types` where given; Qwen2's `use_sliding_window` for
+    layers from `max_window_layers` on; Mistral's `sliding_window` on every layer."""
+    if model_type == "deepseek_v4":
+        return [None] * num_layers  # V4's hybrid layer types are read by deepseek_v4_config.py
+    window = cfg.get("sliding_window")
+    types = cfg.get("layer_types")
+    if types is not None:
+        if len(types) != num_layers:
+            raise ValueError(f"config.json: layer_types has {len(types)} entries for {num_layers} layers")
+        unknown = set(types) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise ValueError(f"config.json: layer_types {sorted(unknown)} are not supported")
+        if "sliding_attention" in types and not window:
+            raise ValueError("config.json: sliding_attention layers need a sliding_window")
+        return [window if kind == "sliding_attention" else None for kind in types]
+    if model_type == "qwen2" and cfg.get("use_sliding_window") and window:
+        first = cfg.get("max_window_layers", num_layers)
+        return [window if i >= first else None for i in range(num_layers)]
+    if model_type == "mistral" and window:
+        return [window] * num_layers
+    return [None] * num_layers

@@ -19,6 +19,7 @@ context fits in index_topk (2048) tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from collections.abc import Callable, Iterable
@@ -29,15 +30,19 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.attention.backend import AttentionBackend
-from deepinfer.attention.metadata import AttentionMetadata
+from deepinfer.attention.metadata import AttentionMetadata, ForwardMetadata
 from deepinfer.attention.mla import MLAStepMetadata, mla_attention
-from deepinfer.model.base import CausalLM, KVCacheSpec
+from deepinfer.cache_layout import CacheGroup
+from deepinfer.model.base import CausalLM, cache_tensor
 from deepinfer.model.config import ModelConfig
+from deepinfer.model.layers.expert_parallel import ExpertParallelExperts
 from deepinfer.model.layers.fp8 import dequantize_checkpoint, weight_block_size
 from deepinfer.model.layers.mlp import GatedMLP
 from deepinfer.model.layers.moe import DeepseekMoE, RouterConfig
 from deepinfer.model.layers.norm import RMSNorm
+from deepinfer.model.layers.parallel_linear import Segment, VocabParallelEmbedding, vocab_segments
 from deepinfer.model.layers.rotary import RotaryEmbedding, yarn_get_mscale
+from deepinfer.model.parallel import SINGLE, ModelParallel, TensorParallel
 from deepinfer.model.registry import register_model
 
 log = logging.getLogger(__name__)
@@ -190,19 +195,41 @@ def _yarn_scaling(cfg: ModelConfig) -> dict[str, Any] | None:
 
 
 class MLAttention(torch.nn.Module):
-    def __init__(self, arch: DeepseekArch, rotary: RotaryEmbedding) -> None:
+    """Under tensor parallelism a rank holds its heads' rows of q_b / kv_b and columns of o_proj;
+    the latent projection and norm, and so the latent cache, are the same on every rank."""
+
+    def __init__(self, arch: DeepseekArch, rotary: RotaryEmbedding, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.arch = arch
-        heads = arch.num_heads
-        self.q_size = arch.q_lora_rank or heads * arch.qk_head_dim
+        self.tp = tp
+        if arch.num_heads < tp.size:
+            raise ValueError(
+                f"tensor_parallel_size={tp.size} exceeds the model's {arch.num_heads} attention heads"
+            )
+        q_heads = Segment.even(arch.num_heads * arch.qk_head_dim, tp, arch.qk_head_dim)
+        self.num_heads = q_heads.local // arch.qk_head_dim  # this rank's heads
+        kv_heads = Segment.even(
+            arch.num_heads * (arch.qk_nope_head_dim + arch.v_head_dim),
+            tp,
+            arch.qk_nope_head_dim + arch.v_head_dim,
+        )
+        o_columns = Segment.even(arch.num_heads * arch.v_head_dim, tp, arch.v_head_dim)
+        q_down = Segment.whole(arch.q_lora_rank) if arch.q_lora_rank else q_heads
+        self.q_size = q_down.local
         # One matmul for the two projections of the hidden state: q (or q's LoRA down) and the KV latent.
         self.q_kv_a_proj = _param(self.q_size + arch.latent_dim, arch.hidden_size)
+        self.splits: dict[str, tuple[int, list[Segment]]] = {
+            "q_kv_a_proj": (0, [q_down, Segment.whole(arch.latent_dim)]),
+            "kv_b_proj": (0, [kv_heads]),
+            "o_proj": (1, [o_columns]),
+        }
         if arch.q_lora_rank:
             self.q_a_layernorm = RMSNorm(arch.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = _param(heads * arch.qk_head_dim, arch.q_lora_rank)
+            self.q_b_proj = _param(q_heads.local, arch.q_lora_rank)
+            self.splits["q_b_proj"] = (0, [q_heads])
         self.kv_a_layernorm = RMSNorm(arch.kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = _param(heads * (arch.qk_nope_head_dim + arch.v_head_dim), arch.kv_lora_rank)
-        self.o_proj = _param(arch.hidden_size, heads * arch.v_head_dim)
+        self.kv_b_proj = _param(kv_heads.local, arch.kv_lora_rank)
+        self.o_proj = _param(arch.hidden_size, o_columns.local)
         self.rotary = rotary
         self.scale = arch.softmax_scale
 
@@ -215,11 +242,10 @@ class MLAttention(torch.nn.Module):
         step: MLAStepMetadata,
     ) -> torch.Tensor:
         arch = self.arch
-        num_tokens = x.shape[0]
         q, kv_a = F.linear(x, self.q_kv_a_proj).split([self.q_size, arch.latent_dim], dim=-1)
         if arch.q_lora_rank:
             q = F.linear(self.q_a_layernorm(q), self.q_b_proj)
-        q_nope, q_rope = q.unflatten(-1, (arch.num_heads, arch.qk_head_dim)).split(
+        q_nope, q_rope = q.unflatten(-1, (self.num_heads, arch.qk_head_dim)).split(
             [arch.qk_nope_head_dim, arch.qk_rope_head_dim], dim=-1
         )
         latent, k_rope = kv_a.split([arch.kv_lora_rank, arch.qk_rope_head_dim], dim=-1)
@@ -237,22 +263,34 @@ class MLAttention(torch.nn.Module):
             step,
             self.scale,
         )  # [T, H, v]
-        return F.linear(out.reshape(num_tokens, -1), self.o_proj)
+        return self.tp.all_reduce(F.linear(out.flatten(1), self.o_proj))
 
 
 class DeepseekDecoderLayer(torch.nn.Module):
-    def __init__(self, arch: DeepseekArch, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self,
+        arch: DeepseekArch,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        parallel: ModelParallel | None = None,
+    ) -> None:
         super().__init__()
+        parallel = parallel or ModelParallel()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = MLAttention(arch, rotary)
+        self.self_attn = MLAttention(arch, rotary, parallel.tp)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         if arch.is_moe_layer(layer_idx):
             assert arch.router is not None
             self.mlp: torch.nn.Module = DeepseekMoE(
-                arch.hidden_size, arch.moe_intermediate_size, arch.num_shared_experts, arch.router
+                arch.hidden_size,
+                arch.moe_intermediate_size,
+                arch.num_shared_experts,
+                arch.router,
+                parallel.tp,
+                parallel.ep,
             )
         else:
-            self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size)
+            self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, parallel.tp)
 
     def forward(
         self,
@@ -303,30 +341,45 @@ class DeepseekV3ForCausalLM(CausalLM):
     tables as the main model: MTP position i lives in the slot of position i.
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, parallel: ModelParallel | None = None) -> None:
         super().__init__()
         self.config = cfg
+        parallel = parallel or ModelParallel()
         self.arch = arch = DeepseekArch.from_model_config(cfg)
+        if not parallel.is_single and arch.num_mtp_layers:
+            # Speculative decoding is not run over several ranks: the MTP weights are not loaded.
+            self.arch = arch = dataclasses.replace(arch, num_mtp_layers=0)
+        self.tp = parallel.tp
         rotary = RotaryEmbedding(
             arch.qk_rope_head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
         )
-        self.embed_tokens = torch.nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.embed_tokens.requires_grad_(False)
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, parallel.tp)
         self.layers = torch.nn.ModuleList(
-            DeepseekDecoderLayer(arch, i, rotary) for i in range(arch.num_layers)
+            DeepseekDecoderLayer(arch, i, rotary, parallel) for i in range(arch.num_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.lm_head = None if arch.tie_word_embeddings else _param(arch.vocab_size, arch.hidden_size)
+        vocab_rows, self.vocab_sizes = vocab_segments(arch.vocab_size, parallel.tp)
+        self.lm_head = None if arch.tie_word_embeddings else _param(vocab_rows.local, arch.hidden_size)
+        self.splits: dict[str, tuple[int, list[Segment]]] = {"lm_head": (0, [vocab_rows])}
         self.mtp = torch.nn.ModuleList(
             MTPLayer(arch, arch.num_layers + i, rotary) for i in range(arch.num_mtp_layers)
         )
 
     @classmethod
-    def from_config(cls, config: ModelConfig) -> DeepseekV3ForCausalLM:
-        return cls(config)
+    def from_config(cls, config: ModelConfig, parallel: ModelParallel | None = None) -> DeepseekV3ForCausalLM:
+        return cls(config, parallel)
 
-    def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
-        return KVCacheSpec(self.arch.num_layers, (self.arch.latent_dim,), dtype)
+    def expert_layers(self) -> list[torch.nn.Module]:
+        return [
+            layer.mlp.experts for layer in self.layers if isinstance(layer.mlp, DeepseekMoE) and layer.mlp.ep
+        ]
+
+    def cache_groups(self, dtype: torch.dtype, owner: str = "target") -> list[CacheGroup]:
+        latent = (self.arch.latent_dim,)
+        tensors = tuple(
+            cache_tensor(f"layers.{i}.latent", latent, dtype, owner) for i in range(self.arch.num_layers)
+        )
+        return [CacheGroup("full", tensors)]
 
     # -- main model ----------------------------------------------------------------------------
 
@@ -335,11 +388,12 @@ class DeepseekV3ForCausalLM(CausalLM):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
+        forward_meta: ForwardMetadata,
         backend: AttentionBackend,  # unused: MLA reads and writes its latent cache itself
     ) -> torch.Tensor:
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} KV caches, got {len(kv_caches)}")
+        [meta] = forward_meta.groups
         step = MLAStepMetadata.build(meta)
         h = self.embed_tokens(input_ids)  # [T, hidden]
         residual = None
@@ -349,7 +403,9 @@ class DeepseekV3ForCausalLM(CausalLM):
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self._lm_head_weight())
+        if self.lm_head is None:
+            return self.embed_tokens.logits(hidden)
+        return self.tp.gather_last_dim(F.linear(hidden, self.lm_head), self.vocab_sizes)
 
     def _lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head
@@ -361,8 +417,12 @@ class DeepseekV3ForCausalLM(CausalLM):
         """MTP modules loaded (0 when the config has none or the checkpoint omits their weights)."""
         return len(self.mtp)
 
-    def mtp_kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec | None:
-        return KVCacheSpec(len(self.mtp), (self.arch.latent_dim,), dtype) if self.mtp else None
+    def mtp_cache_groups(self, dtype: torch.dtype) -> list[CacheGroup]:
+        """The MTP modules' latent caches (one tensor per depth), sharing the main model's block
+        tables; empty without MTP weights."""
+        latent = (self.arch.latent_dim,)
+        tensors = tuple(cache_tensor(f"mtp.{d}.latent", latent, dtype, "mtp") for d in range(len(self.mtp)))
+        return [CacheGroup("full", tensors)] if tensors else []
 
     def mtp_draft_logits(
         self,
@@ -370,7 +430,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         positions: torch.Tensor,  # [T] position i of each row
         previous_hidden: torch.Tensor,  # [T, hidden] h_i from the main model (or the previous depth)
         kv_cache: torch.Tensor,  # this depth's MTP cache [num_slots, latent_dim]
-        meta: AttentionMetadata,  # the step's metadata: rows laid out and cached like a main-model step
+        forward_meta: ForwardMetadata,  # rows laid out and cached like a main-model step
         depth: int = 0,
         logits_rows: torch.Tensor | None = None,  # rows to compute logits for (default: all)
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -379,6 +439,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         if not 0 <= depth < len(self.mtp):
             raise ValueError(f"MTP depth {depth} out of range: the model has {len(self.mtp)} MTP modules")
         layer = self.mtp[depth]
+        [meta] = forward_meta.groups
         step = MLAStepMetadata.build(meta)
         embeds = layer.enorm(self.embed_tokens(next_token_ids))
         x = F.linear(torch.cat([embeds, layer.hnorm(previous_hidden)], dim=-1), layer.eh_proj)
@@ -414,6 +475,17 @@ class _WeightLoader:
         self.arch = model.arch
         self.params = dict(model.named_parameters())
         self.filled = dict.fromkeys(self.params, 0)  # elements written per parameter
+        # Tensor-parallel splits (whole segments in one process) and expert-parallel experts, by parameter.
+        self.splits: dict[str, tuple[int, list[Segment]]] = {}
+        self.expert_slots: dict[str, ExpertParallelExperts] = {}
+        for module_name, module in model.named_modules():
+            prefix = f"{module_name}." if module_name else ""
+            for param_name, split in getattr(module, "splits", {}).items():
+                self.splits[prefix + param_name] = split
+            if isinstance(module, VocabParallelEmbedding):
+                self.splits[prefix + "weight"] = (0, [module.rows])
+            if isinstance(module, ExpertParallelExperts):
+                self.expert_slots[prefix + "w13"] = self.expert_slots[prefix + "w2"] = module
         self.seen: set[str] = set()
         self.skipped_indexer = False
 
@@ -428,17 +500,39 @@ class _WeightLoader:
         param = self.params[param_name]
         if transform is not None:
             tensor = transform(tensor)
-        region = param.data[index] if index is not None else param.data
-        if tuple(region.shape) != tuple(tensor.shape):
-            raise ValueError(
-                f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(region.shape)} "
-                f"for {param_name} (check config.json against the checkpoint)"
-            )
-        if param_name.endswith(("mlp.gate.weight", "mlp.gate.e_score_correction_bias")):
-            param.data = tensor.to(param.device, torch.float32)  # routing decisions stay in float32
-        else:
-            region.copy_(tensor)
-        self.filled[param_name] += tensor.numel()
+        for local_index, part in self._parts(param_name, index, tensor):
+            region = param.data[local_index] if local_index is not None else param.data
+            if tuple(region.shape) != tuple(part.shape):
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, which does not fit {param_name} "
+                    f"(check config.json against the checkpoint)"
+                )
+            if param_name.endswith(("mlp.gate.weight", "mlp.gate.e_score_correction_bias")):
+                param.data = part.to(param.device, torch.float32)  # routing decisions stay in float32
+            else:
+                region.copy_(part)
+            self.filled[param_name] += part.numel()
+
+    def _parts(self, param_name: str, index: Any, tensor: torch.Tensor) -> list[tuple[Any, torch.Tensor]]:
+        """Where a checkpoint tensor goes in this rank's parameter, given its place `index` in the
+        whole parameter (None, rows of a fused segment, an expert, or an expert's rows): the local
+        slots of that expert under expert parallelism, this rank's part of its segment under
+        tensor parallelism."""
+        expert, rows = (
+            (index, None) if isinstance(index, int) else index if isinstance(index, tuple) else (None, index)
+        )
+        if param_name in self.expert_slots:
+            slots = self.expert_slots[param_name].local_slots(expert)
+            return [((slot, rows) if rows is not None else slot, tensor) for slot in slots]
+        split = self.splits.get(param_name)
+        if split is None:
+            return [(index, tensor)]
+        dim, segments = split
+        starts = [sum(s.size for s in segments[:k]) for k in range(len(segments))]
+        k = 0 if rows is None else starts.index(rows.start)
+        offset = sum(s.local for s in segments[:k])
+        local = (slice(None),) * dim + (slice(offset, offset + segments[k].local),)
+        return [(((expert,) if expert is not None else ()) + local, segments[k].take(tensor, dim))]
 
     def _route(self, name: str) -> _Target | None:
         arch = self.arch
@@ -507,7 +601,7 @@ class _WeightLoader:
             fused = f"{prefix}{module}.gate_up_proj"
             if fused not in self.params:
                 raise KeyError(f"unexpected weight {name!r}")
-            half = self.params[fused].shape[0] // 2
+            half = self.splits[fused][1][0].size
             offset = _FUSED_HALVES[proj] * half
             return fused, slice(offset, offset + half), None
         return self._generic(name, prefix + rest)

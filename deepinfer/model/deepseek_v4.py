@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from deepinfer.attention.backend import AttentionBackend
 from deepinfer.attention.metadata import AttentionMetadata
 from deepinfer.attention.v4_cache import CacheDecl, CacheKind, StepLayout, V4Cache
-from deepinfer.model.base import CausalLM, KVCacheSpec
+from deepinfer.model.base import CausalLM
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.deepseek_v4_config import CSA, DeepseekV4Arch
 from deepinfer.model.deepseek_v4_weights import load_v4_weights
@@ -161,9 +161,6 @@ class DeepseekV4ForCausalLM(CausalLM):
     def cache_declarations(self) -> list[CacheDecl]:
         """What to allocate per sequence; MTP blocks only while their weights are loaded."""
         return [d for d in cache_declarations(self.arch) if d.layer < self.arch.num_layers + len(self.mtp)]
-
-    def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
-        raise NotImplementedError(HYBRID_CACHE_NEEDED)
 
     def forward(
         self,

@@ -1,40 +1,53 @@
 """The Llama family in plain PyTorch: Llama 2/3, SmolLM2, Qwen2 (QKV bias), Qwen3 (QK-norm).
 
 Weights use HF names; q/k/v and gate/up are fused into one matmul each at load time, because on
-a CPU one wide GEMM is markedly faster than three narrow ones.
+a CPU one wide GEMM is markedly faster than three narrow ones. Under tensor parallelism every
+rank holds its KV heads (and the query heads that read them), its share of the MLP and of the
+vocabulary (layers/parallel_linear.py); the heads split unevenly when the group does not divide
+them (SmolLM2's 3 KV heads over 2 ranks: 2 and 1).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
 
 from deepinfer.attention.backend import AttentionBackend
-from deepinfer.attention.metadata import AttentionMetadata
-from deepinfer.model.base import CausalLM, KVCacheSpec
+from deepinfer.attention.metadata import AttentionMetadata, ForwardMetadata
+from deepinfer.cache_layout import CacheGroup
+from deepinfer.kernels.gguf_blocks import PackedMatrix
+from deepinfer.model.base import CausalLM, cache_tensor
 from deepinfer.model.config import ModelConfig
+from deepinfer.model.layers.gguf_linear import GGUFEmbedding, GGUFLinear, norm_then_project, packed_linear
 from deepinfer.model.layers.int8_linear import Int8Linear, quantize_linears_
 from deepinfer.model.layers.norm import RMSNorm
+from deepinfer.model.layers.parallel_linear import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    Segment,
+    VocabParallelEmbedding,
+    head_segments,
+)
 from deepinfer.model.layers.rotary import RotaryEmbedding
+from deepinfer.model.parallel import SINGLE, ModelParallel, TensorParallel
 from deepinfer.model.registry import register_model
 
 
-def _linear(rows: int, cols: int, bias: bool = False) -> torch.nn.Linear:
-    layer = torch.nn.Linear(cols, rows, bias=bias)
-    layer.requires_grad_(False)
-    return layer
-
-
 class LlamaAttention(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = _linear(self.q_size + 2 * self.kv_size, cfg.hidden_size, bias=cfg.attention_bias)
-        self.o_proj = _linear(cfg.hidden_size, self.q_size)
+        q_rows, kv_rows = head_segments(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, tp)
+        self.head_dim = cfg.head_dim
+        # This rank's heads (all of them in one process).
+        self.num_heads, self.num_kv_heads = q_rows.local // cfg.head_dim, kv_rows.local // cfg.head_dim
+        self.q_size = q_rows.local
+        self.qkv_proj = ColumnParallelLinear(
+            cfg.hidden_size, [q_rows, kv_rows, kv_rows], bias=cfg.attention_bias
+        )
+        self.o_proj = RowParallelLinear(q_rows, cfg.hidden_size, tp)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
@@ -42,15 +55,17 @@ class LlamaAttention(torch.nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        qkv: torch.Tensor,
         positions: torch.Tensor,
         cache: torch.Tensor,
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        num_tokens = x.shape[0]
+        """qkv: qkv_proj of the normed input, [T, (H + 2 KVH) D] (the layer computes it, so that
+        the norm can be fused into the projection). Returns the o_proj output [T, hidden]."""
+        num_tokens = qkv.shape[0]
         heads = self.num_heads + 2 * self.num_kv_heads
-        qkv = self.qkv_proj(x).view(num_tokens, heads, self.head_dim)  # [T, H + 2 KVH, D]
+        qkv = qkv.view(num_tokens, heads, self.head_dim)  # [T, H + 2 KVH, D]
         qk = qkv[:, : self.num_heads + self.num_kv_heads]
         v = qkv[:, self.num_heads + self.num_kv_heads :]
         if self.q_norm is not None:
@@ -64,24 +79,28 @@ class LlamaAttention(torch.nn.Module):
 
 
 class LlamaMLP(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = _linear(2 * cfg.intermediate_size, cfg.hidden_size)
-        self.down_proj = _linear(cfg.hidden_size, cfg.intermediate_size)
+        columns = Segment.even(cfg.intermediate_size, tp)
+        self.intermediate = columns.local
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [columns, columns])
+        self.down_proj = RowParallelLinear(columns, cfg.hidden_size, tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up: gate_up_proj of the normed input [T, 2 I] (computed by the layer, like qkv)."""
+        if isinstance(self.down_proj, GGUFLinear) and gate_up.dim() == 2 and gate_up.dtype is torch.float32:
+            return self.down_proj.forward_swiglu(gate_up)  # SwiGLU in the kernel's activation pass
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, rotary)
+        self.self_attn = LlamaAttention(cfg, rotary, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = LlamaMLP(cfg, tp)
 
     def forward(
         self,
@@ -92,55 +111,77 @@ class LlamaDecoderLayer(torch.nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm.add_forward(x, residual)
-        h = self.self_attn(h, positions, cache, meta, backend)
-        h, residual = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp(h), residual
+        qkv, residual = norm_then_project(self.input_layernorm, self.self_attn.qkv_proj, x, residual)
+        h = self.self_attn(qkv, positions, cache, meta, backend)
+        gate_up, residual = norm_then_project(
+            self.post_attention_layernorm, self.mlp.gate_up_proj, h, residual
+        )
+        return self.mlp(gate_up), residual
 
 
 @register_model("llama", "qwen2", "qwen3", "mistral", "smollm")
 class LlamaForCausalLM(CausalLM):
     supports_kv_cache_dtype = True
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, parallel: ModelParallel | None = None) -> None:
         super().__init__()
         self.config = cfg
+        tp = self.tp = (parallel or ModelParallel()).tp
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.embed_tokens = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.embed_tokens.requires_grad_(False)
-        self.layers = torch.nn.ModuleList(LlamaDecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = torch.nn.ModuleList(LlamaDecoderLayer(cfg, rotary, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.vocab_size, cfg.hidden_size)
+        self.lm_head: ParallelLMHead | None = (
+            None if cfg.tie_word_embeddings else ParallelLMHead.empty(cfg.vocab_size, cfg.hidden_size, tp)
+        )
+        # Layers with the same window (None: full attention) share a cache group; groups in order
+        # of first appearance, layers in order within their group.
+        windows = cfg.layer_windows or [None] * cfg.num_layers
+        self.group_windows: list[int | None] = list(dict.fromkeys(windows))
+        self.layer_groups = [self.group_windows.index(w) for w in windows]
+        order = sorted(range(cfg.num_layers), key=lambda i: (self.layer_groups[i], i))
+        self.cache_index = [order.index(i) for i in range(cfg.num_layers)]  # layer -> flat cache tensor
 
     @classmethod
-    def from_config(cls, config: ModelConfig) -> LlamaForCausalLM:
-        return cls(config)
+    def from_config(cls, config: ModelConfig, parallel: ModelParallel | None = None) -> LlamaForCausalLM:
+        return cls(config, parallel)
 
-    def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
+    def attention_shape(self) -> tuple[int, int, int]:
+        attn = self.layers[0].self_attn
+        return attn.num_heads, attn.num_kv_heads, attn.head_dim
+
+    def cache_groups(self, dtype: torch.dtype, owner: str = "target") -> list[CacheGroup]:
         cfg = self.config
-        return KVCacheSpec(cfg.num_layers, (2, cfg.num_kv_heads, cfg.head_dim), dtype)
+        slot = (2, self.layers[0].self_attn.num_kv_heads, cfg.head_dim)  # K then V of this rank's heads
+        groups = []
+        for g, window in enumerate(self.group_windows):
+            tensors = tuple(
+                cache_tensor(f"layers.{i}.kv", slot, dtype, owner)
+                for i in range(cfg.num_layers)
+                if self.layer_groups[i] == g
+            )
+            groups.append(CacheGroup("full" if window is None else "sliding", tensors, window=window))
+        return groups
 
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
+        meta: ForwardMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)  # [T, hidden]
         residual = None
-        for layer, cache in zip(self.layers, kv_caches):
-            h, residual = layer(h, residual, positions, cache, meta, backend)
+        for i, layer in enumerate(self.layers):
+            cache, group = kv_caches[self.cache_index[i]], meta.groups[self.layer_groups[i]]
+            h, residual = layer(h, residual, positions, cache, group, backend)
         h, _ = self.norm.add_forward(h, residual)
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied to the embedding
-            return F.linear(hidden, self.embed_tokens.weight)
+            return self.embed_tokens.logits(hidden)
         return self.lm_head(hidden)
 
     def quantize(self, method: str) -> None:
@@ -149,17 +190,47 @@ class LlamaForCausalLM(CausalLM):
         if method != "int8":
             super().quantize(method)
         quantize_linears_(self.layers)
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.lm_head = Int8Linear(head)
+        if self.lm_head is None:
+            embed = self.embed_tokens
+            self.lm_head = ParallelLMHead(Int8Linear(embed.weight), embed.rows, embed.sizes, self.tp)
+        else:
+            self.lm_head.linear = Int8Linear(self.lm_head.linear.weight)
+
+    def use_packed_weights(self, packed: Mapping[str, PackedMatrix]) -> set[str]:
+        """Every projection whose parts are all packed (q/k/v and gate/up as one group each), the
+        embedding (looked up row by row) and the LM head, which for tied embeddings is the
+        embedding's packed matrix itself."""
+        used: set[str] = set()
+        for i, layer in enumerate(self.layers):
+            attn, mlp, prefix = layer.self_attn, layer.mlp, f"model.layers.{i}."
+            qkv = [f"{prefix}self_attn.{p}_proj.weight" for p in "qkv"]
+            bias = self.config.attention_bias
+            attn.qkv_proj = packed_linear(packed, qkv, bias, used) or attn.qkv_proj
+            attn.o_proj = (
+                packed_linear(packed, [f"{prefix}self_attn.o_proj.weight"], False, used) or attn.o_proj
+            )
+            gate_up = [f"{prefix}mlp.gate_proj.weight", f"{prefix}mlp.up_proj.weight"]
+            mlp.gate_up_proj = packed_linear(packed, gate_up, False, used) or mlp.gate_up_proj
+            mlp.down_proj = (
+                packed_linear(packed, [f"{prefix}mlp.down_proj.weight"], False, used) or mlp.down_proj
+            )
+        embedding = packed.get("model.embed_tokens.weight")
+        if embedding is not None:
+            self.embed_tokens = GGUFEmbedding(embedding)
+            used.add("model.embed_tokens.weight")
+            if self.lm_head is None:
+                self.lm_head = packed_linear({"tied": embedding}, ["tied"], False, set())
+        if not self.config.tie_word_embeddings:
+            self.lm_head = packed_linear(packed, ["lm_head.weight"], False, used) or self.lm_head
+        return used
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named weights, fusing q/k/v and gate/up into their combined matrices."""
-        params = dict(self.named_parameters())
+        """Load HF-named weights into this rank's part of every layer, fusing q/k/v and gate/up
+        into their combined matrices."""
         fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
         fused |= {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-        cfg = self.config
-        q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-        offsets = {"qkv_proj": [0, q, q + kv, q + 2 * kv], "gate_up_proj": [0, inter, 2 * inter]}
+        modules = dict(self.named_modules())
+        params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
@@ -167,26 +238,33 @@ class LlamaForCausalLM(CausalLM):
                 continue  # tied: the checkpoint repeats the embedding
             if "rotary_emb" in name:
                 continue
-            target = name
-            for part, (fused_name, index) in fused.items():
-                if f".{part}." in name:
-                    target = name.replace(part, fused_name)
-                    lo, hi = offsets[fused_name][index], offsets[fused_name][index + 1]
-                    params[target].data[lo:hi].copy_(tensor)
-                    loaded.add(f"{target}[{index}]")
-                    break
+            module_name, _, kind = name.rpartition(".")
+            parent, _, part = module_name.rpartition(".")
+            if part in fused:
+                fused_name, segment = fused[part]
+                target = f"{parent}.{fused_name}"
+                modules[target].load(tensor, segment, kind)
+                loaded.add(f"{target}.{kind}[{segment}]")
+            elif kind == "weight" and isinstance(modules.get(module_name), _SPLIT_LAYERS):
+                modules[module_name].load(tensor)
+                loaded.add(f"{module_name}.weight")
+            elif name in params:
+                params[name].data.copy_(tensor)
+                loaded.add(name)
             else:
-                if target not in params:
-                    raise KeyError(f"unexpected weight {name!r} for {type(self).__name__}")
-                params[target].data.copy_(tensor)
-                loaded.add(target)
+                raise KeyError(f"unexpected weight {name!r} for {type(self).__name__}")
         expected = set()
-        for pname, _ in self.named_parameters():
-            base = pname.rsplit(".", 2)
-            if len(base) == 3 and base[1] in offsets:
-                expected |= {f"{pname}[{i}]" for i in range(len(offsets[base[1]]) - 1)}
-            else:
-                expected.add(pname)
+        for module_name, module in self.named_modules():
+            if isinstance(module, ColumnParallelLinear):
+                for kind, _ in module.linear.named_parameters():
+                    expected |= {f"{module_name}.{kind}[{i}]" for i in range(len(module.segments))}
+            elif isinstance(module, GGUFLinear) and module.bias is not None:
+                expected |= {f"{module_name}.bias[{i}]" for i in range(len(module.segments))}
+            elif isinstance(module, (*_SPLIT_LAYERS, RMSNorm)):
+                expected.add(f"{module_name}.weight")
         missing = expected - loaded
         if missing:
             raise KeyError(f"missing weights: {sorted(missing)[:8]}{'...' if len(missing) > 8 else ''}")
+
+
+_SPLIT_LAYERS = (RowParallelLinear, VocabParallelEmbedding, ParallelLMHead)

@@ -10,7 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-Role = Literal["system", "developer", "user", "assistant", "tool"]
+Role = Literal["system", "developer", "user", "assistant", "tool", "latest_reminder"]
+
+# Reasoning effort as the APIs spell it (Chat `reasoning_effort`, Responses `reasoning.effort`,
+# Messages `output_config.effort`); each renderer maps it onto its model's levels.
+Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
 
 @dataclass(slots=True)
@@ -20,10 +24,12 @@ class TextPart:
 
 @dataclass(slots=True)
 class ImagePart:
-    """An image placeholder: the engine serves text models, renderers emit a marker or reject."""
+    """An image: renderers that know images write a placeholder and carry the source to the
+    engine (RenderedPrompt.images); the others reject it."""
 
     url: str | None = None
     media_type: str | None = None
+    detail: str | None = None
 
 
 ContentPart = TextPart | ImagePart
@@ -46,8 +52,29 @@ class ToolCall:
 
 
 @dataclass(slots=True)
+class Tool:
+    """A function the model may call. `defer_loading`: declared but not listed in the prompt until
+    loaded; `namespace` (Responses): the group the client declared it in, whose name prefixes
+    `name` for the model and is split off again in the output."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool = False
+    defer_loading: bool = False
+    namespace: str | None = None
+    local_name: str | None = None  # the name inside `namespace`
+    custom: bool = False  # a Responses custom tool (free-form text input, e.g. apply_patch)
+
+
+@dataclass(slots=True)
 class Message:
-    """One turn. A `tool` message carries the result of the call named by `tool_call_id`."""
+    """One turn. A `tool` message carries the result of the call named by `tool_call_id`.
+
+    `prefix` (the last assistant message only): the reply continues this text instead of
+    starting a new turn. `tools` (system messages after the first turn): tool schemas loaded
+    on the way (tool search), which DeepSeek V4.1 announces in place.
+    """
 
     role: Role
     content: list[ContentPart] = field(default_factory=list)
@@ -56,6 +83,8 @@ class Message:
     tool_call_id: str | None = None
     name: str | None = None  # tool name for tool results, when the API gives it
     is_error: bool = False  # tool results only
+    prefix: bool = False
+    tools: list[Tool] = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -63,25 +92,21 @@ class Message:
 
 
 @dataclass(slots=True)
-class Tool:
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
-    strict: bool = False
-
-
-@dataclass(slots=True)
 class ToolChoice:
     mode: Literal["auto", "none", "required", "named"] = "auto"
     name: str | None = None  # set when mode == "named"
+    # Anthropic's `any`: DeepSeek's codec writes it as `auto` (no opened tool block, allowed in
+    # thinking mode); the sampler still forces a call.
+    auto_in_prompt: bool = False
 
 
 @dataclass(slots=True)
 class Thinking:
-    """enabled=None means the model's own default."""
+    """enabled=None means the model's own default; effort=None likewise."""
 
     enabled: bool | None = None
     budget_tokens: int | None = None
+    effort: Effort | None = None
 
 
 @dataclass(slots=True)
@@ -95,6 +120,7 @@ class ResponseFormat:
     regex: str | None = None
     choices: list[str] | None = None
     grammar: str | None = None
+    in_prompt: bool = True  # whether encodings that describe the format in the prompt do so
 
 
 @dataclass(slots=True)
@@ -133,3 +159,4 @@ class Conversation:
     cache_salt: str | None = None
     traffic_class: str | None = None
     user: str | None = None
+    prompt_cache_key: str | None = None  # Responses: a routing hint, kept for the router

@@ -3,25 +3,28 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
 
-import numpy as np
 import torch
 
 from deepinfer.attention.backend import AttentionBackend, TorchReferenceBackend
-from deepinfer.attention.metadata import AttentionMetadata
-from deepinfer.engine.grammar import GrammarManager
-from deepinfer.model.base import CausalLM, KVCacheSpec
+from deepinfer.attention.metadata import ForwardMetadata
+from deepinfer.model.base import CausalLM
+from deepinfer.model.layers.expert_parallel import ExpertBalancer
+from deepinfer.runner.inputs import ForwardInputs, ForwardWork, RowSpan, span_offsets
+from deepinfer.runner.kv_caches import KVCaches
 from deepinfer.runner.sampler import SampledToken, Sampler, SamplingRow
 from deepinfer.sequence import Sequence
 from deepinfer.step import ScheduledSequence, SchedulerOutput
-from deepinfer.structured.bitmask import allocate_bitmask
-
-if TYPE_CHECKING:
-    from deepinfer.speculative.decoder import SpeculativeDecoder
+from deepinfer.structured.backend import GrammarMatcher
 
 log = logging.getLogger(__name__)
+
+# One packed allowed-token bitmask row per matcher (structured output), and the rows whose
+# matcher failed.
+GrammarMasks = Callable[[list[GrammarMatcher]], tuple[torch.Tensor, list[int]]]
 
 
 def make_attention_backend(
@@ -31,16 +34,20 @@ def make_attention_backend(
     device: torch.device,
     kv_dtype: torch.dtype = torch.float32,
 ) -> AttentionBackend:
-    """`auto` picks the C kernel backend on CPU when it builds and fits the model, else the reference."""
+    """`auto` picks the C kernel backend on CPU when it builds and fits the model, else the reference.
+
+    For a model that rounds its activations, every prompt row goes through the per-row kernel:
+    the tiled prefill's GEMMs sum in an order that depends on the chunk's shape (differences of
+    ~1e-6), which the rounding can turn into another token once a prompt is chunked or cached."""
     if name == "torch" or (name == "auto" and device.type != "cpu"):
         return TorchReferenceBackend()
     from deepinfer.attention.cpu_paged import CpuPagedBackend
 
-    cfg = model.config
-    fits = CpuPagedBackend.supports(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size, kv_dtype)
+    num_heads, num_kv_heads, head_dim = model.attention_shape()
+    fits = CpuPagedBackend.supports(num_heads, num_kv_heads, head_dim, block_size, kv_dtype)
     try:
         if fits or name == "cpu_paged":
-            return CpuPagedBackend()
+            return CpuPagedBackend(row_kernel_only=model.rounds_activations)
     except RuntimeError:
         if name == "cpu_paged":
             raise
@@ -55,109 +62,89 @@ def seed_generator(seed: int, index: int) -> torch.Generator:
     return generator
 
 
+def prepare_backend(backend: AttentionBackend, meta: ForwardMetadata) -> None:
+    """Per-step precomputation of the backend, for every cache group."""
+    for group in meta.groups:
+        backend.prepare(group)
+
+
+@dataclass(slots=True)
+class RebalanceExperts:
+    """Re-place the experts by their recorded load (EPLB), on every rank at once."""
+
+
+class Peers(Protocol):
+    """The other ranks of rank 0's tensor-parallel group."""
+
+    def submit(self, work: ForwardWork | RebalanceExperts) -> None:
+        """Hand `work` to every other rank, which runs it with this one (never waits for them)."""
+        ...
+
+
 @dataclass(slots=True)
 class StepResult:
+    """What a step's forward produced: tokens of the sampling sequences, and what speculative
+    verification needs (hidden states of every row, the order the runner laid the items out in,
+    and each item's first row)."""
+
     sampled: dict[int, list[SampledToken]]  # seq_id -> tokens this step
+    # request_id -> why this step could not serve one of its sequences (its grammar, its sampling
+    # parameters); the engine ends those requests, nothing else.
+    failures: dict[str, str] = field(default_factory=dict)
+    hidden: torch.Tensor | None = None  # [T, hidden]
+    items: list[ScheduledSequence] | None = None
+    offsets: list[int] | None = None
+
+    def token_ids(self) -> dict[int, list[int]]:
+        """seq_id -> the ids of this step's tokens."""
+        return {seq_id: [t.token_id for t in tokens] for seq_id, tokens in self.sampled.items()}
 
 
 class ModelRunner:
     def __init__(
         self,
         model: CausalLM,
-        kv_spec: KVCacheSpec,
-        num_blocks: int,
-        block_size: int,
+        caches: KVCaches,
         device: torch.device,
         attention_backend: str = "auto",
+        grammar_masks: GrammarMasks | None = None,
+        peers: Peers | None = None,
+        experts: ExpertBalancer | None = None,
     ) -> None:
+        """`peers`: on rank 0 of a tensor-parallel group, the other ranks every forward runs on;
+        `experts`: the expert-load balancer of an expert-parallel MoE model."""
         self.model = model
-        self.block_size = block_size
+        self.peers = peers
+        self.experts = experts
+        # A forward that meets other ranks in collectives (rank 0 of a group, an expert-parallel rank).
+        self._collective = peers is not None or bool(model.expert_layers())
+        self.failed: str | None = None  # set when a forward over several ranks failed
+        self.caches = caches
         self.device = device
-        num_slots = num_blocks * block_size
-        # Zeroed, not empty: masked attention weights multiply unused slots, and NaN * 0 is NaN.
-        self.kv_caches = [
-            torch.zeros((num_slots, *kv_spec.slot_shape), dtype=kv_spec.dtype, device=device)
-            for _ in range(kv_spec.num_layers)
-        ]
-        self.backend = make_attention_backend(attention_backend, model, block_size, device, kv_spec.dtype)
+        self.view = caches.view("target")
+        self.kv_caches = self.view.tensors
+        kv_dtype = self.kv_caches[0].dtype
+        self.backend = make_attention_backend(
+            attention_backend, model, self.view.groups[0].entries_per_block, device, kv_dtype
+        )
         self.sampler = Sampler()
+        self.grammar_masks = grammar_masks
         self._generators: dict[int, torch.Generator] = {}
-        self.grammars: GrammarManager | None = None  # set by the engine core
-        # Speculative decoding (deepinfer.speculative.decoder.SpeculativeDecoder), set by the engine core:
-        # drafts the reserved slots before the forward and verifies them after it.
-        self.speculator: SpeculativeDecoder | None = None
 
     def release(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
             self._generators.pop(seq_id, None)
-        if self.speculator is not None:
-            self.speculator.release(seq_ids)
 
-    def _block_slots(self, block_ids: list[int]) -> torch.Tensor:
-        offsets = torch.arange(self.block_size)
-        return (
-            (torch.tensor(block_ids, dtype=torch.long)[:, None] * self.block_size + offsets)
-            .flatten()
-            .to(self.device)
-        )
+    def forward(self, inputs: ForwardInputs) -> torch.Tensor:
+        """The target's hidden states [T, hidden] for `inputs`, writing their KV."""
+        prepare_backend(self.backend, inputs.meta)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend)
 
-    def read_blocks(self, block_ids: list[int]) -> np.ndarray:
-        """KV of whole blocks as a host array [layers, tokens, *slot_shape] (for the KV store)."""
-        slots = self._block_slots(block_ids)
-        return torch.stack([cache[slots] for cache in self.kv_caches]).cpu().numpy()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)
 
-    def write_blocks(self, block_ids: list[int], kv: np.ndarray) -> None:
-        """Inverse of read_blocks: fill whole blocks from a host array."""
-        slots = self._block_slots(block_ids)
-        data = torch.from_numpy(np.array(kv)).to(self.device)  # a writable copy: store buffers are read-only
-        if data.shape != (len(self.kv_caches), len(slots), *self.kv_caches[0].shape[1:]):
-            raise ValueError(f"KV chunk of shape {tuple(data.shape)} does not fit {len(block_ids)} blocks")
-        for layer, cache in enumerate(self.kv_caches):
-            cache[slots] = data[layer].to(cache.dtype)
-
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        if not copies:
-            return
-        bs = self.block_size
-        src = torch.tensor([s * bs + o for s, _ in copies for o in range(bs)], device=self.device)
-        dst = torch.tensor([d * bs + o for _, d in copies for o in range(bs)], device=self.device)
-        for cache in self.kv_caches:
-            cache[dst] = cache[src]
-
-    def _prepare(
-        self, items: list[ScheduledSequence]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        bs = self.block_size
-        token_ids: list[int] = []
-        positions: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
-        for item in items:
-            seq = item.seq
-            num_real = item.num_new_tokens - item.num_draft_tokens
-            token_ids.extend(seq.token_ids[item.start : item.start + num_real])
-            token_ids.extend(item.draft_token_ids[: item.num_draft_tokens])
-            pos = np.arange(item.start, item.start + item.num_new_tokens, dtype=np.int64)
-            table = np.asarray(seq.block_table, dtype=np.int64)
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-        max_blocks = max(len(item.seq.block_table) for item in items)
-        tables = np.zeros((len(items), max_blocks), dtype=np.int64)
-        for i, item in enumerate(items):
-            tables[i, : len(item.seq.block_table)] = item.seq.block_table
-        seq_lens = [item.start + item.num_new_tokens for item in items]
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(self.device),
-            block_tables=torch.from_numpy(tables).to(self.device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=self.device),
-            query_lens=[item.num_new_tokens for item in items],
-            seq_lens_list=seq_lens,
-            num_decodes=sum(1 for item in items if item.num_new_tokens == 1),
-            block_size=bs,
-        )
-        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        return input_ids, torch.from_numpy(np.concatenate(positions)).to(self.device), meta
-
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+    def sampling_row(self, seq: Sequence) -> SamplingRow:
+        """How `seq` samples its next token (its generator created on first use)."""
         params = seq.params
         generator = None
         if params.seed is not None and not params.greedy:
@@ -177,58 +164,150 @@ class ModelRunner:
             generator=generator,
         )
 
-    def _grammar_bitmask(self, owners: list[Sequence]) -> tuple[torch.Tensor | None, list[int]]:
-        """One packed bitmask for the constrained rows (structured output); unconstrained rows pay nothing."""
+    def _grammar_bitmask(
+        self, owners: list[Sequence], failures: dict[str, str]
+    ) -> tuple[torch.Tensor | None, list[int]]:
+        """One packed bitmask for the constrained rows (structured output); unconstrained rows pay
+        nothing. A matcher that fails ends its request (recorded in `failures`)."""
         constrained = [i for i, seq in enumerate(owners) if seq.grammar is not None]
-        if not constrained or self.grammars is None:
+        if not constrained or self.grammar_masks is None:
             return None, []
-        backend = self.grammars.backend
-        bitmask = allocate_bitmask(len(constrained), backend.tokenizer_info.vocab_size)
-        backend.fill_bitmasks([(owners[i].grammar, row) for row, i in enumerate(constrained)], bitmask)
+        bitmask, failed = self.grammar_masks([owners[i].grammar for i in constrained])
+        for row in failed:
+            failures[owners[constrained[row]].request_id] = "internal error in the structured-output grammar"
         return bitmask, constrained
 
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        owners: list[Sequence],
+        bitmask: torch.Tensor | None,
+        constrained: list[int],
+        failures: dict[str, str],
+    ) -> list[SampledToken | None]:
+        """The sampler over every row; if the batch fails, row by row, so only a row at fault
+        (recorded in `failures`, its token None) fails."""
+        try:
+            return list(self.sampler(logits, rows, bitmask, constrained))
+        except Exception:
+            log.exception("sampling failed; isolating the row at fault")
+        tokens: list[SampledToken | None] = []
+        for i, row in enumerate(rows):
+            mask = None
+            if i in constrained and bitmask is not None:
+                j = constrained.index(i)
+                mask = bitmask[j : j + 1]
+            try:
+                tokens.append(
+                    self.sampler(logits[i : i + 1], [row], mask, [0] if mask is not None else [])[0]
+                )
+            except Exception:
+                failures[owners[i].request_id] = "internal error while sampling"
+                tokens.append(None)
+        return tokens
+
+    def _span(self, item: ScheduledSequence) -> RowSpan:
+        seq = item.seq
+        num_real = item.num_new_tokens - item.num_draft_tokens
+        tokens = (
+            seq.token_ids[item.start : item.start + num_real] + item.draft_token_ids[: item.num_draft_tokens]
+        )
+        return RowSpan(self.view.tables(seq), item.start, tokens)
+
     @torch.inference_mode()
+    def run(self, work: ForwardWork) -> tuple[ForwardInputs, torch.Tensor, torch.Tensor | None]:
+        """What every rank of the group runs: block copies, the forward, and the logits of
+        `work.logit_rows` ([N, V], None without rows). Rank 0 hands `work` to its peers first."""
+        if self.failed is not None:
+            raise RuntimeError(f"the ranks are out of step since an earlier failure: {self.failed}")
+        try:
+            if self.peers is not None:
+                self.peers.submit(work)
+            self.caches.copy_blocks(work.block_copies)
+            inputs = self.view.inputs(work.spans)
+            hidden = self.forward(inputs)  # [T, hidden]
+            logits = None
+            if work.logit_rows:
+                rows = torch.tensor(work.logit_rows, dtype=torch.long, device=self.device)
+                logits = self.compute_logits(hidden[rows])
+            if self.experts is not None:
+                self.experts.step_done()
+        except Exception as error:
+            # With other ranks, a forward that failed half way leaves their collectives waiting
+            # on this one: no later forward may pair with them.
+            if self._collective:
+                self.failed = f"{type(error).__name__}: {error}"
+            raise
+        return inputs, hidden, logits
+
+    def run_empty(self) -> None:
+        """A forward over no tokens: a rank without work steps through the MoE layers' all-to-alls
+        with the ranks that have some."""
+        self.run(ForwardWork([], [], []))
+
+    def handle(self, work: ForwardWork | RebalanceExperts) -> None:
+        """A message from rank 0 (on the other ranks of a tensor-parallel group)."""
+        if isinstance(work, RebalanceExperts):
+            self.rebalance_experts()
+        else:
+            self.run(work)
+
+    @torch.inference_mode()
+    def rebalance_experts(self) -> None:
+        """EPLB: every rank re-places its experts from the load recorded since the last time."""
+        if self.experts is None:
+            raise RuntimeError("expert-load balancing needs an expert-parallel MoE model with --enable-eplb")
+        if self.peers is not None:
+            self.peers.submit(RebalanceExperts())
+        self.experts.rebalance()
+
     def prompt_logits(self, seq: Sequence) -> torch.Tensor:
         """Logits [L, V] at every position of a sequence whose blocks are allocated (scoring, tests)."""
-        item = ScheduledSequence(seq, seq.num_tokens, 0, sample=False)
-        input_ids, positions, meta = self._prepare([item])
-        self.backend.prepare(meta)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
-        return self.model.compute_logits(hidden)
+        span = RowSpan(self.view.tables(seq), 0, list(seq.token_ids))
+        _, _, logits = self.run(ForwardWork([span], [], list(range(len(span.token_ids)))))
+        assert logits is not None
+        return logits
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> StepResult:
-        self.copy_blocks(plan.block_copies)
-        if self.speculator is not None:
-            self.speculator.propose(self, plan)  # fills the reserved draft slots
-        # Decodes (query length 1) first: the attention backend batches them in one kernel call.
-        items = sorted(plan.scheduled, key=lambda item: item.num_new_tokens != 1)
-        input_ids, positions, meta = self._prepare(items)
-        self.backend.prepare(meta)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)  # [T, hidden]
-
-        ends = np.cumsum(meta.query_lens) - 1
+        """Copy blocks, run the forward of every scheduled item (drafts included), and sample the
+        items that end at their last token and carry no drafts (the verifier samples those)."""
+        items = plan.scheduled
+        spans = [self._span(item) for item in items]
+        offsets, _ = span_offsets(spans)
         hidden_rows: list[int] = []
         rows: list[SamplingRow] = []
         owners: list[Sequence] = []
-        for i, item in enumerate(items):
-            if not item.sample or item.num_draft_tokens:  # drafted rows are verified below
+        for item, offset in zip(items, offsets):
+            if not item.sample or item.num_draft_tokens:
                 continue
             for seq in (item.seq, *item.forks):
-                hidden_rows.append(int(ends[i]))
-                rows.append(self._sampling_row(seq))
+                hidden_rows.append(offset + item.num_new_tokens - 1)
+                rows.append(self.sampling_row(seq))
                 owners.append(seq)
+        # Forks share their parent's row: compute logits once per distinct row.
+        unique, inverse = torch.unique(torch.tensor(hidden_rows, dtype=torch.long), return_inverse=True)
+        inputs, hidden, unique_logits = self.run(ForwardWork(spans, plan.block_copies, unique.tolist()))
         sampled: dict[int, list[SampledToken]] = {}
+        failures: dict[str, str] = {}
         if rows:
-            index = torch.tensor(hidden_rows, dtype=torch.long, device=self.device)
-            # Forks share their parent's row: compute logits once per distinct row.
-            unique, inverse = torch.unique(index, return_inverse=True)
-            logits = self.model.compute_logits(hidden[unique])[inverse]  # [N, V]
-            bitmask, constrained = self._grammar_bitmask(owners)
-            tokens = self.sampler(logits, rows, bitmask, constrained)
+            assert unique_logits is not None
+            logits = unique_logits[inverse.to(self.device)]  # [N, V]
+            bitmask, constrained = self._grammar_bitmask(owners, failures)
+            tokens = self._sample(logits, rows, owners, bitmask, constrained, failures)
             for i in constrained:
-                owners[i].grammar.accept_token(tokens[i].token_id)
-            sampled = {seq.seq_id: [token] for seq, token in zip(owners, tokens)}
-        if self.speculator is not None:
-            sampled |= self.speculator.verify(self, items, hidden, meta.query_lens, sampled)
-        return StepResult(sampled)
+                token = tokens[i]
+                if token is None or owners[i].request_id in failures:
+                    continue
+                try:
+                    owners[i].grammar.accept_token(token.token_id)
+                except Exception:
+                    log.exception("the grammar of %s failed", owners[i].request_id)
+                    failures[owners[i].request_id] = "internal error in the structured-output grammar"
+            sampled = {
+                seq.seq_id: [token]
+                for seq, token in zip(owners, tokens)
+                if token is not None and seq.request_id not in failures
+            }
+        return StepResult(sampled, failures, hidden, list(items), inputs.offsets)

@@ -24,6 +24,11 @@ from deepinfer.server.http_io import EventStreamResponse, until_disconnect
 class EventSink(Protocol):
     """An API encoder behind one interface: frames out for streams, a body for the rest."""
 
+    def opening(self) -> list[str]:
+        """Frames a stream sends before the engine produced anything (a long prefill can take
+        longer than a client's idle timeout)."""
+        ...
+
     def first_output(self, delta: SequenceDelta) -> list[str]: ...
 
     def feed(self, index: int, event: Event) -> list[str]: ...
@@ -39,6 +44,9 @@ async def stream_frames(stream: GenerationStream, choices: Choices, sink: EventS
     started = False
     try:
         try:
+            opening = sink.opening()
+            if opening:
+                yield "".join(opening)
             async for batch in stream.batches():
                 frames: list[str] = []
                 if not started:

@@ -38,6 +38,7 @@ async def messages(request: Request) -> Response:
         num_prompt_tokens=len(prompt.token_ids),
         max_model_len=state.max_model_len,
         skip_special_tokens=False,
+        defaults=prompt.defaults,
     )
     grammar = await state.output_constraint(conv, prompt, MESSAGES_FORMAT, body)
     message_id = new_id("msg_")

@@ -8,14 +8,42 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deepinfer.recipe.errors import RecipeError
 from deepinfer.sampling_params import InvalidRequestError
-from deepinfer.server import anthropic_routes, misc_routes, openai_routes
+from deepinfer.server import anthropic_routes, misc_routes, openai_routes, pd_routes
 from deepinfer.server.errors import ApiError, error_response, flavor_of
 from deepinfer.server.state import ServerState
 
 log = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = b"x-request-id"
+
+
+class RequestIdEcho:
+    """Answers carry the `x-request-id` the client (or a router in front) sent, so one id
+    follows a request through every hop's logs. Pure ASGI: streams pass untouched."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = next((v for k, v in scope["headers"] if k == REQUEST_ID_HEADER), None)
+        if request_id is None:
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k != REQUEST_ID_HEADER]
+                message = {**message, "headers": [*headers, (REQUEST_ID_HEADER, request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -24,6 +52,8 @@ def build_app(state: ServerState) -> FastAPI:
     app.include_router(openai_routes.router)
     app.include_router(anthropic_routes.router)
     app.include_router(misc_routes.router)
+    app.include_router(pd_routes.router)
+    app.add_middleware(RequestIdEcho)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> JSONResponse:

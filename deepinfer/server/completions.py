@@ -198,6 +198,9 @@ class CompletionEncoder:
             body["usage"] = usage
         return body
 
+    def opening(self) -> list[str]:
+        return []
+
     def first_output(self, delta: SequenceDelta) -> list[str]:
         return []
 

@@ -5,7 +5,8 @@ What a request may constrain, and how:
 - `response_format` / `text.format` / `output_config.format`: the answer follows the schema.
 - tool_choice `required` (Anthropic `any`) or a named tool (Anthropic `tool`): the answer is a
   well-formed call in the model's own tool-call syntax (the recipe's `tool_format`: Hermes
-  `<tool_call>` JSON for Qwen-style and the default SmolLM2 templates, DSML for DeepSeek-V3.2)
+  `<tool_call>` JSON for Qwen-style and the default SmolLM2 templates, DSML for DeepSeek V3.2,
+  V4 and V4.1)
   whose arguments follow that tool's schema. `auto` stays free; `none` renders no tools, so the
   parser reads any tool syntax as plain text.
 - Both at once is a 400: a forced call is the whole answer, so there is no text left for the
@@ -45,7 +46,7 @@ from deepinfer.structured import (
 from deepinfer.tokenizer import Tokenizer
 
 # The recipe's tool formats a forced call can be written in (deepinfer.structured.tool_calls).
-FORCEABLE_TOOL_FORMATS = ("hermes", "dsml")
+FORCEABLE_TOOL_FORMATS = ("hermes", "dsml", "dsml_v4", "dsml_v41")
 
 
 @dataclass(slots=True, frozen=True)
@@ -104,6 +105,7 @@ def output_constraint(
         parallel=parallel_calls,
         special_tokens=special_tokens,
         after_reasoning=THINK_CLOSE if thinks(prompt) else None,
+        opened=prompt.parser_spec.initial == "tool",  # the prompt wrote the block's opening
     )
 
 

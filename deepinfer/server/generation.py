@@ -20,44 +20,18 @@ from deepinfer.recipe.events import (
     TopLogprob,
     Usage,
 )
+from deepinfer.recipe.family import PromptDefaults
 from deepinfer.recipe.ir import GenerationParams, ResponseFormat
-from deepinfer.sampling_params import InvalidRequestError, SamplingParams
+from deepinfer.sampling_params import SamplingParams
 from deepinfer.structured.spec import GrammarSpec
+from deepinfer.validation import max_tokens_for
 
 _FINISH_REASONS: dict[str | None, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
-def check_context(num_prompt_tokens: int, max_model_len: int, param: str) -> None:
-    """400 when the prompt leaves no room for even one generated token."""
-    if num_prompt_tokens >= max_model_len:
-        raise InvalidRequestError(
-            f"{param}: the prompt is {num_prompt_tokens} tokens, which leaves no room to generate within "
-            f"the model's context length of {max_model_len} tokens",
-            param=param,
-        )
-
-
-def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int, param: str) -> None:
-    """A raw token-id prompt: not empty, inside the vocabulary, shorter than the context."""
-    if not token_ids:
-        raise InvalidRequestError(f"{param}: must not be empty", param=param)
-    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise InvalidRequestError(
-            f"{param}: token id {bad} is outside the vocabulary [0, {vocab_size})", param=param
-        )
-    check_context(len(token_ids), max_model_len, param)
-
-
-def max_tokens_for(requested: int | None, num_prompt_tokens: int, max_model_len: int) -> int:
-    """The client's limit, capped by the context left after the prompt (the whole of it if unset)."""
-    remaining = max_model_len - num_prompt_tokens
-    return remaining if requested is None else min(requested, remaining)
-
-
 def thinks(prompt: RenderedPrompt) -> bool:
     """Whether the model may write a thinking section before its answer to this prompt."""
-    return prompt.parser_spec.initial != "content"
+    return prompt.parser_spec.initial in ("reasoning", "maybe_reasoning")
 
 
 def grammar_for(
@@ -88,11 +62,20 @@ def sampling_params(
     num_prompt_tokens: int,
     max_model_len: int,
     skip_special_tokens: bool,
+    defaults: PromptDefaults | None = None,
 ) -> SamplingParams:
-    """The engine's parameters for a request; unset fields keep the engine's defaults."""
+    """The engine's parameters for a request; unset fields keep the engine's defaults, or the
+    prompt encoding's (`defaults`: DeepSeek V4's thinking mode samples at temperature 1 with a
+    top_p floor, and has its own output-token defaults)."""
+    defaults = defaults or PromptDefaults()
+    temperature = defaults.temperature if defaults.temperature is not None else params.temperature
+    top_p = params.top_p
+    if defaults.min_top_p is not None:
+        top_p = max(top_p if top_p is not None else 1.0, defaults.min_top_p)
+    requested_max = params.max_tokens if params.max_tokens is not None else defaults.max_tokens
     optional: dict[str, Any] = {
-        "temperature": params.temperature,
-        "top_p": params.top_p,
+        "temperature": temperature,
+        "top_p": top_p,
         "min_p": params.min_p,
         "presence_penalty": params.presence_penalty,
         "frequency_penalty": params.frequency_penalty,
@@ -103,7 +86,7 @@ def sampling_params(
         top_k=params.top_k or 0,
         seed=params.seed,
         stop=list(params.stop),
-        max_tokens=max_tokens_for(params.max_tokens, num_prompt_tokens, max_model_len),
+        max_tokens=max_tokens_for(requested_max, num_prompt_tokens, max_model_len),
         min_tokens=params.min_tokens or 0,
         ignore_eos=params.ignore_eos,
         logprobs=(params.top_logprobs or 0) if params.logprobs else None,

@@ -66,6 +66,26 @@ class _EngineCollector(Collector):
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
+        if stats.per_rank:
+            yield from _per_rank(stats.per_rank)
+
+
+def _per_rank(per_rank: list[EngineStats]) -> Iterator[Metric]:
+    """Data parallelism: the engine gauges of every rank, labelled dp_rank."""
+    gauges = {
+        "dp_rank_num_requests_running": ("sequences running on the data-parallel rank", "num_running"),
+        "dp_rank_num_requests_waiting": ("sequences waiting on the data-parallel rank", "num_waiting"),
+        "dp_rank_kv_cache_usage_ratio": ("fraction of the data-parallel rank's KV blocks in use", "kv_usage"),
+        "dp_rank_prefix_cache_hit_rate": (
+            "prompt tokens served from the data-parallel rank's prefix cache / looked up",
+            "prefix_hit_rate",
+        ),
+    }
+    for name, (doc, attribute) in gauges.items():
+        family = GaugeMetricFamily(PREFIX + name, doc, labels=["dp_rank"])
+        for rank, stats in enumerate(per_rank):
+            family.add_metric([str(rank)], getattr(stats, attribute))
+        yield family
 
 
 class ServerMetrics:

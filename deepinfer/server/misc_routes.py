@@ -20,10 +20,13 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
-    client = state_of(request).client
+    state = state_of(request)
+    client = state.client
     engine = {"pid": client.transport.engine_pid}
     if client.dead_reason is not None:
         return JSONResponse({"status": "unhealthy", "reason": client.dead_reason, "engine": engine}, 503)
+    if state.draining:
+        return JSONResponse({"status": "draining", "engine": engine}, 503, headers={"retry-after": "5"})
     return JSONResponse({"status": "ok", "engine": engine})
 
 

@@ -16,14 +16,16 @@ from deepinfer.recipe.api import (
     request_to_conversation,
     response_echo,
 )
+from deepinfer.recipe.api.responses import wants_encrypted_reasoning
 from deepinfer.recipe.ir import Conversation
 from deepinfer.server.answer import respond
 from deepinfer.server.completions import CompletionEncoder, TextChoices, parse_completion_request
 from deepinfer.server.constraints import CHAT_FORMAT, RESPONSES_FORMAT
-from deepinfer.server.generation import ChoiceParsers, check_prompt, sampling_params
+from deepinfer.server.generation import ChoiceParsers, sampling_params
 from deepinfer.server.http_io import read_json
 from deepinfer.server.sinks import ChatSink, ResponsesSink
 from deepinfer.server.state import ServerState
+from deepinfer.validation import check_prompt
 
 router = APIRouter()
 
@@ -51,6 +53,7 @@ async def chat_completions(request: Request) -> Response:
         num_prompt_tokens=len(prompt.token_ids),
         max_model_len=state.max_model_len,
         skip_special_tokens=False,  # the recipe's parser reads (and strips) the model's markers
+        defaults=prompt.defaults,
     )
     grammar = await state.output_constraint(conv, prompt, CHAT_FORMAT, body)
     request_id = new_id("chatcmpl-")
@@ -86,7 +89,7 @@ async def responses(request: Request) -> Response:
     body = await read_json(request, state.config.max_body_bytes)
     model = state.model_name(body)
     parsed = parse_responses_request(body)
-    conv = request_to_conversation(parsed)
+    conv = request_to_conversation(parsed, state.responses_options)
     prompt = state.render(conv, param="input")
     assert prompt.token_ids is not None
     params = sampling_params(
@@ -94,6 +97,7 @@ async def responses(request: Request) -> Response:
         num_prompt_tokens=len(prompt.token_ids),
         max_model_len=state.max_model_len,
         skip_special_tokens=False,
+        defaults=prompt.defaults,
     )
     grammar = await state.output_constraint(conv, prompt, RESPONSES_FORMAT, body)
     response_id = new_id("resp_")
@@ -115,6 +119,8 @@ async def responses(request: Request) -> Response:
         created_at=int(time.time()),
         echo=response_echo(parsed),
         stream=conv.stream,
+        tools=conv.tools,
+        seal_reasoning=state.reasoning_sealer.seal if wants_encrypted_reasoning(parsed) else None,
     )
     choices = ChoiceParsers(prompt, 1, _top_logprobs(conv))
     return await respond(request, stream, choices, ResponsesSink(encoder), streaming=conv.stream)

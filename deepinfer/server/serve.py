@@ -2,7 +2,11 @@
 
 The listening socket is bound first (a taken port fails at once, not after loading the model).
 The API process loads only the tokenizer and the recipe (model metadata), never the weights.
-SIGINT / SIGTERM stop uvicorn gracefully, then the engine process.
+
+A graceful stop (SIGINT / SIGTERM) has one deadline, `--shutdown-timeout` from the signal: new
+requests get 503 (with Retry-After) while those in flight finish; any still running at the
+deadline end with an error event; then the engine flushes its queued KV-store writes with the
+time left (at least a second) and stops. A second signal stops at once.
 """
 
 from __future__ import annotations
@@ -15,18 +19,21 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 
 import uvicorn
 
-from deepinfer.config import EngineConfig
+from deepinfer.config import EngineConfig, ServerConfig
 from deepinfer.engine.ipc.client import EngineClient
+from deepinfer.engine.ipc.protocol import EngineInfo
 from deepinfer.engine.ipc.transport import EngineTransport, ProcessTransport, ThreadTransport
 from deepinfer.model.loader.source import DEFAULT_MODEL_NAME, converted_gguf_dir, resolve_model_path
 from deepinfer.recipe import ModelInfo, Recipe, RecipeError
+from deepinfer.recipe.api.responses_reasoning import ReasoningSealer
 from deepinfer.server.app import build_app
 from deepinfer.server.constraints import GrammarValidator
 from deepinfer.server.metrics import ServerMetrics
-from deepinfer.server.state import ServerConfig, ServerState
+from deepinfer.server.state import ServerState
 from deepinfer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -70,6 +77,8 @@ async def start_state(engine_config: EngineConfig, server_config: ServerConfig) 
         try:
             recipe = Recipe.for_model(await info_task)
         except RecipeError as error:
+            if server_config.recipe_family is not None:
+                raise  # an encoding asked for by name that cannot be used: refuse to start
             recipe_error = str(error)
             log.warning("chat endpoints disabled: %s", error)
     except BaseException:
@@ -90,6 +99,7 @@ async def start_state(engine_config: EngineConfig, server_config: ServerConfig) 
         default_served_name(engine_config.model, engine_info.model_name)
     ]
     return ServerState(
+        reasoning_sealer=reasoning_sealer(server_config),
         config=server_config,
         client=client,
         tokenizer=tokenizer,
@@ -100,6 +110,28 @@ async def start_state(engine_config: EngineConfig, server_config: ServerConfig) 
         created=int(time.time()),
         grammars=grammars,
     )
+
+
+def reasoning_sealer(config: ServerConfig) -> ReasoningSealer:
+    """The key for encrypted Responses reasoning: the configured one, or a new one for this run."""
+    if config.reasoning_key:
+        return ReasoningSealer.from_hex(config.reasoning_key)
+    log.info(
+        "encrypted reasoning: using a key generated at start (reasoning blobs will not decrypt after a "
+        "restart; set --reasoning-key to keep them valid)"
+    )
+    return ReasoningSealer.generate()
+
+
+def _role_note(info: EngineInfo) -> str:
+    parts = []
+    if info.role != "both":
+        parts.append(f"role {info.role}, KV transfer {info.kv_transfer}")
+    if info.kv_transfer_address:
+        parts.append(f"KV transfer listener {info.kv_transfer_address}")
+    if info.kv_events_endpoint:
+        parts.append(f"KV events {info.kv_events_endpoint}")
+    return f" [{'; '.join(parts)}]" if parts else ""
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -114,17 +146,61 @@ def base_url(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-class _AnnouncingServer(uvicorn.Server):
-    """Prints where it listens once it accepts connections."""
+MIN_FLUSH_S = 1.0
 
-    def __init__(self, config: uvicorn.Config, announce: Callable[[], None]) -> None:
+
+class _DrainingServer(uvicorn.Server):
+    """Prints where it listens once it accepts connections; a first signal drains (see the
+    module docstring) instead of stopping at once."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, announce: Callable[[], None]) -> None:
         super().__init__(config)
+        self._state = state
         self._announce = announce
+        self._loop = asyncio.get_running_loop()
+        self._drain: asyncio.Task[None] | None = None
+        self.deadline: float | None = None  # loop time by which the whole stop should be done
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets=sockets)
         if not self.should_exit:
             self._announce()
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.deadline is None:  # first signal: drain
+            self._captured_signals.append(sig)
+            self._loop.call_soon_threadsafe(self._begin_drain)
+        else:
+            super().handle_exit(sig, frame)
+            self.force_exit = True
+
+    def _begin_drain(self) -> None:
+        self.deadline = self._loop.time() + self._state.config.shutdown_timeout
+        self._drain = self._loop.create_task(self._drain_requests())
+
+    async def _drain_requests(self) -> None:
+        state, client = self._state, self._state.client
+        state.draining = True
+        log.info(
+            "stopping: %d requests in flight, %.0f s to finish",
+            client.num_in_flight,
+            state.config.shutdown_timeout,
+        )
+        assert self.deadline is not None
+        while client.num_in_flight and self._loop.time() < self.deadline:
+            await asyncio.sleep(0.05)
+        if client.num_in_flight:
+            log.warning(
+                "%d requests still running at the shutdown deadline; ending them", client.num_in_flight
+            )
+            client.abort_all("the server is shutting down")
+        self.should_exit = True
+
+    def flush_time_left(self) -> float:
+        """Seconds the engine may spend flushing KV writes (the rest of the deadline)."""
+        if self.deadline is None:
+            return self._state.config.shutdown_timeout
+        return max(self.deadline - self._loop.time(), MIN_FLUSH_S)
 
 
 async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> None:
@@ -150,7 +226,8 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> Non
         names = ", ".join(state.served_names)
         print(
             f"DeepInfer is serving {names} at {url}  (OpenAI: {url}/v1, Anthropic: {url}/v1/messages, "
-            f"health: {url}/health, metrics: {url}/metrics; engine pid {state.client.transport.engine_pid})",
+            f"health: {url}/health, metrics: {url}/metrics; engine pid {state.client.transport.engine_pid})"
+            + _role_note(state.client.info),
             flush=True,
         )
 
@@ -160,7 +237,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> Non
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         lifespan="off",
     )
-    server = _AnnouncingServer(config, announce)
+    server = _DrainingServer(config, state, announce)
     # uvicorn re-raises the signal that stopped it once it is done; with these handlers that
     # is a no-op, so the engine is stopped below instead of the process dying mid-cleanup.
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -168,8 +245,8 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> Non
     try:
         await server.serve(sockets=[sock])
     finally:
-        # Streams still open when the grace period ended end here with the engine.
-        await state.client.close()
+        # Streams still open when uvicorn's own grace period ended end here with the engine.
+        await state.client.close(server.flush_time_left())
         if state.grammars is not None:
             state.grammars.close()
         sock.close()

@@ -13,6 +13,9 @@ class ChatSink:
     def __init__(self, encoder: ChatCompletionEncoder) -> None:
         self.encoder = encoder
 
+    def opening(self) -> list[str]:
+        return []
+
     def first_output(self, delta: SequenceDelta) -> list[str]:
         return []
 
@@ -27,10 +30,14 @@ class ChatSink:
 
 
 class ResponsesSink:
-    """Responses has one choice; its `response.created` goes out with the first output."""
+    """Responses has one choice; its `response.created` goes out at once, before the prefill
+    (agents such as Codex give up on a stream that stays silent)."""
 
     def __init__(self, encoder: ResponsesEncoder) -> None:
         self.encoder = encoder
+
+    def opening(self) -> list[str]:
+        return self.encoder.start()
 
     def first_output(self, delta: SequenceDelta) -> list[str]:
         return self.encoder.start()
@@ -62,6 +69,9 @@ class MessagesSink:
         if self._encoder is None:
             self._encoder = MessagesEncoder(**self._options, cached_tokens=cached_tokens)
         return self._encoder
+
+    def opening(self) -> list[str]:
+        return []
 
     def first_output(self, delta: SequenceDelta) -> list[str]:
         return self._made(delta.num_cached_tokens).start()

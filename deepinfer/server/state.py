@@ -3,19 +3,23 @@ that come before generation (API key, model name, backpressure, prompt size)."""
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
+import msgspec
 from fastapi import Request
 
+from deepinfer.config import ServerConfig
 from deepinfer.engine.ipc.client import EngineClient, EngineDeadError, GenerationStream
+from deepinfer.engine.kv_cache.prefix import tenant_cache_salt
 from deepinfer.recipe import Recipe, RenderedPrompt
+from deepinfer.recipe.api.responses import ResponsesOptions
+from deepinfer.recipe.api.responses_reasoning import ReasoningSealer
 from deepinfer.recipe.ir import Conversation
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.sequence import EngineRequest
+from deepinfer.sequence import EngineRequest, KVSource
 from deepinfer.server.constraints import (
     FormatField,
     GrammarValidator,
@@ -23,27 +27,27 @@ from deepinfer.server.constraints import (
     parallel_calls_allowed,
 )
 from deepinfer.server.errors import ApiError, Flavor, overloaded
-from deepinfer.server.generation import check_context
 from deepinfer.server.metrics import ServerMetrics
+from deepinfer.store.retention import DEFAULT_TRAFFIC_CLASS
 from deepinfer.structured.spec import GrammarSpec
 from deepinfer.tokenizer import Tokenizer
+from deepinfer.validation import check_context
 
-DEFAULT_TRAFFIC_CLASS = "chat"
 TRAFFIC_CLASS_HEADER = "x-traffic-class"
+# Set by the router on a request for a decode engine: where the prompt's KV waits.
+KV_TRANSFER_HEADER = "x-deepinfer-kv-transfer"
 
 
-@dataclass(slots=True)
-class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_keys: list[str] = field(default_factory=list)  # empty: no authentication
-    served_model_names: list[str] = field(default_factory=list)  # empty: the model's own name
-    max_waiting_requests: int = 512  # requests waiting for their first token before 429/529
-    max_body_bytes: int = 32 << 20
-    cache_salt_per_key: bool = False  # isolate the prefix cache between API keys
-    recipe_family: str | None = None  # override the detected prompt/parse family
-    engine_mode: Literal["process", "thread"] = "process"
-    log_level: str = "info"
+class KVTransferHeader(msgspec.Struct):
+    """The header's JSON: a direct source (address and transfer id), the store (nothing to pull:
+    the decode engine's store connector finds it), or the prefill's failure."""
+
+    address: str | None = None
+    transfer_id: str | None = None
+    error: str | None = None
+
+
+_transfer_header = msgspec.json.Decoder(KVTransferHeader)
 
 
 @dataclass(slots=True)
@@ -57,6 +61,12 @@ class ServerState:
     metrics: ServerMetrics
     created: int
     grammars: GrammarValidator | None = None  # built by start_state; needed by constrained requests
+    draining: bool = False  # a graceful stop began: new requests get 503, those in flight finish
+    reasoning_sealer: ReasoningSealer = field(default_factory=ReasoningSealer.generate)
+
+    @property
+    def responses_options(self) -> ResponsesOptions:
+        return ResponsesOptions(hosted_tools=self.config.hosted_tools, reasoning=self.reasoning_sealer)
 
     @property
     def max_model_len(self) -> int:
@@ -108,6 +118,13 @@ class ServerState:
         client = self.client
         if client.dead_reason is not None:
             raise ApiError(503, f"the engine is not running: {client.dead_reason}", code="engine_unavailable")
+        if self.draining:
+            raise ApiError(
+                503,
+                "the server is shutting down; retry on another replica or after its restart",
+                code="server_shutting_down",
+                headers={"retry-after": "5"},
+            )
         limit = self.config.max_waiting_requests
         if client.num_waiting >= limit:
             self.metrics.count_outcome("rejected")
@@ -124,6 +141,10 @@ class ServerState:
         kwargs = template_kwargs if isinstance(template_kwargs, Mapping) else None
         prompt = self.require_recipe().render(conv, tokenizer=self.tokenizer.backend, template_kwargs=kwargs)
         assert prompt.token_ids is not None
+        if prompt.images:
+            # The encoding placed them (RenderedPrompt.images carries their sources), but no model
+            # this engine runs reads images yet.
+            raise ApiError(400, f"{param}: this model does not accept images", param=param)
         check_context(len(prompt.token_ids), self.max_model_len, param)
         return prompt
 
@@ -148,8 +169,36 @@ class ServerState:
         """The body's salt, scoped to the API key when the cache is isolated per key."""
         if not (self.config.cache_salt_per_key and api_key):
             return body_salt
-        tenant = hashlib.sha256(api_key.encode()).hexdigest()[:16]
-        return f"key:{tenant}" if body_salt is None else f"key:{tenant}:{body_salt}"
+        return tenant_cache_salt(api_key, body_salt)
+
+    def kv_source(self, request: Request) -> KVSource | None:
+        """Where a decode engine pulls the prompt's KV from, per the router's header. A prefill
+        that failed is recomputed here, or is an error (kv_transfer_failure=fail)."""
+        text = request.headers.get(KV_TRANSFER_HEADER)
+        if text is None:
+            return None
+        info = self.client.info
+        if info.role != "decode":
+            raise ApiError(
+                400,
+                f"{KV_TRANSFER_HEADER}: this engine's role is {info.role}, not decode",
+                param=KV_TRANSFER_HEADER,
+            )
+        try:
+            header = _transfer_header.decode(text)
+        except msgspec.DecodeError as error:
+            raise ApiError(400, f"{KV_TRANSFER_HEADER}: {error}", param=KV_TRANSFER_HEADER) from None
+        if header.error is not None:
+            if info.kv_transfer_failure == "fail":
+                raise ApiError(
+                    502,
+                    f"the prefill engine did not hand the prompt off: {header.error}",
+                    code="kv_transfer_failed",
+                )
+            return None
+        if header.address is None or header.transfer_id is None:
+            return None  # through the store: nothing to pull
+        return KVSource(header.address, header.transfer_id)
 
     def engine_request(
         self,
@@ -164,16 +213,32 @@ class ServerState:
         grammar: GrammarSpec | None = None,
     ) -> EngineRequest:
         params.validate(self.vocab_size)
-        header_class = request.headers.get(TRAFFIC_CLASS_HEADER)
         return EngineRequest(
             request_id,
             token_ids,
             params,
             eos_token_ids=list(self.client.info.eos_token_ids),
             cache_salt=self.cache_salt(api_key, cache_salt),
-            traffic_class=traffic_class or header_class or DEFAULT_TRAFFIC_CLASS,
+            traffic_class=self.traffic_class(request, traffic_class),
             grammar=grammar,
+            kv_source=self.kv_source(request),
         )
+
+    def traffic_class(self, request: Request, body_class: str | None) -> str:
+        """The request's traffic class (body field, else header, else the default); 400 when the
+        engine keeps no retention for it, so the engine never sees a class it would refuse."""
+        header_class = request.headers.get(TRAFFIC_CLASS_HEADER)
+        chosen = body_class or header_class or DEFAULT_TRAFFIC_CLASS
+        known = self.client.info.traffic_classes
+        if chosen not in known:
+            where = "traffic_class" if body_class else TRAFFIC_CLASS_HEADER
+            raise ApiError(
+                400,
+                f"{where}: unknown traffic class {chosen!r}; this server keeps {', '.join(known)} "
+                "(more with --kv-retention, e.g. batch=12h)",
+                param=where,
+            )
+        return chosen
 
     def submit(self, requests: list[tuple[EngineRequest, str | None]], arrival: float) -> GenerationStream:
         try:

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.speculative.batch import RowSpan
+from deepinfer.cache_layout import GroupLayout
+from deepinfer.runner.inputs import RowSpan
 from deepinfer.utils import cdiv
 
 
@@ -120,15 +121,16 @@ def time_shapes(forward: ForwardFn, shapes: list[list[RowSpan]], repeats: int) -
 
 
 def synthetic_spans(
-    num_seqs: int, tokens_each: int, context: int, block_size: int, num_blocks: int
+    num_seqs: int, tokens_each: int, context: int, groups: list[GroupLayout]
 ) -> list[RowSpan] | None:
     """`num_seqs` sequences of `tokens_each` new tokens after `context` cached ones, each in its own
-    blocks (free at startup, so writing their slots disturbs nothing). None if the pool is too small."""
-    per_seq = cdiv(context + tokens_each, block_size)
-    if per_seq * num_seqs > num_blocks:
+    blocks of every group (free at startup, so writing their slots disturbs nothing). None if a
+    group's pool is too small."""
+    per_seq = [cdiv(context + tokens_each, g.block_tokens) for g in groups]
+    if any(n * num_seqs > g.num_blocks for n, g in zip(per_seq, groups)):
         return None
     return [
-        RowSpan(list(range(i * per_seq, (i + 1) * per_seq)), context, [0] * tokens_each)
+        RowSpan([list(range(i * n, (i + 1) * n)) for n in per_seq], context, [0] * tokens_each)
         for i in range(num_seqs)
     ]
 

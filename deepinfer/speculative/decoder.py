@@ -1,30 +1,26 @@
 """Speculative decoding in the engine loop: plan lengths, draft, verify, keep the books.
 
-The engine core calls `plan` before scheduling (draft lengths for decoding sequences); the runner
-calls `propose` after the step's blocks are allocated (drafts into the scheduled items) and
-`verify` after the target forward (tokens for every drafted sequence). The scheduler then appends
-the tokens and rolls the KV back past the rejected drafts.
+The engine core calls `plan` before scheduling (draft lengths for decoding sequences), `propose`
+once the step's blocks are allocated (drafts into the scheduled items), the runner's forward, and
+`verify` after it (tokens for every drafted sequence, added to the step's result). The scheduler
+then appends the tokens and rolls the KV back past the rejected drafts.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
-from deepinfer.engine.scheduler import Scheduler
-from deepinfer.runner.model_runner import seed_generator
+from deepinfer.runner.model_runner import StepResult, seed_generator
 from deepinfer.runner.sampler import SampledToken, SamplingRow, process_logits
 from deepinfer.sequence import Sequence
 from deepinfer.speculative.length_policy import AcceptanceEstimator, Candidate, LengthPolicy
 from deepinfer.speculative.proposer import DraftRequest, Proposer
 from deepinfer.speculative.stats import SpecDecodeStats
 from deepinfer.speculative.verifier import DraftGrammar, position_rows, verify_processed
-from deepinfer.step import ScheduledSequence, SchedulerOutput
-
-if TYPE_CHECKING:
-    from deepinfer.runner.model_runner import ModelRunner
+from deepinfer.step import SchedulerOutput
 
 # A new sequence starts from the engine-wide average acceptance (itself starting here). The first
 # position a step does not verify drifts toward 1 (optimism under uncertainty) at EXPLORE_RATE per
@@ -51,8 +47,20 @@ def is_decode_step(seq: Sequence) -> bool:
 
 
 class SpeculativeDecoder:
-    def __init__(self, proposer: Proposer, policy: LengthPolicy, stats: SpecDecodeStats) -> None:
+    """`sampling_row` gives a sequence's target sampling row (the runner's), `compute_logits`
+    the target's logits of hidden rows."""
+
+    def __init__(
+        self,
+        proposer: Proposer,
+        policy: LengthPolicy,
+        stats: SpecDecodeStats,
+        sampling_row: Callable[[Sequence], SamplingRow],
+        compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
         self.proposer = proposer
+        self.sampling_row = sampling_row
+        self.compute_logits = compute_logits
         self.policy = policy
         self.max_k = policy.max_k
         self.stats = stats
@@ -76,11 +84,11 @@ class SpeculativeDecoder:
             estimator = self._estimators[seq_id] = AcceptanceEstimator(self._engine_estimate.alphas)
         return estimator
 
-    def plan(self, scheduler: Scheduler) -> dict[int, int]:
-        """Draft lengths (seq_id -> k > 0) for this step's decoding sequences."""
-        max_model_len = scheduler.config.max_model_len
+    def plan(self, running: list[Sequence], max_model_len: int, prefill_tokens: int) -> dict[int, int]:
+        """Draft lengths (seq_id -> k > 0) for this step's decoding sequences, given the prompt
+        tokens the step will likely also carry (they cost time and yield no output)."""
         candidates = []
-        for seq in scheduler.running:
+        for seq in running:
             if not is_decode_step(seq):
                 continue
             bound = min(self.max_k, max_model_len - seq.num_tokens)
@@ -91,29 +99,15 @@ class SpeculativeDecoder:
             candidates.append(Candidate(seq.seq_id, self.estimator(seq.seq_id).alphas, max(bound, 0)))
         if not candidates:
             return {}
-        choice = self.policy.choose(candidates, self._prefill_tokens(scheduler))
+        choice = self.policy.choose(candidates, prefill_tokens)
         dynamic = self.policy.mode == "dynamic" and self.proposer.has_confidence
         self._threshold = choice.verify_threshold if dynamic else None
         return {seq_id: k for seq_id, k in choice.lengths.items() if k > 0}
 
-    @staticmethod
-    def _prefill_tokens(scheduler: Scheduler) -> int:
-        """Prompt tokens the step will likely also carry (they cost time and yield no output)."""
-        config = scheduler.config
-        cap = config.prefill_chunk_size or config.max_num_batched_tokens
-        total = sum(
-            min(s.num_tokens - s.num_computed_tokens, cap)
-            for s in scheduler.running
-            if s.num_tokens - s.num_computed_tokens > 1
-        )
-        seats = max(config.max_num_seqs - len(scheduler.running), 0)
-        total += sum(min(s.num_tokens, cap) for s in scheduler.waiting[:seats])
-        return min(total, config.max_num_batched_tokens)
+    # -- around the forward --------------------------------------------------------------------------
 
-    # -- in the runner ---------------------------------------------------------------------------
-
-    def _draft_row(self, runner: ModelRunner, seq: Sequence) -> SamplingRow:
-        row = runner._sampling_row(seq)
+    def _draft_row(self, seq: Sequence) -> SamplingRow:
+        row = self.sampling_row(seq)
         params = seq.params
         generator = None
         if params.seed is not None and not params.greedy:
@@ -123,15 +117,14 @@ class SpeculativeDecoder:
                 self._draft_generators[seq.seq_id] = generator
         return dataclasses.replace(row, generator=generator)
 
-    def propose(self, runner: ModelRunner, plan: SchedulerOutput) -> None:
+    def propose(self, plan: SchedulerOutput) -> None:
         """Fill the drafts of every item with reserved draft slots (fewer when the proposer stops
         early: the item then verifies fewer)."""
         self.proposer.forget([s.seq_id for s in plan.preempted])
-        self.proposer.copy_blocks(plan.block_copies)
         requests = [
             DraftRequest(
                 item,
-                self._draft_row(runner, item.seq),
+                self._draft_row(item.seq),
                 self.estimator(item.seq.seq_id).alphas,
                 self._threshold,
             )
@@ -147,20 +140,11 @@ class SpeculativeDecoder:
             item.draft_token_ids = list(request.token_ids)
         self._requests = {r.seq.seq_id: r for r in requests}
 
-    def verify(
-        self,
-        runner: ModelRunner,
-        items: list[ScheduledSequence],
-        hidden: torch.Tensor,
-        query_lens: list[int],
-        sampled: dict[int, list[SampledToken]],
-    ) -> dict[int, list[SampledToken]]:
-        """Tokens of every drafted item (its last k + 1 rows verify k drafts); then the proposer
-        sees the whole step's outcome."""
-        offsets, running = [], 0
-        for q in query_lens:
-            offsets.append(running)
-            running += q
+    def verify(self, result: StepResult) -> None:
+        """Add the tokens of every drafted item to `result.sampled` (its last k + 1 rows verify k
+        drafts); then the proposer sees the whole step's outcome."""
+        assert result.items is not None and result.offsets is not None and result.hidden is not None
+        items, offsets, hidden = result.items, result.offsets, result.hidden
         drafted = [(item, offset) for item, offset in zip(items, offsets) if item.num_draft_tokens]
         out: dict[int, list[SampledToken]] = {}
         if drafted:
@@ -178,8 +162,8 @@ class SpeculativeDecoder:
                 masks = (
                     None if self.grammar is None else self.grammar.position_masks(seq, item.draft_token_ids)
                 )
-                rows.extend(position_rows(runner._sampling_row(seq), seq, item.draft_token_ids, masks))
-            processed = process_logits(runner.model.compute_logits(hidden[index]), rows)
+                rows.extend(position_rows(self.sampling_row(seq), seq, item.draft_token_ids, masks))
+            processed = process_logits(self.compute_logits(hidden[index]), rows)
             start = 0
             for item, _ in drafted:
                 k = item.num_draft_tokens
@@ -202,8 +186,8 @@ class SpeculativeDecoder:
                 if not item.num_draft_tokens:
                     self._observe(item.seq.seq_id, [], 0)
         self._requests = {}
-        self.proposer.after_step(items, hidden, offsets, {**sampled, **out})
-        return out
+        result.sampled.update(out)
+        self.proposer.after_step(items, hidden, offsets, result.sampled)
 
     def _observe(self, seq_id: int, accept_probs: list[float], num_verified: int) -> None:
         """Positions up to the first rejection are observed; those after it (verified but not

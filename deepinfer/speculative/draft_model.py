@@ -1,7 +1,8 @@
 """A smaller model drafts autoregressively; the target verifies.
 
 The draft model keeps its own paged KV cache, addressed with the target's block tables and slots
-(the same blocks, a separate tensor per layer), so the scheduler's allocation covers it: drafting
+(the same blocks, a separate tensor per layer, sized with the target's from the one KV budget),
+so the scheduler's allocation covers it: drafting
 k tokens writes positions start .. start + k - 1, all reserved for the step's verification.
 
 Catch-up is lazy: the draft remembers up to which position its cache holds the sequence's real
@@ -16,10 +17,11 @@ from __future__ import annotations
 import torch
 
 from deepinfer.model.base import CausalLM
-from deepinfer.runner.model_runner import make_attention_backend
+from deepinfer.runner.inputs import RowSpan
+from deepinfer.runner.kv_caches import CacheView
+from deepinfer.runner.model_runner import make_attention_backend, prepare_backend
 from deepinfer.runner.sampler import SampledToken
 from deepinfer.sequence import Sequence
-from deepinfer.speculative.batch import RowSpan, build_draft_step
 from deepinfer.speculative.cost_model import CostCurve, profile_curve, synthetic_spans
 from deepinfer.speculative.proposer import DraftRequest, draw_drafts
 from deepinfer.step import ScheduledSequence, SchedulerOutput
@@ -31,27 +33,13 @@ class DraftModelProposer:
     name = "draft"
     has_confidence = True
 
-    def __init__(
-        self,
-        model: CausalLM,
-        num_blocks: int,
-        block_size: int,
-        device: torch.device,
-        dtype: torch.dtype,
-        attention_backend: str = "auto",
-    ) -> None:
+    def __init__(self, model: CausalLM, caches: CacheView, attention_backend: str = "auto") -> None:
         self.model = model
-        self.block_size = block_size
-        self.num_blocks = num_blocks
-        self.device = device
-        spec = model.kv_cache_spec(dtype)
-        num_slots = num_blocks * block_size
-        # Zeroed like the target's caches: masked attention multiplies unused slots by 0.
-        self.kv_caches = [
-            torch.zeros((num_slots, *spec.slot_shape), dtype=spec.dtype, device=device)
-            for _ in range(spec.num_layers)
-        ]
-        self.backend = make_attention_backend(attention_backend, model, block_size, device)
+        self.caches = caches
+        first = caches.groups[0]
+        self.backend = make_attention_backend(
+            attention_backend, model, first.entries_per_block, caches.device, caches.tensors[0].dtype
+        )
         self._computed: dict[int, int] = {}  # seq_id -> leading positions whose draft KV is valid
         self._fed: dict[int, int] = {}  # seq_id -> positions fed this step (valid if accepted)
 
@@ -59,10 +47,12 @@ class DraftModelProposer:
         return limit
 
     def _logits(self, spans: list[RowSpan]) -> torch.Tensor:
-        step = build_draft_step(spans, self.block_size, self.device)
-        self.backend.prepare(step.meta)
-        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, self.backend)
-        return self.model.compute_logits(hidden[step.last_rows(spans)])
+        inputs = self.caches.inputs(spans)
+        prepare_backend(self.backend, inputs.meta)
+        hidden = self.model(
+            inputs.input_ids, inputs.positions, self.caches.tensors, inputs.meta, self.backend
+        )
+        return self.model.compute_logits(hidden[inputs.last_rows(spans)])
 
     def propose(self, plan: SchedulerOutput, requests: list[DraftRequest]) -> None:
         if not requests:
@@ -71,13 +61,14 @@ class DraftModelProposer:
         for request in requests:
             seq, start = request.seq, request.item.start
             done = min(self._computed.get(seq.seq_id, 0), start)
-            spans.append(RowSpan(seq.block_table, done, seq.token_ids[done : start + 1]))
+            spans.append(RowSpan(self.caches.tables(seq), done, seq.token_ids[done : start + 1]))
             self._fed[seq.seq_id] = start + 1
         draw_drafts(self._logits(spans), requests)
         active = [r for r in requests if r.wants_more]
         while active:
             spans = [
-                RowSpan(r.seq.block_table, r.item.start + len(r.token_ids), [r.token_ids[-1]]) for r in active
+                RowSpan(self.caches.tables(r.seq), r.item.start + len(r.token_ids), [r.token_ids[-1]])
+                for r in active
             ]
             for r in active:
                 self._fed[r.seq.seq_id] = r.item.start + len(r.token_ids) + 1
@@ -100,15 +91,6 @@ class DraftModelProposer:
             accepted = len(sampled.get(seq_id, [])) - 1
             self._computed[seq_id] = min(fed, item.start + 1 + max(accepted, 0))
 
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        if not copies:
-            return
-        bs = self.block_size
-        src = torch.tensor([s * bs + o for s, _ in copies for o in range(bs)], device=self.device)
-        dst = torch.tensor([d * bs + o for _, d in copies for o in range(bs)], device=self.device)
-        for cache in self.kv_caches:
-            cache[dst] = cache[src]
-
     def forget(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
             self._computed.pop(seq_id, None)
@@ -120,6 +102,6 @@ class DraftModelProposer:
         return profile_curve(
             self._logits,
             counts,
-            lambda rows: synthetic_spans(rows, 1, PROFILE_CONTEXT, self.block_size, self.num_blocks),
+            lambda rows: synthetic_spans(rows, 1, PROFILE_CONTEXT, self.caches.groups),
             repeats,
         )

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.runner.inputs import RowSpan
+from deepinfer.runner.kv_caches import CacheView
 from deepinfer.runner.sampler import SampledToken
 from deepinfer.sequence import Sequence
-from deepinfer.speculative.batch import RowSpan, build_draft_step
 from deepinfer.speculative.cost_model import CostCurve, profile_curve, synthetic_spans
 from deepinfer.speculative.proposer import DraftRequest, draw_drafts
 from deepinfer.step import ScheduledSequence, SchedulerOutput
@@ -48,25 +49,10 @@ class MTPProposer:
     name = "mtp"
     has_confidence = True
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        num_blocks: int,
-        block_size: int,
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> None:
-        spec = model.mtp_kv_cache_spec(dtype) if hasattr(model, "mtp_kv_cache_spec") else None
-        if spec is None:
-            raise ValueError(
-                "speculative_method='mtp' needs a model with multi-token-prediction weights "
-                f"(DeepSeek-V3 family with num_nextn_predict_layers > 0); {type(model).__name__} has none"
-            )
+    def __init__(self, model: torch.nn.Module, caches: CacheView) -> None:
+        """`model` has `mtp_draft_logits`; `caches` are its MTP latent caches (one per depth)."""
         self.model = model
-        self.block_size = block_size
-        self.num_blocks = num_blocks
-        self.device = device
-        self.cache = torch.zeros((num_blocks * block_size, *spec.slot_shape), dtype=spec.dtype, device=device)
+        self.caches = caches
         self._pending: dict[int, _PendingRows] = {}
 
     def available(self, seq: Sequence, limit: int) -> int:
@@ -77,15 +63,22 @@ class MTPProposer:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """MTP over `spans` with the given previous hidden rows; logits and hidden of the last row
         of the spans listed in `logits_spans`."""
-        step = build_draft_step(spans, self.block_size, self.device)
+        inputs = self.caches.inputs(spans)
+        device = self.caches.device
         prev = torch.empty(
-            (step.input_ids.numel(), previous[0].shape[-1]), dtype=previous[0].dtype, device=self.device
+            (inputs.input_ids.numel(), previous[0].shape[-1]), dtype=previous[0].dtype, device=device
         )
-        for offset, rows in zip(step.offsets, previous):
+        for offset, rows in zip(inputs.offsets, previous):
             prev[offset : offset + rows.shape[0]] = rows
-        last = step.last_rows(spans)[torch.tensor(logits_spans, dtype=torch.long, device=self.device)]
+        last = inputs.last_rows(spans)[torch.tensor(logits_spans, dtype=torch.long, device=device)]
         logits, hidden = self.model.mtp_draft_logits(
-            step.input_ids, step.positions, prev, self.cache, step.meta, depth=0, logits_rows=last
+            inputs.input_ids,
+            inputs.positions,
+            prev,
+            self.caches.tensors[0],
+            inputs.meta,
+            depth=0,
+            logits_rows=last,
         )
         return logits, hidden[last]
 
@@ -103,7 +96,7 @@ class MTPProposer:
             if request is not None and pending.end == item.start:
                 first.append(request)
                 first_spans.append(len(spans))
-            spans.append(RowSpan(item.seq.block_table, pending.start, pending.next_tokens))
+            spans.append(RowSpan(self.caches.tables(item.seq), pending.start, pending.next_tokens))
             previous.append(pending.hidden)
         ready = {id(r) for r in first}
         for request in requests:
@@ -119,7 +112,7 @@ class MTPProposer:
         active = [r for r in first if r.wants_more]
         while active:
             spans = [
-                RowSpan(r.seq.block_table, r.item.start + len(r.token_ids) - 1, [r.token_ids[-1]])
+                RowSpan(self.caches.tables(r.seq), r.item.start + len(r.token_ids) - 1, [r.token_ids[-1]])
                 for r in active
             ]
             logits, chain_hidden = self._run(
@@ -157,14 +150,6 @@ class MTPProposer:
                         item.start, rows, [*following[:-1], child_tokens[0].token_id]
                     )
 
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        if not copies:
-            return
-        bs = self.block_size
-        src = torch.tensor([s * bs + o for s, _ in copies for o in range(bs)], device=self.device)
-        dst = torch.tensor([d * bs + o for _, d in copies for o in range(bs)], device=self.device)
-        self.cache[dst] = self.cache[src]
-
     def forget(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
             self._pending.pop(seq_id, None)
@@ -175,12 +160,13 @@ class MTPProposer:
         counts = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= max_rows] or [1]
 
         def forward(spans: list[RowSpan]) -> None:
-            zeros = [torch.zeros((1, width), device=self.device, dtype=self.cache.dtype) for _ in spans]
+            dtype = self.caches.tensors[0].dtype
+            zeros = [torch.zeros((1, width), device=self.caches.device, dtype=dtype) for _ in spans]
             self._run(spans, zeros, list(range(len(spans))))
 
         return profile_curve(
             forward,
             counts,
-            lambda rows: synthetic_spans(rows, 1, PROFILE_CONTEXT, self.block_size, self.num_blocks),
+            lambda rows: synthetic_spans(rows, 1, PROFILE_CONTEXT, self.caches.groups),
             repeats,
         )

@@ -40,12 +40,7 @@ class NgramProposer:
     has_confidence = False
 
     def __init__(self, min_n: int, max_n: int) -> None:
-        if min_n < 1:
-            raise ValueError(f"speculative_ngram_min: must be >= 1, got {min_n}")
-        if max_n < min_n:
-            raise ValueError(
-                f"speculative_ngram_max: must be >= speculative_ngram_min ({min_n}), got {max_n}"
-            )
+        """1 <= min_n <= max_n (checked by SpeculativeConfig)."""
         self.min_n, self.max_n = min_n, max_n
         self._proposals: dict[int, list[int]] = {}
 
@@ -68,9 +63,6 @@ class NgramProposer:
         offsets: list[int],
         sampled: dict[int, list[SampledToken]],
     ) -> None:
-        return None
-
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         return None
 
     def forget(self, seq_ids: list[int]) -> None:

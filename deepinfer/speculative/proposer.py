@@ -113,10 +113,6 @@ class Proposer(Protocol):
         items[i], `sampled` the tokens each sampling sequence got (accepted drafts included)."""
         ...
 
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Apply the step's copy-on-write block copies to the proposer's own caches."""
-        ...
-
     def forget(self, seq_ids: list[int]) -> None:
         """Drop per-sequence state (finished, aborted or preempted sequences)."""
         ...

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,9 +22,17 @@ class _Entry:
 
 
 class HostTier:
-    """Holds arrays by reference (read-only views): callers hand over arrays they no longer mutate."""
+    """Holds arrays by reference (read-only views): callers hand over arrays they no longer mutate.
+    `on_evict(key)` is told of every entry dropped for room or expiry (under the tier's lock:
+    it must be quick and must not call back into the tier)."""
 
-    def __init__(self, capacity_bytes: int, clock: Clock, metrics: StoreMetrics) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        clock: Clock,
+        metrics: StoreMetrics,
+        on_evict: Callable[[bytes], None] | None = None,
+    ) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"host cache capacity must be >= 0 bytes, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
@@ -32,6 +41,7 @@ class HostTier:
         self.used_bytes = 0
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
         self._lock = threading.Lock()
+        self._on_evict = on_evict
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -48,9 +58,11 @@ class HostTier:
             if old is not None:
                 self.used_bytes -= old.array.nbytes
             while self._entries and self.used_bytes + array.nbytes > self.capacity_bytes:
-                _, evicted = self._entries.popitem(last=False)
+                evicted_key, evicted = self._entries.popitem(last=False)
                 self.used_bytes -= evicted.array.nbytes
                 self.metrics.add("host_evictions")
+                if self._on_evict is not None:
+                    self._on_evict(evicted_key)
             self._entries[key] = _Entry(view, namespace, ttl_s, expires_at)
             self.used_bytes += array.nbytes
         return True
@@ -62,6 +74,8 @@ class HostTier:
         if entry.expires_at <= now:
             del self._entries[key]
             self.used_bytes -= entry.array.nbytes
+            if self._on_evict is not None:
+                self._on_evict(key)
             return None
         return entry
 
@@ -82,6 +96,8 @@ class HostTier:
             expired = [key for key, entry in self._entries.items() if entry.expires_at <= now]
             for key in expired:
                 self.used_bytes -= self._entries.pop(key).array.nbytes
+                if self._on_evict is not None:
+                    self._on_evict(key)
         return len(expired)
 
     def contains(self, key: bytes, namespace: bytes) -> bool:

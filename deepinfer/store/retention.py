@@ -11,6 +11,8 @@ _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
 _CLASS_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 DEFAULT_TTLS: dict[str, float] = {"agent": 3 * 86400.0, "chat": 7 * 86400.0}
+# The class of a request that names none.
+DEFAULT_TRAFFIC_CLASS = "chat"
 
 
 def parse_duration(text: str) -> float:

@@ -6,7 +6,7 @@ import logging
 import operator
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -49,6 +49,7 @@ class TieredKVStore:
         load_threads: int = 2,
         lookup_timeout_s: float = 0.1,
         gc_interval_s: float | None = None,
+        on_host_evict: Callable[[bytes], None] | None = None,
     ) -> None:
         if blocks_per_chunk < 1:
             raise ValueError(f"blocks_per_chunk must be >= 1, got {blocks_per_chunk}")
@@ -58,7 +59,9 @@ class TieredKVStore:
         self._blocks_per_chunk = blocks_per_chunk
         self.clock = clock
         self.metrics = StoreMetrics()
-        self.host = HostTier(host_cache_bytes, clock, self.metrics) if host_cache_bytes > 0 else None
+        self.host = (
+            HostTier(host_cache_bytes, clock, self.metrics, on_host_evict) if host_cache_bytes > 0 else None
+        )
         self.backend = backend
         # Separate breakers: a read-only or full store fails every write, yet reads must go on.
         self.read_breaker = CircuitBreaker(
@@ -318,6 +321,10 @@ class TieredKVStore:
                 self.gc()
             except Exception:
                 logger.exception("kv store garbage collection failed unexpectedly")
+
+    def writing(self, keys: Sequence[bytes]) -> bool:
+        """Whether any of `keys` is still queued or being written to the persistent store."""
+        return self._writer is not None and self._writer.pending(keys)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for queued writes to reach the store; False on timeout."""

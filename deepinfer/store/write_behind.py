@@ -11,7 +11,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,6 +104,11 @@ class WriteBehind:
                     self._pending_bytes -= job.array.nbytes
                     self._unfinished -= 1
                     self._idle.notify_all()
+
+    def pending(self, keys: Iterable[bytes]) -> bool:
+        """Whether any of `keys` is accepted and not finished yet."""
+        with self._idle:
+            return any(key in self._pending_keys for key in keys)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every accepted write is finished; False on timeout."""

@@ -10,6 +10,9 @@ Formats (kept byte-identical to the recipe's parsers in deepinfer/recipe/parse/)
       <｜DSML｜parameter name="KEY" string="true|false">VALUE</｜DSML｜parameter>\\n ...
       </｜DSML｜invoke>\\n</｜DSML｜function_calls>
   A string parameter is raw text (string="true"); anything else is JSON (string="false").
+- "dsml_v4" / "dsml_v41" (DeepSeek-V4 / V4.1): the same with `tool_calls` / ` calls` as the
+  block and, in V4.1, a space after `｜DSML｜` in every tag. With `opened`, the prompt already
+  wrote the block's opening (a forced call in V4), and the grammar starts at the first invoke.
   Parameters follow the schema's `properties` order; required ones are always present.
 
 The result is a `GrammarSpec` of kind "grammar" in llguidance's Lark dialect (it embeds the
@@ -29,13 +32,15 @@ from deepinfer.structured.json_schema import json_format_options, prepare_schema
 from deepinfer.structured.lark import lark_literal, lark_string, regex_escape, rule_name
 from deepinfer.structured.spec import GrammarSpec
 
-ToolCallFormat = Literal["hermes", "dsml"]
+ToolCallFormat = Literal["hermes", "dsml", "dsml_v4", "dsml_v41"]
 
 DSML = "｜DSML｜"
-DSML_CALLS_OPEN = f"<{DSML}function_calls>"
-DSML_CALLS_CLOSE = f"</{DSML}function_calls>"
-DSML_INVOKE_CLOSE = f"</{DSML}invoke>"
-DSML_PARAM_CLOSE = f"</{DSML}parameter>"
+# (block, invoke, parameter) tag names per DSML format.
+DSML_TAGS = {
+    "dsml": (f"{DSML}function_calls", f"{DSML}invoke", f"{DSML}parameter"),
+    "dsml_v4": (f"{DSML}tool_calls", f"{DSML}invoke", f"{DSML}parameter"),
+    "dsml_v41": (f"{DSML} calls", f"{DSML} invoke", f"{DSML} parameter"),
+}
 HERMES_OPEN = "<tool_call>"
 HERMES_CLOSE = "</tool_call>"
 
@@ -80,6 +85,7 @@ def tool_call_spec(
     parallel: bool = True,
     special_tokens: Collection[str] = (),
     after_reasoning: str | None = None,
+    opened: bool = False,
 ) -> GrammarSpec:
     """The constraint for tool_choice `required` (`name=None`: any of `tools`) or a named tool.
 
@@ -104,8 +110,8 @@ def tool_call_spec(
             )
     if fmt == "hermes":
         text = _hermes(tools, parallel, special_tokens)
-    elif fmt == "dsml":
-        text = _dsml(tools, parallel, special_tokens)
+    elif fmt in DSML_TAGS:
+        text = _dsml(tools, parallel, special_tokens, DSML_TAGS[fmt], opened=opened)
     else:
         raise _error("tools", f"unknown tool-call format {fmt!r}")
     spec = GrammarSpec.grammar(text, param="tools")
@@ -126,15 +132,25 @@ def _hermes(tools: Sequence[ToolLike], parallel: bool, special: Collection[str])
     return "\n".join([start, f"block: {block}", f"call: {' | '.join(alternatives)}", *lines]) + "\n"
 
 
-def _dsml(tools: Sequence[ToolLike], parallel: bool, special: Collection[str]) -> str:
+def _dsml(
+    tools: Sequence[ToolLike],
+    parallel: bool,
+    special: Collection[str],
+    tags: tuple[str, str, str],
+    *,
+    opened: bool,
+) -> str:
+    block, invoke, parameter = tags
+    calls_open, calls_close = f"<{block}>", f"</{block}>"
+    invoke_close, param_close_text = f"</{invoke}>", f"</{parameter}>"
+    # DeepSeek puts a blank line between `</think>` and the block; allow up to that.
+    head = "" if opened else f'LEAD? {lark_literal(calls_open, special)} "\\n" '
     lines = [
-        # DeepSeek-V3.2 puts a blank line between `</think>` and the block; allow up to that.
-        f'start: LEAD? {lark_literal(DSML_CALLS_OPEN, special)} "\\n" {"invoke+" if parallel else "invoke"} '
-        f"{lark_literal(DSML_CALLS_CLOSE, special)}",
+        f"start: {head}{'invoke+' if parallel else 'invoke'} {lark_literal(calls_close, special)}",
         "LEAD: /\\n{1,2}/",
     ]
     alternatives = []
-    param_close = lark_literal(DSML_PARAM_CLOSE, special)
+    param_close = lark_literal(param_close_text, special)
     for i, tool in enumerate(tools):
         rule = rule_name("invoke", i, tool.name)
         alternatives.append(rule)
@@ -146,15 +162,15 @@ def _dsml(tools: Sequence[ToolLike], parallel: bool, special: Collection[str]) -
             if not key or any(c in key for c in '"<>\n'):
                 raise _error("tools", f"parameter name {key!r} of tool {tool.name!r} cannot appear in DSML")
             prule = f"{rule}_p{j}"
-            head = f'<{DSML}parameter name="{key}" string="'
+            head = f'<{parameter} name="{key}" string="'
             raw = _raw_string_regex(sub if isinstance(sub, dict) else {})
             if raw is not None:
                 # One terminal for value + closing tag: the value cannot contain the tag, so the
                 # terminal ends exactly at the first tag (a separate tag lexeme would lose to the
                 # value's greedy match).
                 value_rule = f"{prule}_VALUE".upper()
-                no_close = f"~/(?s:.*){regex_escape(DSML_PARAM_CLOSE)}(?s:.*)/"
-                lines.append(f"{value_rule}: ({raw} & {no_close}) {lark_string(DSML_PARAM_CLOSE)}")
+                no_close = f"~/(?s:.*){regex_escape(param_close_text)}(?s:.*)/"
+                lines.append(f"{value_rule}: ({raw} & {no_close}) {lark_string(param_close_text)}")
                 body = f'{lark_literal(head, special)} "true\\">" {value_rule} "\\n"'
             else:
                 lines.append(f"{prule}_json: %json {_inline_schema(sub if isinstance(sub, dict) else {})}")
@@ -167,10 +183,10 @@ def _dsml(tools: Sequence[ToolLike], parallel: bool, special: Collection[str]) -
                 "tools",
                 f"tool {tool.name!r} requires parameters {sorted(missing)} that its schema does not define",
             )
-        invoke_head = f'<{DSML}invoke name="{tool.name}">\n'
+        invoke_head = f'<{invoke} name="{tool.name}">\n'
         lines.append(
             f"{rule}: {lark_literal(invoke_head, special)} {' '.join(params)} "
-            f'{lark_literal(DSML_INVOKE_CLOSE, special)} "\\n"'
+            f'{lark_literal(invoke_close, special)} "\\n"'
         )
     lines.insert(2, f"invoke: {' | '.join(alternatives)}")
     return "\n".join(lines) + "\n"

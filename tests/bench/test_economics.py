@@ -2,8 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from deepinfer.bench.cli import main
-from deepinfer.bench.economics import (
+from bench.economics import (
     CardThroughput,
     blended_input_price,
     card_economics,
@@ -11,7 +10,8 @@ from deepinfer.bench.economics import (
     hit_ratio_table,
     throughput_from_result,
 )
-from deepinfer.bench.prices import PRESETS, Prices, parse_prices
+from bench.prices import PRESETS, Prices, parse_prices
+from deepinfer.bench.cli import main
 
 
 def test_38_revenue_and_7_cost_per_card_hour_is_82_percent_margin() -> None:

@@ -6,8 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from deepinfer.bench.cli import main
-from deepinfer.bench.roofline import (
+from bench.roofline import (
     Roofline,
     default_model_path,
     llama_config_from_gguf,
@@ -17,6 +16,7 @@ from deepinfer.bench.roofline import (
     model_flops_per_token,
     utilization,
 )
+from deepinfer.bench.cli import main
 
 TINY = {
     "hidden_size": 64,

@@ -73,10 +73,10 @@ def test_rope_without_interleave_matches_hf(tmp_path):
         tmp_path, {"rope_interleave": False, "num_nextn_predict_layers": 0}, fp8=False, seed=5
     )
     model = load_model(str(checkpoint.path), torch.float32, torch.device("cpu")).model
-    from deepinfer.attention.metadata import AttentionMetadata
+    from deepinfer.attention.metadata import AttentionMetadata, ForwardMetadata
 
     ids = [0, 11, 23, 57, 101, 250, 3, 77]
-    meta = AttentionMetadata(
+    group = AttentionMetadata(
         slot_mapping=torch.arange(8),
         block_tables=torch.tensor([[0]]),
         seq_lens=torch.tensor([8]),
@@ -85,6 +85,7 @@ def test_rope_without_interleave_matches_hf(tmp_path):
         num_decodes=0,
         block_size=16,
     )
+    meta = ForwardMetadata([group])
     caches = [torch.zeros(16, model.arch.latent_dim) for _ in model.layers]
     with torch.no_grad():
         ours = model.compute_logits(model(torch.tensor(ids), torch.arange(8), caches, meta, None))

@@ -14,8 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from deepinfer.attention.metadata import AttentionMetadata
-from deepinfer.model.base import KVCacheSpec
+from deepinfer.attention.metadata import AttentionMetadata, ForwardMetadata
 from deepinfer.model.loader.load import load_model
 
 BLOCK = 4
@@ -26,10 +25,10 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tens
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
-def _meta(start: int, count: int) -> AttentionMetadata:
+def _meta(start: int, count: int) -> ForwardMetadata:
     positions = range(start, start + count)
     slots = [TABLE[p // BLOCK] * BLOCK + p % BLOCK for p in positions]
-    return AttentionMetadata(
+    group = AttentionMetadata(
         slot_mapping=torch.tensor(slots),
         block_tables=torch.tensor([TABLE]),
         seq_lens=torch.tensor([start + count]),
@@ -38,6 +37,7 @@ def _meta(start: int, count: int) -> AttentionMetadata:
         num_decodes=int(count == 1),
         block_size=BLOCK,
     )
+    return ForwardMetadata([group])
 
 
 def reference_draft_logits(checkpoint, ids: list[int]) -> torch.Tensor:
@@ -109,11 +109,14 @@ def test_mtp_is_deterministic_and_chunking_invariant(mtp_case):
     assert (first.argmax(-1) == our_draft_logits(model, ids, chunk=16).argmax(-1)).all()
 
 
-def test_mtp_cache_spec_and_bad_depth(v3_ckpt):
+def test_mtp_cache_groups_and_bad_depth(v3_ckpt):
     model = load_model(str(v3_ckpt.path), torch.float32, torch.device("cpu")).model
     latent = v3_ckpt.config["kv_lora_rank"] + v3_ckpt.config["qk_rope_head_dim"]
     assert model.num_mtp_layers == 1
-    assert model.mtp_kv_cache_spec(torch.float32) == KVCacheSpec(1, (latent,), torch.float32)
+    [group] = model.mtp_cache_groups(torch.float32)
+    assert group.kind == "full" and [(t.slot_shape, t.dtype, t.owner) for t in group.tensors] == [
+        ((latent,), "float32", "mtp")
+    ]
     with pytest.raises(ValueError, match="depth 1"):
         model.mtp_draft_logits(
             torch.tensor([5]),
@@ -136,7 +139,7 @@ def test_checkpoint_without_mtp_weights_loads_without_mtp(v3_ckpt, tmp_path):
         (tmp_path / name).write_bytes((v3_ckpt.path / name).read_bytes())
     model = load_model(str(tmp_path), torch.float32, torch.device("cpu")).model
     assert model.num_mtp_layers == 0
-    assert model.mtp_kv_cache_spec(torch.float32) is None
+    assert model.mtp_cache_groups(torch.float32) == []
     ids = [5, 17, 42, 99, 7]
     with torch.no_grad():
         caches = [torch.zeros(len(TABLE) * BLOCK, model.arch.latent_dim) for _ in model.layers]

@@ -52,6 +52,30 @@ QUANTIZED = re.compile(r"model\.layers\.\d+\..*(proj|proj_with_mqa)\.weight")
 EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
 
+def write_tokenizer(directory: Path, tokenizer_json: str) -> int:
+    """Use a given tokenizer.json (e.g. DeepSeek V4's own) for the checkpoint; returns its size."""
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    _write_tokenizer_config(directory, add_bos=False)
+    return tokenizer.get_vocab_size(with_added_tokens=True)
+
+
+def _write_tokenizer_config(directory: Path, *, add_bos: bool) -> None:
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "add_bos_token": add_bos,
+                "add_eos_token": False,
+                "bos_token": {"content": BOS, "special": True},
+                "eos_token": {"content": EOS, "special": True},
+                "model_max_length": 4096,
+                "tokenizer_class": "LlamaTokenizerFast",
+            },
+            ensure_ascii=False,
+        )
+    )
+
+
 def build_tokenizer(directory: Path) -> int:
     """Train a small byte-level BPE with DeepSeek's special tokens; returns its vocabulary size."""
     tokenizer = Tokenizer(models.BPE())
@@ -69,19 +93,7 @@ def build_tokenizer(directory: Path) -> int:
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tokenizer.token_to_id(BOS))]
     )
     tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "add_bos_token": True,
-                "add_eos_token": False,
-                "bos_token": {"content": BOS, "special": True},
-                "eos_token": {"content": EOS, "special": True},
-                "model_max_length": 4096,
-                "tokenizer_class": "LlamaTokenizerFast",
-            },
-            ensure_ascii=False,
-        )
-    )
+    _write_tokenizer_config(directory, add_bos=True)
     return tokenizer.get_vocab_size(with_added_tokens=True)
 
 
@@ -244,10 +256,18 @@ def _peak(model: torch.nn.Module, generator: torch.Generator, bias_scale: float)
 
 
 def build_checkpoint(
-    directory: Path, config_overrides: dict[str, Any], *, fp8: bool, seed: int
+    directory: Path,
+    config_overrides: dict[str, Any],
+    *,
+    fp8: bool,
+    seed: int,
+    tokenizer_json: str | None = None,
 ) -> TinyCheckpoint:
+    """`tokenizer_json`: the checkpoint's tokenizer (default: a small BPE trained here)."""
     directory.mkdir(parents=True, exist_ok=True)
-    vocab = build_tokenizer(directory)
+    vocab = (
+        build_tokenizer(directory) if tokenizer_json is None else write_tokenizer(directory, tokenizer_json)
+    )
     config = deepseek_config(vocab, **config_overrides)
     if fp8:
         config["quantization_config"] = {

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import itertools
 
+from deepinfer.cache_layout import CacheGroup, CacheTensor, plan_cache_layout
+from deepinfer.config import SchedulerConfig
 from deepinfer.engine.kv_cache.manager import KVCacheManager
 from deepinfer.engine.kv_cache.prefix import namespace_root
-from deepinfer.engine.scheduler import Scheduler, SchedulerConfig
+from deepinfer.engine.scheduler import Scheduler
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.sequence import EngineRequest, Sequence
 
@@ -29,9 +31,23 @@ def sequence(tokens: list[int], seq_id: int = 0) -> Sequence:
     return Sequence(seq_id, req, 0, list(tokens), len(tokens), ROOT)
 
 
-def make_scheduler(num_blocks: int = 16, block_size: int = 4, prefix: bool = True, **config) -> Scheduler:
-    kv = KVCacheManager(num_blocks, block_size, prefix)
-    return Scheduler(SchedulerConfig(**config), kv)
+TENSOR = CacheTensor("layers.0.kv", (2, 1, 4), "float32", 4)
+
+
+def kv_manager(
+    num_blocks: int, block_size: int, enable_prefix_caching: bool = True, window: int | None = None
+) -> KVCacheManager:
+    """A KV manager over one cache group (full attention, or a sliding window) of `num_blocks`."""
+    group = CacheGroup("full" if window is None else "sliding", (TENSOR,), window=window)
+    return KVCacheManager(
+        plan_cache_layout([group], block_size, num_blocks=num_blocks), enable_prefix_caching
+    )
+
+
+def make_scheduler(
+    num_blocks: int = 16, block_size: int = 4, prefix: bool = True, max_model_len: int = 8192, **config
+) -> Scheduler:
+    return Scheduler(SchedulerConfig(**config), max_model_len, kv_manager(num_blocks, block_size, prefix))
 
 
 def run_step(scheduler: Scheduler, token: int = 7):

@@ -17,14 +17,21 @@ BLOCK = 16
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 
 
-def _step(query_lens: list[int], seq_lens: list[int], num_blocks: int, seed: int) -> AttentionMetadata:
-    """Sequences with scattered block tables; the step's new tokens are the last query_len of each."""
+def _step(
+    query_lens: list[int], seq_lens: list[int], num_blocks: int, seed: int, window: int | None = None
+) -> AttentionMetadata:
+    """Sequences with scattered block tables; the step's new tokens are the last query_len of each.
+    With a window, blocks no query of the step sees point at block 0, which holds NaNs: reading
+    one would poison the output."""
     rng = random.Random(seed)
-    free = list(range(num_blocks))
+    free = list(range(1, num_blocks))
     rng.shuffle(free)
     tables, slots = [], []
     for num_q, length in zip(query_lens, seq_lens, strict=True):
         table = [free.pop() for _ in range(-(-length // BLOCK))]
+        if window is not None:
+            first_key = max(length - num_q - window + 1, 0)
+            table[: first_key // BLOCK] = [0] * (first_key // BLOCK)
         tables.append(table)
         slots.extend(table[p // BLOCK] * BLOCK + p % BLOCK for p in range(length - num_q, length))
     width = max(len(t) for t in tables)
@@ -36,6 +43,7 @@ def _step(query_lens: list[int], seq_lens: list[int], num_blocks: int, seed: int
         seq_lens_list=seq_lens,
         num_decodes=sum(1 for q in query_lens if q == 1),
         block_size=BLOCK,
+        window=window,
     )
 
 
@@ -50,8 +58,9 @@ def _step(query_lens: list[int], seq_lens: list[int], num_blocks: int, seed: int
     ],
 )
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("window", [None, 37])
 def test_cpu_kernel_matches_reference(
-    query_lens: list[int], seq_lens: list[int], kv_dtype: torch.dtype
+    query_lens: list[int], seq_lens: list[int], kv_dtype: torch.dtype, window: int | None
 ) -> None:
     try:
         fast = CpuPagedBackend()
@@ -61,13 +70,52 @@ def test_cpu_kernel_matches_reference(
     torch.manual_seed(0)
     num_blocks = sum(-(-n // BLOCK) for n in seq_lens) + 8
     cache = torch.randn(num_blocks * BLOCK, 2, KV_HEADS, HEAD_DIM).to(kv_dtype)
+    if window is not None:
+        cache[:BLOCK] = float("nan")
     tokens = sum(query_lens)
     q = torch.randn(tokens, HEADS, HEAD_DIM)
     k = torch.randn(tokens, KV_HEADS, HEAD_DIM)
     v = torch.randn(tokens, KV_HEADS, HEAD_DIM)
     outputs = []
     for backend in (fast, reference):
-        meta = _step(query_lens, seq_lens, num_blocks, seed=1)
+        meta = _step(query_lens, seq_lens, num_blocks, seed=1, window=window)
         backend.prepare(meta)
         outputs.append(backend.forward(q, k, v, cache.clone(), meta, HEAD_DIM**-0.5))
     torch.testing.assert_close(outputs[0], outputs[1], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("window", [None, 37])
+def test_row_kernel_only_is_the_same_however_a_prompt_is_chunked(window: int | None) -> None:
+    """A 300-token prompt attended in one chunk, and again as chunks of 100 and 7 over the cache
+    the earlier chunks wrote: bit-identical rows (the tiled path differs in the last bits)."""
+    backend = CpuPagedBackend(row_kernel_only=True)
+    torch.manual_seed(0)
+    length = 300
+    q = torch.randn(length, HEADS, HEAD_DIM)
+    k = torch.randn(length, KV_HEADS, HEAD_DIM)
+    v = torch.randn(length, KV_HEADS, HEAD_DIM)
+    num_blocks = -(-length // BLOCK) + 1
+    whole_meta = _step([length], [length], num_blocks, seed=3, window=window)
+    backend.prepare(whole_meta)
+    whole = backend.forward(
+        q, k, v, torch.zeros(num_blocks * BLOCK, 2, KV_HEADS, HEAD_DIM), whole_meta, 0.125
+    )
+    cache = torch.zeros(num_blocks * BLOCK, 2, KV_HEADS, HEAD_DIM)
+    table = whole_meta.block_tables[0].tolist()
+    pieces, start = [], 0
+    for size in (100, 7, 193):
+        end = start + size
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, end)]),
+            block_tables=whole_meta.block_tables,
+            seq_lens=torch.tensor([end]),
+            query_lens=[size],
+            seq_lens_list=[end],
+            num_decodes=0,
+            block_size=BLOCK,
+            window=window,
+        )
+        backend.prepare(meta)
+        pieces.append(backend.forward(q[start:end], k[start:end], v[start:end], cache, meta, 0.125))
+        start = end
+    assert torch.equal(torch.cat(pieces), whole)

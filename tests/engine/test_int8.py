@@ -37,19 +37,19 @@ def int8_llm() -> Iterator[LLM]:
     llm.close()
 
 
-def test_int8_model_stays_close_to_fp32(default_llm: LLM, int8_llm: LLM) -> None:
+def test_int8_model_stays_close_to_fp32(dense_llm: LLM, int8_llm: LLM) -> None:
     text = CHAT.format("What is the capital of France? Explain briefly.") + (
         "The capital of France is Paris. It is known for the Eiffel Tower and its museums."
     )
-    ids = default_llm.get_tokenizer().encode(text)
-    reference = torch.log_softmax(default_llm.engine.core.score(ids), dim=-1)
+    ids = dense_llm.get_tokenizer().encode(text)
+    reference = torch.log_softmax(dense_llm.engine.core.score(ids), dim=-1)
     quantized = torch.log_softmax(int8_llm.engine.core.score(ids), dim=-1)
     kl = (reference.exp() * (reference - quantized)).sum(-1).mean().item()
     agreement = (reference.argmax(-1) == quantized.argmax(-1)).float().mean().item()
     assert kl < 0.1 and agreement >= 0.75, (kl, agreement)
     prompt = CHAT.format("What is the capital of France?")
     params = SamplingParams(temperature=0, max_tokens=8)
-    [fp32_out] = default_llm.generate([prompt], params, use_tqdm=False)
+    [fp32_out] = dense_llm.generate([prompt], params, use_tqdm=False)
     [int8_out] = int8_llm.generate([prompt], params, use_tqdm=False)
     assert "Paris" in fp32_out.outputs[0].text and "Paris" in int8_out.outputs[0].text
 
@@ -58,7 +58,7 @@ def test_int8_greedy_is_identical_alone_and_batched(int8_llm: LLM) -> None:
     assert_greedy_batch_invariant(int8_llm)
 
 
-def test_int8_never_shares_prefix_blocks_with_fp32(default_llm: LLM, int8_llm: LLM) -> None:
-    assert int8_llm.engine.core.fingerprint != default_llm.engine.core.fingerprint
+def test_int8_never_shares_prefix_blocks_with_fp32(dense_llm: LLM, int8_llm: LLM) -> None:
+    assert int8_llm.engine.core.fingerprint != dense_llm.engine.core.fingerprint
     with pytest.raises(ValueError, match="quantization"):
-        LLM(loaded=default_llm.engine.core.loaded, quantization="int8")
+        LLM(loaded=dense_llm.engine.core.loaded, quantization="int8")

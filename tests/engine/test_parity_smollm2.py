@@ -1,4 +1,4 @@
-"""SmolLM2 (the embedded GGUF) against HF transformers loading the same GGUF file."""
+"""SmolLM2 (the embedded GGUF) dequantized to fp32 against HF transformers loading the same GGUF file."""
 
 from __future__ import annotations
 
@@ -25,21 +25,21 @@ def hf_model(default_model_path):
     return model.eval()
 
 
-def test_logits_match_hf(default_llm, hf_model):
-    tokenizer = default_llm.get_tokenizer()
+def test_logits_match_hf(dense_llm, hf_model):
+    tokenizer = dense_llm.get_tokenizer()
     for prompt in PROMPTS:
         ids = tokenizer.encode(prompt)
-        ours = default_llm.engine.core.score(ids)
+        ours = dense_llm.engine.core.score(ids)
         with torch.no_grad():
             theirs = hf_model(torch.tensor([ids])).logits[0]
         assert ours.shape == theirs.shape
         torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
 
 
-def test_greedy_continuations_match_hf(default_llm, hf_model):
-    tokenizer = default_llm.get_tokenizer()
+def test_greedy_continuations_match_hf(dense_llm, hf_model):
+    tokenizer = dense_llm.get_tokenizer()
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
-    outputs = default_llm.generate(PROMPTS, params, use_tqdm=False)
+    outputs = dense_llm.generate(PROMPTS, params, use_tqdm=False)
     for prompt, output in zip(PROMPTS, outputs):
         ids = tokenizer.encode(prompt)
         with torch.no_grad():

@@ -44,9 +44,10 @@ CONFIGS = {
 }
 
 
-def make_checkpoint(name: str, directory, tokenizer_dir) -> torch.nn.Module:
+def make_checkpoint(name: str, directory, tokenizer_dir, config=None) -> torch.nn.Module:
+    """A random checkpoint of CONFIGS[name] (or `config`), seeded by the name."""
     torch.manual_seed(sum(map(ord, name)))
-    config = CONFIGS[name]()
+    config = config if config is not None else CONFIGS[name]()
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():  # peaked distributions: random init at std 0.02 gives near-ties everywhere
         for param in model.parameters():

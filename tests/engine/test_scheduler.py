@@ -73,7 +73,9 @@ def test_preemption_picks_latest_arrival_and_frees_its_blocks():
 
 
 def test_priority_policy_preempts_lowest_priority_first():
-    s = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=64, prefix=False, policy="priority")
+    s = make_scheduler(
+        num_blocks=4, block_size=4, max_num_batched_tokens=64, prefix=False, scheduling_policy="priority"
+    )
     urgent = request([1, 2, 3, 4], max_tokens=8, priority=0, arrival=2.0)
     background = request([5, 6, 7, 8], max_tokens=8, priority=5, arrival=1.0)
     s.add_request(background, ROOT)

@@ -33,6 +33,8 @@ def _spec(family: str, fmt: str | None, initial: str, stop: tuple[str, ...]) -> 
 
 
 V32 = _spec("deepseek_v32", "dsml", "reasoning", (DS_EOS,))
+V4 = _spec("deepseek_v4", "dsml_v4", "reasoning", (DS_EOS,))
+V41 = _spec("deepseek_v41", "dsml_v41", "reasoning", (DS_EOS,))
 V31 = _spec("deepseek_v31", "deepseek_v31", "content", (DS_EOS,))
 V31_THINK = _spec("deepseek_v31", "deepseek_v31", "reasoning", (DS_EOS,))
 R1 = _spec("deepseek_r1", "deepseek_r1", "reasoning", (DS_EOS,))
@@ -43,6 +45,38 @@ LLAMA = _spec("chat_template", "llama3_json", "content", ("<|eot_id|>", "<|eom_i
 D = "｜DSML｜"
 
 SAMPLES = [
+    Sample(
+        "dsml-v41",
+        V41,
+        "Weather first.</think>Checking.\n\n"
+        f'<{D} calls>\n<{D} invoke name="get_weather">\n'
+        f'<{D} parameter name="location" string="true">Zürich</{D} parameter>\n'
+        f'<{D} parameter name="days" string="false">2</{D} parameter>\n'
+        f'</{D} invoke>\n<{D} invoke name="get_time">\n\n</{D} invoke>\n</{D} calls>{DS_EOS}',
+        "Weather first.",
+        "Checking.",
+        (("get_weather", '{"location": "Zürich", "days": 2}'), ("get_time", "{}")),
+    ),
+    Sample(
+        "dsml-v4-without-block-wrapper",
+        V4,
+        "\n\nHmm.\n\n</think>\n\nOn it: "
+        f'<{D}invoke name="get_time">\n<{D}parameter name="tz" string="true">UTC</{D}parameter>\n'
+        f"</{D}invoke>{DS_EOS}",
+        "Hmm.",
+        "On it: ",
+        (("get_time", '{"tz": "UTC"}'),),
+    ),
+    Sample(
+        "dsml-v41-malformed-never-reaches-content",
+        V41,
+        f'</think>Sure.\n\n<{D} calls>\n<{D} invoke name="get_time">\n<{D} parameter name="n" string="false">'
+        f"{{bad json</{D} parameter>\n</{D} invoke>\n</{D} calls>after{DS_EOS}",
+        "",
+        "Sure.",
+        (),
+        finish_reason="stop",
+    ),
     Sample(
         "dsml",
         V32,
@@ -165,7 +199,7 @@ SAMPLES = [
         f'Plan.</think>\n\n<{D}function_calls>\n<{D}invoke name="get_time">\n</{D}invoke>\n'
         f'<{D}invoke name="get_weather">\n<{D}parameter name="location" string="true">Par',
         "Plan.",
-        f'\n<{D}invoke name="get_weather">\n<{D}parameter name="location" string="true">Par',
+        "",  # the cut call is neither a call nor answer text
         (("get_time", "{}"),),
         finish="length",
         finish_reason="length",

@@ -99,26 +99,37 @@ def test_call_whose_begin_and_end_arrive_together(spec, block, arguments):
     ids=["dsml", "v31", "r1", "hermes", "llama"],
 )
 def test_max_tokens_inside_a_tool_call(spec, cut_output):
-    """Hitting max_tokens mid-call: the call was started but never ends, its text comes back as
-    plain text, and the finish reason stays `length` (never `tool_calls`)."""
+    """Hitting max_tokens mid-call: the call never ends and its text comes back as plain text,
+    and the finish reason stays `length` (never `tool_calls`). DSML is stricter: a call is only
+    announced once whole, and cut DSML is dropped, never answer text."""
     parser = StreamParser(spec, id_factory=counting_ids())
     events = parser.feed(cut_output) + parser.finish("length")
-    assert any(isinstance(e, ToolCallStart) for e in events)
+    assert any(isinstance(e, ToolCallStart) for e in events) == (spec.tool_format != "dsml")
     assert not any(isinstance(e, ToolCallEnd) for e in events)
     assert events[-1] == Finish("length")
     builder = CompletionBuilder()
     builder.extend(events)
     result = builder.result()
     assert result.tool_calls == [] and result.finish_reason == "length"
-    assert result.content.endswith("hal")
+    if spec.tool_format == "dsml":
+        assert D not in result.content and "hal" not in result.content
+    else:
+        assert result.content.endswith("hal")
 
 
 def test_malformed_block_falls_back_to_text():
     """A block that breaks its format is returned verbatim as text, the finish reason is `stop`,
     and tool syntax after it is text too."""
+    text = 'Hi.\n<tool_call>\n{"name": "x", "arguments": [1]}\n</tool_call> then <tool_call>'
+    result = parse(QWEN3, [text])
+    assert result.content == text and result.tool_calls == [] and result.finish_reason == "stop"
+
+
+def test_malformed_dsml_never_reaches_the_content():
+    """Malformed DSML is dropped with what follows it: neither a call nor answer text."""
     text = f'Hi.\n\n<{D}function_calls>\n<{D}oops name="x">\n</{D}function_calls> then <{D}function_calls>'
     result = parse(V32, ["</think>", text])
-    assert result.content == text and result.tool_calls == [] and result.finish_reason == "stop"
+    assert result.content == "Hi." and result.tool_calls == [] and result.finish_reason == "stop"
 
 
 def test_end_of_turn_marker_ends_the_stream():

@@ -197,8 +197,8 @@ def test_tool_call_arguments_are_never_re_encoded() -> None:
 @pytest.mark.parametrize(
     ("extra", "expected"),
     [
-        ({"reasoning_effort": "none"}, Thinking(enabled=False)),
-        ({"reasoning_effort": "high"}, Thinking(enabled=True)),
+        ({"reasoning_effort": "none"}, Thinking(enabled=False, effort="none")),
+        ({"reasoning_effort": "high"}, Thinking(enabled=True, effort="high")),
         (
             {"thinking": {"type": "enabled", "budget_tokens": 2048}},
             Thinking(enabled=True, budget_tokens=2048),

@@ -158,7 +158,7 @@ def test_sdk_request_with_items_maps_to_turns() -> None:
         ],
         tools=[Tool(name="get_weather", parameters=WEATHER_SCHEMA)],
         tool_choice=ToolChoice(mode="named", name="get_weather"),
-        thinking=Thinking(enabled=True),
+        thinking=Thinking(enabled=True, effort="low"),
         params=GenerationParams(
             max_tokens=77, temperature=0.2, top_p=0.8, top_k=5, logprobs=True, top_logprobs=3
         ),
@@ -185,7 +185,7 @@ def test_string_input_and_json_object_format() -> None:
     assert conversation.params.logprobs is True and conversation.params.top_logprobs is None
     assert conversation.messages == [Message(role="user", content=[TextPart("hi")])]
     assert conversation.response_format == ResponseFormat(type="json_object")
-    assert conversation.thinking == Thinking(enabled=False)
+    assert conversation.thinking == Thinking(enabled=False, effort="none")
 
 
 def test_text_after_a_call_starts_a_new_assistant_turn() -> None:
@@ -228,7 +228,7 @@ def _with(**fields: Any) -> dict[str, Any]:
         ),
         (_with(input=[{"type": "function_call", "call_id": "c", "arguments": "{}"}]), "input[0].name"),
         (_with(input=[{"role": "tool", "content": "x"}]), "input[0].role"),
-        (_with(tools=[{"type": "web_search"}]), "tools[0].type"),
+        (_with(tools=[{"name": "untyped"}]), "tools[0].type"),
         (_with(tools=[{"type": "function", "parameters": {}}]), "tools[0].name"),
         (_with(tool_choice="maybe"), "tool_choice"),
         (_with(tool_choice={"type": "function", "name": "ghost"}), "tool_choice.name"),

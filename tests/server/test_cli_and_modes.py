@@ -9,8 +9,17 @@ import dataclasses
 import httpx
 import pytest
 
-from deepinfer.cli import build_parser, engine_config_from_args, main, parse_size
-from deepinfer.config import EngineConfig
+from deepinfer.cli import build_parser, engine_config_from_args, main
+from deepinfer.config import (
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    ServerConfig,
+    SpeculativeConfig,
+    StoreConfig,
+    parse_size,
+)
+from deepinfer.config.flags import flag_name
 from tests.server.conftest import MODEL
 from tests.server.server_process import SMALL_KV
 
@@ -45,23 +54,67 @@ def test_every_engine_option_is_a_flag() -> None:
             "4096",
         ]
     )
-    config = engine_config_from_args(args, args.model)
+    config = engine_config_from_args(args.parser, args, args.model)
     assert config.model == "model.gguf"
-    assert config.kv_cache_memory == 256 << 20
-    assert config.enable_prefix_caching is False
-    assert config.scheduling_policy == "priority"
-    assert (config.max_num_seqs, config.max_model_len) == (8, 4096)
+    assert config.cache.kv_cache_memory == 256 << 20
+    assert config.cache.enable_prefix_caching is False
+    assert config.scheduler.scheduling_policy == "priority"
+    assert (config.scheduler.max_num_seqs, config.scheduler.max_model_len) == (8, 4096)
     # Untouched options keep the engine's defaults.
     defaults = EngineConfig()
-    assert config.block_size == defaults.block_size and config.num_blocks == defaults.num_blocks
+    assert config.cache.block_size == defaults.cache.block_size
+    assert config.cache.num_blocks == defaults.cache.num_blocks
     help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()  # type: ignore[union-attr]
-    for field in dataclasses.fields(EngineConfig):
-        if field.name != "model":
-            assert "--" + field.name.replace("_", "-") in help_text
+    for name in EngineConfig().to_kwargs():
+        if name != "model":
+            assert "--" + name.replace("_", "-") in help_text
+
+
+ENGINE_PARTS = (CacheConfig, SchedulerConfig, SpeculativeConfig, StoreConfig)
+SIZE_FIELDS = [
+    (cls, f)
+    for cls in (*ENGINE_PARTS, ServerConfig)
+    for f in dataclasses.fields(cls)
+    if f.metadata.get("size")
+]
+SIZES = {"2GiB": 2 << 30, "2GB": 2 * 10**9, "512MiB": 512 << 20, "1e9": 10**9, "2G": 2 << 30}
+
+
+@pytest.mark.parametrize(("text", "size"), sorted(SIZES.items()))
+def test_every_size_flag_reads_units_the_same_way(text: str, size: int) -> None:
+    names = {f.name for _, f in SIZE_FIELDS}
+    assert names >= {"kv_cache_memory", "kv_host_cache_bytes", "kv_store_max_bytes", "max_body_bytes"}
+    for cls, field in SIZE_FIELDS:
+        args = build_parser().parse_args(["serve", flag_name(field), text])
+        if cls is ServerConfig:
+            assert getattr(ServerConfig(**{field.name: getattr(args, field.name)}), field.name) == size
+            assert getattr(ServerConfig(**{field.name: text}), field.name) == size
+        else:
+            assert engine_config_from_args(args.parser, args, None).to_kwargs()[field.name] == size
+            assert EngineConfig.from_kwargs(**{field.name: text}).to_kwargs()[field.name] == size
 
 
 @pytest.mark.parametrize(
-    ("text", "size"), [("268435456", 268435456), ("256MiB", 256 << 20), ("2G", 2 << 30), ("1.5KiB", 1536)]
+    ("flags", "named"),
+    [
+        (["--kv-retention", "chat=7x"], "--kv-retention"),
+        (["--kv-host-cache-bytes", "lots"], "--kv-host-cache-bytes"),
+        (["--kv-store", "s3://bucket"], "--kv-store"),
+        (["--num-speculative-tokens", "0"], "--num-speculative-tokens"),
+        (["--max-waiting-requests", "0"], "--max-waiting-requests"),
+        (["--block-size", "0"], "--block-size"),
+    ],
+)
+def test_bad_options_fail_before_anything_loads(flags: list[str], named: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "/nonexistent/model.gguf", *flags])
+    assert exit_info.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("268435456", 268435456), ("256MiB", 256 << 20), ("2G", 2 << 30), ("1.5KiB", 1536), ("2GB", 2 * 10**9)],
 )
 def test_parse_size(text: str, size: int) -> None:
     assert parse_size(text) == size
@@ -95,11 +148,10 @@ def test_generate_matches_the_server(http_greedy: dict[str, str], capsys) -> Non
 def test_engine_on_a_thread_serves_the_same_app(http_greedy: dict[str, str]) -> None:
     from deepinfer.server.app import build_app
     from deepinfer.server.serve import start_state
-    from deepinfer.server.state import ServerConfig
 
     async def run() -> dict[str, str]:
         state = await start_state(
-            EngineConfig(kv_cache_memory=int(SMALL_KV)),
+            EngineConfig.from_kwargs(kv_cache_memory=int(SMALL_KV)),
             ServerConfig(engine_mode="thread", log_level="warning"),
         )
         try:

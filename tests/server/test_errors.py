@@ -158,3 +158,14 @@ def test_reset_prefix_cache_when_idle(http: httpx.Client) -> None:
     assert reply.status_code == 200 and reply.json() == {"reset": True}
     # An operator route: the API key is required like everywhere else.
     assert openai_error(httpx.post(str(http.base_url.join("/reset_prefix_cache"))), 401)
+
+
+def test_an_unknown_traffic_class_is_a_400_and_the_engine_serves_on(http: httpx.Client) -> None:
+    """Once, such a request stopped the engine for everyone (with a store); now the edge refuses it."""
+    prompt = {"model": MODEL, "prompt": "word " * 300, "max_tokens": 1}
+    reply = http.post("/v1/completions", json=prompt, headers={"x-traffic-class": "batch"})
+    assert openai_error(reply, 400)["param"] == "x-traffic-class"
+    reply = http.post(MESSAGES, json={**GOOD_MESSAGES, "traffic_class": "batch"})
+    assert "traffic_class" in anthropic_error(reply, 400)["message"]
+    assert http.get("/health").status_code == 200
+    assert http.post(CHAT, json=GOOD_CHAT, headers={"x-traffic-class": "agent"}).status_code == 200

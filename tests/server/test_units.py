@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 from starlette.requests import Request
 
+from deepinfer.config import ServerConfig
 from deepinfer.engine.core import EngineStats
 from deepinfer.engine.ipc.protocol import (
     AbortRequest,
@@ -25,9 +26,10 @@ from deepinfer.engine.outputs import SequenceOutput, TokenLogprobs
 from deepinfer.recipe.ir import ResponseFormat
 from deepinfer.sampling_params import InvalidRequestError, SamplingParams
 from deepinfer.sequence import EngineRequest
+from deepinfer.server.errors import ApiError
 from deepinfer.server.generation import grammar_for
 from deepinfer.server.metrics import ServerMetrics
-from deepinfer.server.state import ServerConfig, ServerState
+from deepinfer.server.state import ServerState
 from deepinfer.structured.spec import GrammarSpec
 
 
@@ -105,7 +107,7 @@ def test_engine_messages_round_trip() -> None:
     for message in (
         EngineOutputs(outputs, stats, True),
         EngineOutputs([], stats),
-        EngineReady(EngineInfo("m", 8192, 49152, [2], 364, 16)),
+        EngineReady(EngineInfo("m", 8192, 49152, [2], 364, 16, "fp", ["agent", "chat"], 128, 2048)),
         EngineFailed("boom"),
     ):
         assert codec.decode_message(codec.encode(message)) == message
@@ -113,7 +115,8 @@ def test_engine_messages_round_trip() -> None:
 
 def _state(**config) -> ServerState:
     # Only `client.info` is read on this path; the engine itself is not involved.
-    client = SimpleNamespace(info=EngineInfo("m", 8192, 100, [2], 10, 16))
+    classes = ["agent", "batch", "chat"]
+    client = SimpleNamespace(info=EngineInfo("m", 8192, 100, [2], 10, 16, "fp", classes, 128, 2048))
     return ServerState(ServerConfig(**config), client, None, None, None, ["m"], ServerMetrics(), 0)  # type: ignore[arg-type]
 
 
@@ -144,6 +147,26 @@ def test_traffic_class_from_body_header_or_default(
     )
     assert request.traffic_class == expected
     assert request.eos_token_ids == [2]
+
+
+@pytest.mark.parametrize(
+    ("headers", "body_class", "named"),
+    [({"x-traffic-class": "nightly"}, None, "x-traffic-class"), ({}, "nightly", "traffic_class")],
+)
+def test_a_traffic_class_the_engine_does_not_keep_is_a_400(
+    headers: dict[str, str], body_class, named: str
+) -> None:
+    with pytest.raises(ApiError) as info:
+        _state().engine_request(
+            _request(headers),
+            "r",
+            [1, 2],
+            SamplingParams(),
+            api_key=None,
+            cache_salt=None,
+            traffic_class=body_class,
+        )
+    assert info.value.status == 400 and info.value.param == named and "nightly" in info.value.message
 
 
 def test_cache_salt_per_key() -> None:

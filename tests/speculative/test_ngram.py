@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from deepinfer.speculative.ngram import NgramProposer, ngram_continuation
+from deepinfer.config import SpeculativeConfig
+from deepinfer.speculative.ngram import ngram_continuation
 
 
 def test_longest_suffix_match_wins():
@@ -27,8 +28,8 @@ def test_no_match_and_degenerate_inputs():
     assert ngram_continuation([5, 5, 5], 1, 4, 3) == [5]  # periodic text proposes its period
 
 
-def test_proposer_validates_its_options():
+def test_ngram_options_are_validated_by_the_config():
     with pytest.raises(ValueError, match="speculative_ngram_min"):
-        NgramProposer(0, 3)
+        SpeculativeConfig(speculative_method="ngram", speculative_ngram_min=0, speculative_ngram_max=3)
     with pytest.raises(ValueError, match="speculative_ngram_max"):
-        NgramProposer(3, 2)
+        SpeculativeConfig(speculative_method="ngram", speculative_ngram_min=3, speculative_ngram_max=2)

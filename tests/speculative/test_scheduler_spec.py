@@ -28,7 +28,7 @@ def test_draft_slots_are_reserved_and_rejected_ones_rolled_back():
     assert seq.token_ids[-3:] == [7, 8, 9]
     assert seq.num_computed_tokens == 8  # positions 6 (token 7) and 7 (accepted draft 8)
     assert len(seq.block_table) == 2 and s.kv.num_free_blocks == free_before + 1
-    assert seq.num_registered_blocks == 2  # positions 0..7 are all verified
+    assert seq.num_registered == [2]  # positions 0..7 are all verified
 
 
 def test_blocks_with_unverified_tokens_are_never_registered():
@@ -38,11 +38,11 @@ def test_blocks_with_unverified_tokens_are_never_registered():
     s.update(plan, {seq.seq_id: [9]})  # every draft rejected
     # Position 7 holds the rejected draft's KV: block 1 (positions 4..7) must not be indexed.
     assert seq.num_computed_tokens == 7 and seq.num_tokens == 8
-    assert seq.num_registered_blocks == 1 and s.kv.pool.num_cached == 1
+    assert seq.num_registered == [1] and s.kv.groups[0].pool.num_cached == 1
     plan = s.schedule({seq.seq_id: 2})
     assert plan.scheduled[0].start == 7  # the rejected slot is computed again, with the real token
     s.update(plan, {seq.seq_id: [10, 11, 12]})
-    assert seq.num_computed_tokens == 10 and s.kv.pool.num_cached == 2
+    assert seq.num_computed_tokens == 10 and s.kv.groups[0].pool.num_cached == 2
 
 
 def test_stop_token_inside_an_accepted_run_discards_the_rest():

@@ -5,14 +5,12 @@ from pathlib import Path
 
 import pytest
 
+from deepinfer.config import ConfigError, EngineConfig, StoreConfig
+from deepinfer.config.flags import add_config_flags, build_config, given_options
 from deepinfer.store import (
     FileBackend,
-    KVStoreConfig,
     RedisBackend,
-    add_cli_arguments,
     build_kv_store,
-    config_from_args,
-    parse_bytes,
     parse_duration,
     parse_retention,
     parse_store_url,
@@ -61,17 +59,16 @@ def test_unknown_traffic_class_names_the_field() -> None:
         ("8GiB", 8 << 30),
         ("2GB", 2 * 10**9),
         ("4g", 4 << 30),
-        ("1.5KiB", 1536),
         (7, 7),
     ],
 )
-def test_byte_sizes(text: str | int, value: int) -> None:
-    assert parse_bytes(text) == value
+def test_host_tier_sizes_parse_like_every_other_size(text: str | int, value: int) -> None:
+    assert StoreConfig(kv_host_cache_bytes=text).kv_host_cache_bytes == value
 
 
 def test_bad_byte_size_names_the_option() -> None:
-    with pytest.raises(ValueError, match="--kv-host-cache-bytes"):
-        KVStoreConfig.from_cli(kv_host_cache_bytes="lots")
+    with pytest.raises(ConfigError, match="kv_host_cache_bytes"):
+        StoreConfig(kv_host_cache_bytes="lots")
 
 
 @pytest.mark.parametrize(
@@ -117,9 +114,9 @@ def test_bad_store_urls_name_the_option(url: str, fragment: str) -> None:
     assert fragment in str(info.value)
 
 
-def test_cli_arguments_build_the_tier_stack(tmp_path: Path) -> None:
+def test_cli_flags_build_the_tier_stack(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
-    add_cli_arguments(parser)
+    add_config_flags(parser, EngineConfig, "engine", skip=("model",))
     args = parser.parse_args(
         [
             "--kv-store",
@@ -132,8 +129,9 @@ def test_cli_arguments_build_the_tier_stack(tmp_path: Path) -> None:
             "4",
         ]
     )
-    config = config_from_args(args)
-    store = build_kv_store(config)
+    config = build_config(parser, EngineConfig, given_options(args, EngineConfig))
+    assert config.store.traffic_classes == ["agent", "batch", "chat"]
+    store = build_kv_store(config.store.settings())
     assert store is not None
     try:
         assert isinstance(store.backend, FileBackend)
@@ -146,7 +144,7 @@ def test_cli_arguments_build_the_tier_stack(tmp_path: Path) -> None:
 
 
 def test_redis_url_builds_a_redis_backend_without_connecting() -> None:
-    store = build_kv_store(KVStoreConfig.from_cli(kv_store="redis://127.0.0.1:1/3"))
+    store = build_kv_store(StoreConfig(kv_store="redis://127.0.0.1:1/3").settings())
     assert store is not None
     try:
         assert isinstance(store.backend, RedisBackend)
@@ -157,4 +155,4 @@ def test_redis_url_builds_a_redis_backend_without_connecting() -> None:
 
 
 def test_nothing_configured_means_no_store() -> None:
-    assert build_kv_store(KVStoreConfig.from_cli()) is None
+    assert build_kv_store(StoreConfig().settings()) is None

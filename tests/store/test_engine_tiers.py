@@ -54,7 +54,7 @@ def test_second_process_hits_what_the_first_prefilled(default_llm, cold, tmp_pat
     chunk_tokens = 16 * 16
     assert out.num_cached_tokens == (len(out.prompt_token_ids) - 1) // chunk_tokens * chunk_tokens > 0
     assert out.outputs[0].token_ids == cold
-    assert llm.engine.core.offloader.metrics()["store_hits"] >= 1
+    assert llm.engine.core.connector.metrics()["store_hits"] >= 1
     # Retention by class: the file store keeps each object's expiry as its mtime (agent: 3 days).
     objects = [p for p in Path(store).rglob("*") if p.is_file() and not p.name.startswith(".")]
     assert objects
@@ -84,7 +84,7 @@ def test_corrupted_objects_are_misses_and_output_stays_correct(default_llm, cold
     llm = engine(default_llm, store)
     out = llm.generate(PROMPT, GREEDY, use_tqdm=False)[0]
     assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == cold
-    assert llm.engine.core.offloader.metrics()["corrupt_objects"] >= 1
+    assert llm.engine.core.connector.metrics()["corrupt_objects"] >= 1
     llm.close()
 
 
@@ -99,7 +99,7 @@ def test_redis_killed_mid_run_then_back(default_llm, cold, redis_server):
         llm.reset_prefix_cache()
         variant = PROMPT.replace("Summarize", f"Recite {time.time()}")
         llm.generate(variant, GREEDY, use_tqdm=False)
-        llm.engine.core.offloader.store.flush(timeout=10)
+        llm.engine.core.connector.store.flush(timeout=10)
         llm.reset_prefix_cache()
         again = llm.generate(variant, GREEDY, use_tqdm=False)[0]
         if again.num_cached_tokens > 0:

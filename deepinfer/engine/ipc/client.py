@@ -27,6 +27,7 @@ from deepinfer.engine.ipc.protocol import (
 )
 from deepinfer.engine.ipc.transport import EngineTransport
 from deepinfer.engine.output_processor import OutputProcessor, SequenceDelta
+from deepinfer.engine.outputs import KVHandoff
 from deepinfer.sequence import EngineRequest
 from deepinfer.tokenizer import Tokenizer
 
@@ -130,6 +131,7 @@ class EngineClient:
         self._streams: dict[str, GenerationStream] = {}
         self._on_request_done = on_request_done
         self._reset_waiters: list[asyncio.Future[bool]] = []
+        self._handoff_waiters: dict[str, asyncio.Future[KVHandoff]] = {}
         transport.listen(self._on_message, self._on_death)
 
     @property
@@ -174,6 +176,16 @@ class EngineClient:
         if self._on_request_done is not None:
             self._on_request_done(record, outcome)
 
+    def expect_handoff(self, transfer_id: str) -> asyncio.Future[KVHandoff]:
+        """The KVHandoff a prefill engine sends once `transfer_id`'s KV is ready (register it
+        before submitting the request). Fails with EngineDeadError if the engine dies first."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        waiter: asyncio.Future[KVHandoff] = asyncio.get_running_loop().create_future()
+        self._handoff_waiters[transfer_id] = waiter
+        waiter.add_done_callback(lambda _: self._handoff_waiters.pop(transfer_id, None))
+        return waiter
+
     async def reset_prefix_cache(self) -> bool:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
@@ -197,6 +209,10 @@ class EngineClient:
             self.stats = message.stats
             if message.outputs:
                 self._dispatch(message)
+            for handoff in message.handoffs:
+                handoff_waiter = self._handoff_waiters.get(handoff.transfer_id)
+                if handoff_waiter is not None and not handoff_waiter.done():
+                    handoff_waiter.set_result(handoff)
             if message.prefix_cache_reset is not None and self._reset_waiters:
                 waiter = self._reset_waiters.pop(0)
                 if not waiter.done():
@@ -229,18 +245,36 @@ class EngineClient:
             return
         log.error("engine failure: %s", reason)
         self.dead_reason = reason
-        streams = list({id(s): s for s in self._streams.values()}.values())
-        for request_id, stream in list(self._streams.items()):
-            self._forget(request_id, stream.records[request_id], "error")
-        for stream in streams:
-            stream.fail(reason)
+        self._end_all(reason, "error", abort_in_engine=False)
         for waiter in self._reset_waiters:
             if not waiter.done():
                 waiter.set_exception(EngineDeadError(reason))
         self._reset_waiters.clear()
+        for handoff_waiter in list(self._handoff_waiters.values()):
+            if not handoff_waiter.done():
+                handoff_waiter.set_exception(EngineDeadError(reason))
 
-    async def close(self) -> None:
-        await self.transport.close()
+    @property
+    def num_in_flight(self) -> int:
+        """Requests submitted and not finished."""
+        return len(self._streams)
+
+    def abort_all(self, reason: str) -> None:
+        """End every request in flight now: the engine frees them, and each stream ends with
+        `reason` as its error (after whatever it already delivered)."""
+        self._end_all(reason, "abort", abort_in_engine=True)
+
+    def _end_all(self, reason: str, outcome: str, *, abort_in_engine: bool) -> None:
+        streams = list({id(s): s for s in self._streams.values()}.values())
+        for request_id, stream in list(self._streams.items()):
+            if abort_in_engine:
+                self.transport.send(AbortRequest(request_id))
+            self._forget(request_id, stream.records[request_id], outcome)
+        for stream in streams:
+            stream.fail(reason)
+
+    async def close(self, flush_timeout_s: float = 30.0) -> None:
+        await self.transport.close(flush_timeout_s)
 
 
 def _outcome(reasons: list[str]) -> str:

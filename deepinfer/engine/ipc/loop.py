@@ -3,7 +3,9 @@
 While there is work the loop never blocks: it takes whatever new and abort messages have
 arrived, runs one step, and sends that step's new tokens with the engine's stats as one
 message. With nothing to do it blocks on its inbox (waking once a second to notice that the
-API process is gone, so an orphaned engine never lingers).
+API process is gone, so an orphaned engine never lingers; every 50 ms while its KV connector
+holds blocks for another engine or waits on writes, so those are released on time). After
+every step the KV events the step caused go out on the publisher, when there is one.
 """
 
 from __future__ import annotations
@@ -32,11 +34,16 @@ from deepinfer.engine.ipc.protocol import (
     ResetPrefixCache,
     Shutdown,
 )
+from deepinfer.engine.kv_events import KVEventPublisher
 from deepinfer.engine.outputs import SequenceOutput
+from deepinfer.engine.parallel.data_parallel import DataParallelEngine
+from deepinfer.engine.parallel.start import start_engine
 
 log = logging.getLogger(__name__)
 
 IDLE_WAKEUP_S = 1.0
+DEFAULT_FLUSH_TIMEOUT_S = 30.0
+CONNECTOR_WAKEUP_S = 0.05
 
 
 class Inbox(Protocol):
@@ -96,42 +103,69 @@ class ZmqInbox:
         return self.drain()
 
 
-def engine_info(core: EngineCore) -> EngineInfo:
+def engine_info(
+    core: EngineCore | DataParallelEngine, publisher: KVEventPublisher | None = None
+) -> EngineInfo:
+    config = core.config
+    pd = config.disaggregation
     return EngineInfo(
         model_name=core.loaded.name,
         max_model_len=core.max_model_len,
         vocab_size=core.loaded.config.vocab_size,
         eos_token_ids=list(core.loaded.config.eos_token_ids),
         num_blocks=core.num_blocks,
-        block_size=core.config.block_size,
+        block_size=core.config.cache.block_size,
+        fingerprint=core.fingerprint,
+        traffic_classes=core.config.store.traffic_classes,
+        max_num_seqs=core.config.scheduler.max_num_seqs,
+        max_num_batched_tokens=core.config.scheduler.max_num_batched_tokens,
+        role=pd.role,
+        kv_transfer=pd.kv_transfer,
+        kv_transfer_failure=pd.kv_transfer_failure,
+        kv_transfer_address=core.kv_transfer_address,
+        kv_events_endpoint=publisher.endpoint if publisher is not None else None,
+        kv_store=config.store.identity,
+        kv_chunk_blocks=config.store.kv_chunk_blocks if config.store.kv_store is not None else 0,
     )
+
+
+def build_publisher(config: EngineConfig) -> KVEventPublisher | None:
+    endpoint = config.disaggregation.kv_events_endpoint
+    return KVEventPublisher(endpoint) if endpoint is not None else None
 
 
 class EngineLoop:
     def __init__(
         self,
-        core: EngineCore,
+        core: EngineCore | DataParallelEngine,
         inbox: Inbox,
         emit: Callable[[EngineMessage], None],
         alive: Callable[[], bool] | None = None,
+        publisher: KVEventPublisher | None = None,
     ) -> None:
         self.core = core
         self.inbox = inbox
         self.emit = emit
         self.alive = alive
+        self.publisher = publisher
 
-    def run(self) -> None:
-        """Serve until a Shutdown message (or the death of the API process)."""
+    def run(self) -> float:
+        """Serve until a Shutdown message (or the death of the API process); returns how long
+        the core may take to flush on close."""
         core = self.core
+        self._send([], None)  # the stats of an engine that has served nothing yet
         while True:
             if core.has_work():
                 messages = self.inbox.drain()
             else:
-                messages = self.inbox.wait(IDLE_WAKEUP_S)
+                busy = core.connector_busy
+                messages = self.inbox.wait(CONNECTOR_WAKEUP_S if busy else IDLE_WAKEUP_S)
                 if not messages:
                     if self.alive is not None and not self.alive():
                         log.warning("the API process is gone; the engine stops")
-                        return
+                        return DEFAULT_FLUSH_TIMEOUT_S
+                    if busy:
+                        self._send(core.housekeeping(), None)
                     continue
             outputs: list[SequenceOutput] = []
             reset: bool | None = None
@@ -143,12 +177,18 @@ class EngineLoop:
                 elif isinstance(message, ResetPrefixCache):
                     reset = core.reset_prefix_cache()
                 elif isinstance(message, Shutdown):
-                    return
+                    return message.flush_timeout_s
             if core.has_work():
                 outputs.extend(core.step())
             # Stats go out even without new tokens: after aborts on an idle engine they are
             # the only news (freed blocks).
-            self.emit(EngineOutputs(outputs, core.stats(), reset))
+            self._send(outputs, reset)
+
+    def _send(self, outputs: list[SequenceOutput], reset: bool | None) -> None:
+        core = self.core
+        self.emit(EngineOutputs(outputs, core.stats(), reset, core.take_handoffs()))
+        if self.publisher is not None:
+            self.publisher.publish(core.take_kv_events())
 
     def _add(self, message: AddRequest) -> list[SequenceOutput]:
         request = message.request.to_request()
@@ -186,22 +226,50 @@ def engine_process_main(
     def emit(message: EngineMessage) -> None:
         outbox.send(codec.encode(message), copy=False)
 
+    # Another rank's death is seen on a watchdog thread, which reports it on a socket of its own
+    # and ends this process (the ranks it spawned die with it): clients get errors in seconds,
+    # even while the engine idles or waits in a collective.
+    alarm = context.socket(zmq.PUSH)
+    alarm.setsockopt(zmq.LINGER, 2000)
+    alarm.connect(output_address)
+
+    def rank_died(reason: str) -> None:
+        alarm.send(codec.encode(EngineFailed(f"the engine failed: {reason}")))
+        alarm.close()  # lingers until the message is out
+        os._exit(1)
+
     try:
-        core = EngineCore(config)
+        core = start_engine(config, on_rank_death=rank_died, log_level=log_level)
+        publisher = build_publisher(config)
     except Exception as error:
         log.exception("the engine failed to start")
         emit(EngineFailed(f"the engine failed to start: {type(error).__name__}: {error}"))
         raise SystemExit(1) from error
-    emit(EngineReady(engine_info(core)))
-    loop = EngineLoop(core, ZmqInbox(inbox_socket, codec), emit, alive=lambda: os.getppid() == parent_pid)
+    emit(EngineReady(engine_info(core, publisher)))
+    loop = EngineLoop(
+        core,
+        ZmqInbox(inbox_socket, codec),
+        emit,
+        alive=lambda: os.getppid() == parent_pid,
+        publisher=publisher,
+    )
+    flush_timeout_s = DEFAULT_FLUSH_TIMEOUT_S
     try:
-        loop.run()
+        flush_timeout_s = loop.run()
     except Exception as error:
         log.exception("the engine loop failed")
         emit(EngineFailed(f"the engine failed: {type(error).__name__}: {error}"))
         raise SystemExit(1) from error
     finally:
-        core.close()  # worker threads (KV store, grammar compiles) end with the engine
+        log.info(
+            "engine stopping: %d of %d KV blocks in use, %d requests unfinished",
+            core.kv.num_used_blocks,
+            core.kv.num_blocks,
+            core.scheduler.num_unfinished_requests,
+        )
+        core.close(flush_timeout_s)  # KV writes flushed; worker threads end with the engine
+        if publisher is not None:
+            publisher.close()
         inbox_socket.close(linger=0)
         outbox.close()
         context.term()

@@ -13,9 +13,9 @@ from __future__ import annotations
 import msgspec
 
 from deepinfer.engine.core import EngineStats
-from deepinfer.engine.outputs import SequenceOutput
+from deepinfer.engine.outputs import KVHandoff, SequenceOutput
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.sequence import EngineRequest
+from deepinfer.sequence import EngineRequest, KVSource
 from deepinfer.structured.spec import GrammarSpec
 
 
@@ -31,6 +31,8 @@ class WireRequest(msgspec.Struct, array_like=True):
     cache_salt: str | None
     traffic_class: str | None
     grammar: GrammarSpec | None
+    kv_handoff: str | None
+    kv_source: KVSource | None
 
     @classmethod
     def of(cls, request: EngineRequest) -> WireRequest:
@@ -54,14 +56,20 @@ class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache", array_like=True
 
 
 class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
-    pass
+    """Stop after flushing queued KV-store writes for at most `flush_timeout_s`."""
+
+    flush_timeout_s: float = 30.0
 
 
 EngineInput = AddRequest | AbortRequest | ResetPrefixCache | Shutdown
 
 
 class EngineInfo(msgspec.Struct, array_like=True):
-    """What the API side needs to know about the loaded model and cache."""
+    """What the API side (and a router) must know to check requests before they reach the
+    engine: the model, its limits, the traffic classes the KV store keeps, and the fingerprint
+    that roots every prefix hash (with the block size, enough to compute them elsewhere); for a
+    router also the engine's role, where it publishes KV events and serves KV transfers, and
+    which shared store it reads (a chunk stored there is a hit for every engine reading it)."""
 
     model_name: str
     max_model_len: int
@@ -69,6 +77,17 @@ class EngineInfo(msgspec.Struct, array_like=True):
     eos_token_ids: list[int]
     num_blocks: int
     block_size: int
+    fingerprint: str
+    traffic_classes: list[str]
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    role: str = "both"
+    kv_transfer: str = "direct"
+    kv_transfer_failure: str = "recompute"
+    kv_transfer_address: str | None = None  # host:port of a prefill engine's transfer listener
+    kv_events_endpoint: str | None = None
+    kv_store: str | None = None  # the shared store's identity (a path or redis host/db), no secrets
+    kv_chunk_blocks: int = 0  # blocks per stored chunk (0: no shared store)
 
 
 class EngineReady(msgspec.Struct, tag="ready", array_like=True):
@@ -79,6 +98,7 @@ class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True):
     outputs: list[SequenceOutput]
     stats: EngineStats
     prefix_cache_reset: bool | None = None  # the answer to a ResetPrefixCache, when there was one
+    handoffs: list[KVHandoff] = []  # prefill role: prompts whose KV is ready for their decoder
 
 
 class EngineFailed(msgspec.Struct, tag="failed", array_like=True):

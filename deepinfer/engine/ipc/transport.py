@@ -59,8 +59,9 @@ class EngineTransport(ABC):
     def send(self, message: EngineInput) -> None: ...
 
     @abstractmethod
-    async def close(self) -> None:
-        """Stop the engine (gracefully, then by force) and release everything."""
+    async def close(self, flush_timeout_s: float = 30.0) -> None:
+        """Stop the engine (gracefully: it flushes queued KV-store writes for at most
+        `flush_timeout_s`; then by force) and release everything."""
 
     @property
     @abstractmethod
@@ -166,17 +167,18 @@ class ProcessTransport(EngineTransport):
         with contextlib.suppress(zmq.Again):
             self._input.send(self.codec.encode(message), zmq.NOBLOCK, copy=False)
 
-    async def close(self) -> None:
+    async def close(self, flush_timeout_s: float = 30.0) -> None:
         self._closing = True
         process = self._process
         if process is not None and process.exitcode is None:
+            grace = flush_timeout_s + SHUTDOWN_GRACE_S
             if self._ready:
-                self.send(Shutdown())
-                await asyncio.to_thread(process.join, SHUTDOWN_GRACE_S)
+                self.send(Shutdown(flush_timeout_s))
+                await asyncio.to_thread(process.join, grace)
             # Still loading (it reads no messages yet) or stuck: SIGTERM, then SIGKILL.
             if process.exitcode is None:
                 if self._ready:
-                    log.warning("the engine did not stop in %.0f s; terminating it", SHUTDOWN_GRACE_S)
+                    log.warning("the engine did not stop in %.0f s; terminating it", grace)
                 process.terminate()
                 await asyncio.to_thread(process.join, 5.0)
             if process.exitcode is None:
@@ -215,29 +217,38 @@ class ThreadTransport(EngineTransport):
         return os.getpid()
 
     async def start(self) -> EngineInfo:
-        from deepinfer.engine.core import EngineCore
-        from deepinfer.engine.ipc.loop import EngineLoop, engine_info
+        from deepinfer.engine.ipc.loop import (
+            DEFAULT_FLUSH_TIMEOUT_S,
+            EngineLoop,
+            build_publisher,
+            engine_info,
+        )
+        from deepinfer.engine.parallel.start import start_engine
 
         loop = self._loop = asyncio.get_running_loop()
         ready: asyncio.Future[EngineInfo] = loop.create_future()
 
         def run() -> None:
             try:
-                core = EngineCore(self.config)
+                core = start_engine(self.config)
+                publisher = build_publisher(self.config)
             except Exception as error:
                 loop.call_soon_threadsafe(
                     ready.set_exception, EngineStartError(f"{type(error).__name__}: {error}")
                 )
                 return
-            loop.call_soon_threadsafe(ready.set_result, engine_info(core))
+            loop.call_soon_threadsafe(ready.set_result, engine_info(core, publisher))
+            flush_timeout_s = DEFAULT_FLUSH_TIMEOUT_S
             try:
-                EngineLoop(core, self._inbox, self._emit).run()
+                flush_timeout_s = EngineLoop(core, self._inbox, self._emit, publisher=publisher).run()
             except Exception as error:
                 log.exception("the engine loop failed")
                 self._emit(EngineFailed(f"the engine failed: {type(error).__name__}: {error}"))
                 loop.call_soon_threadsafe(self._died, f"the engine thread failed: {error}")
             finally:
-                core.close()
+                core.close(flush_timeout_s)
+                if publisher is not None:
+                    publisher.close()
 
         self._thread = threading.Thread(target=run, name="deepinfer-engine", daemon=True)
         self._thread.start()
@@ -267,7 +278,7 @@ class ThreadTransport(EngineTransport):
     def send(self, message: EngineInput) -> None:
         self._inbox.put(message)
 
-    async def close(self) -> None:
+    async def close(self, flush_timeout_s: float = 30.0) -> None:
         if self._thread is not None and self._thread.is_alive():
-            self._inbox.put(Shutdown())
-            await asyncio.to_thread(self._thread.join, SHUTDOWN_GRACE_S)
+            self._inbox.put(Shutdown(flush_timeout_s))
+            await asyncio.to_thread(self._thread.join, flush_timeout_s + SHUTDOWN_GRACE_S)

@@ -1,4 +1,5 @@
-"""The pool of fixed-size KV blocks: reference counts, the prefix-hash index and LRU eviction.
+"""The pool of fixed-size KV blocks of one cache group: reference counts, the prefix-hash index and
+LRU eviction.
 
 Plain Python data only; the runner owns the tensors. A block with ref_count 0 sits in the free
 queue; if it still carries a prefix hash it can be revived by a cache hit until it is reused.
@@ -12,6 +13,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from deepinfer.engine.kv_cache.events import KVEventLog
+
 
 @dataclass(slots=True)
 class Block:
@@ -20,27 +23,16 @@ class Block:
     prefix_hash: bytes | None = None
 
 
-@dataclass(slots=True)
-class PrefixCacheStats:
-    lookups: int = 0  # sequences that looked up the cache on admission
-    queried_tokens: int = 0
-    hit_tokens: int = 0
-    evictions: int = 0  # hashed blocks reused for other content
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
-
-
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, events: KVEventLog | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Ordered free queue: head is evicted first. Values are unused (OrderedDict as a linked set).
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._by_hash: dict[bytes, int] = {}
-        self.stats = PrefixCacheStats()
+        self.num_evictions = 0  # hashed blocks reused for other content
+        self.events = events
 
     @property
     def num_blocks(self) -> int:
@@ -69,8 +61,10 @@ class BlockPool:
         block = self.blocks[block_id]
         if block.prefix_hash is not None:
             del self._by_hash[block.prefix_hash]
+            if self.events is not None:
+                self.events.removed([block.prefix_hash])
             block.prefix_hash = None
-            self.stats.evictions += 1
+            self.num_evictions += 1
         block.ref_count = 1
         return block_id
 
@@ -93,17 +87,18 @@ class BlockPool:
                 if block.prefix_hash is None:
                     self._free.move_to_end(block_id, last=False)
 
-    def register(self, block_id: int, prefix_hash: bytes) -> None:
-        """Mark a full, computed block as reusable under `prefix_hash`.
+    def register(self, block_id: int, prefix_hash: bytes) -> bool:
+        """Mark a full, computed block as reusable under `prefix_hash`; True when it is newly indexed.
 
         If another block already holds that hash, the index keeps the existing one: both hold the
         same KV, and the duplicate simply stays unindexed until it is freed.
         """
         block = self.blocks[block_id]
         if block.prefix_hash is not None or prefix_hash in self._by_hash:
-            return
+            return False
         block.prefix_hash = prefix_hash
         self._by_hash[prefix_hash] = block_id
+        return True
 
     def reset_prefix_cache(self) -> bool:
         """Forget every hash. Only allowed when no block is in use, like vLLM's reset."""
@@ -112,4 +107,6 @@ class BlockPool:
         for block in self.blocks:
             block.prefix_hash = None
         self._by_hash.clear()
+        if self.events is not None:
+            self.events.cleared()
         return True

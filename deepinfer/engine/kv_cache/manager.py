@@ -1,150 +1,233 @@
-"""KV-cache manager: per-sequence block tables over the block pool, prefix hits, copy-on-write.
+"""KV-cache manager: one block table per cache group per sequence, over one group manager per
+group, with prefix hits, copy-on-write and early release of out-of-window blocks. Torch-free.
 
-Torch-free. The scheduler asks it for room ("can this sequence take N more tokens?"), the runner
-receives block tables and the copy operations it must apply before the step's forward.
+The scheduler asks it for room ("can this sequence take N more tokens?") and the runner receives
+the block tables and the copies it must apply before the step's forward. Every decision covers
+all groups at once: a sequence is admitted, grown or preempted for all of its caches together.
+
+Contract (what each method mutates; all are called from the engine's one thread):
+- `find_cached_prefix`: extends `seq.block_hashes`; nothing else.
+- `can_allocate`, `fits`, `blocks_needed`: pure queries.
+- `allocate`: the sequence's tables and computed-token count (hit blocks count as computed),
+  the pools, the pending copies, the lookup statistics (on admission).
+- `fork`: the child's tables, hashes and counters (references on the parent's blocks).
+- `cache_computed_blocks`: the sequence's hashes and registered counts, the pools' indexes.
+- `trim`, `free`: the sequence's tables (and `free` its counters), the pools.
+- `take_copies`: empties the pending copies.
+- `install_blocks`: the first group's pool and index (blocks filled by a KV connector).
+
+With an event log (passed at construction), the first group's pool reports what it indexes and
+drops: that group's blocks are the ones a router outside the engine can credit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass, field
+from math import lcm
 
-from deepinfer.engine.kv_cache.block_pool import BlockPool
+from deepinfer.cache_layout import CacheLayout
+from deepinfer.engine.kv_cache.events import KVEventLog
+from deepinfer.engine.kv_cache.groups import NULL_BLOCK, FullAttentionGroup, make_group_manager
 from deepinfer.engine.kv_cache.prefix import extend_block_hashes
 from deepinfer.sequence import Sequence
-from deepinfer.utils import cdiv
+
+# (group, source block, destination block): a copy the runner makes before the step's forward.
+BlockCopy = tuple[int, int, int]
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    lookups: int = 0  # sequences that looked up the cache on admission
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+@dataclass(slots=True)
+class PrefixHit:
+    """Cached tokens a sequence can start from, and the blocks holding them in each group."""
+
+    num_tokens: int = 0
+    blocks: list[list[int]] = field(default_factory=list)
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
-        self.block_size = block_size
+    def __init__(
+        self, layout: CacheLayout, enable_prefix_caching: bool = True, events: KVEventLog | None = None
+    ) -> None:
+        self.layout = layout
+        self.block_size = layout.block_size  # prefix-hash granularity, in tokens
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks)
-        self._pending_copies: list[tuple[int, int]] = []
-        # Called after a sequence's indexed blocks grew (the KV offloader saves completed chunks).
-        self.on_blocks_cached: Callable[[Sequence], None] | None = None
+        self.events = events
+        self.groups: list[FullAttentionGroup] = [
+            make_group_manager(g, layout.block_size, events if i == 0 else None)
+            for i, g in enumerate(layout.groups)
+        ]
+        # A hit must end on a block boundary of every group.
+        self.hit_granularity = lcm(*(g.block_tokens for g in self.groups))
+        self.stats = PrefixCacheStats()
+        self._pending_copies: list[BlockCopy] = []
+
+    # -- capacity ----------------------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(g.pool.num_blocks for g in self.groups)
 
     @property
     def num_free_blocks(self) -> int:
-        return self.pool.num_free
+        return sum(g.pool.num_free for g in self.groups)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.pool.num_blocks - self.pool.num_free
+        return self.num_blocks - self.num_free_blocks
 
     @property
     def usage(self) -> float:
-        return self.num_used_blocks / self.pool.num_blocks
+        """The fullest group's share of blocks in use (the one that preempts first)."""
+        return max(1.0 - g.pool.num_free / g.pool.num_blocks for g in self.groups)
+
+    @property
+    def num_evictions(self) -> int:
+        return sum(g.pool.num_evictions for g in self.groups)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return sum(g.pool.num_cached for g in self.groups)
+
+    def _tables(self, seq: Sequence) -> list[list[int]]:
+        if not seq.block_tables:
+            seq.block_tables = [[] for _ in self.groups]
+            seq.num_registered = [0] * len(self.groups)
+        return seq.block_tables
+
+    # -- prefix hits -------------------------------------------------------------------------------
 
     def update_hashes(self, seq: Sequence) -> None:
         extend_block_hashes(seq.block_hashes, seq.prefix_root, seq.token_ids, self.block_size)
 
-    def find_cached_prefix(self, seq: Sequence) -> list[int]:
-        """Longest run of cached full blocks for a sequence about to be admitted.
+    def find_cached_prefix(self, seq: Sequence) -> PrefixHit:
+        """Longest cached prefix every group can serve, for a sequence about to be admitted.
 
-        At least the last token is always left to compute, so the step has logits to sample from.
-        """
+        At least the last token is always left to compute, so the step has logits to sample from."""
         if not self.enable_prefix_caching:
-            return []
+            return PrefixHit(0, [[] for _ in self.groups])
         self.update_hashes(seq)
-        max_blocks = (seq.num_tokens - 1) // self.block_size
-        hits: list[int] = []
-        for prefix_hash in seq.block_hashes[:max_blocks]:
-            block_id = self.pool.lookup(prefix_hash)
-            if block_id is None:
-                break
-            hits.append(block_id)
-        return hits
+        hashes = seq.block_hashes
+        tokens = (seq.num_tokens - 1) // self.hit_granularity * self.hit_granularity
+        for g in self.groups:
+            tokens = g.hit_tokens(hashes, tokens)
+        tokens = tokens // self.hit_granularity * self.hit_granularity
+        # Full-attention hits are prefix-closed; a sliding group also needs the window in front
+        # of the hit, which a shorter hit may lack: step down until every group has it.
+        windowed = [g for g in self.groups if not g.prefix_closed]
+        while tokens and not all(g.hits_at(hashes, tokens) for g in windowed):
+            tokens -= self.hit_granularity
+        return PrefixHit(tokens, [g.hit_blocks(hashes, tokens) for g in self.groups])
 
-    def _blocks_needed(self, seq: Sequence, num_new_tokens: int, num_hit_blocks: int) -> int:
-        computed = seq.num_computed_tokens + num_hit_blocks * self.block_size
-        needed = cdiv(computed + num_new_tokens, self.block_size) - len(seq.block_table) - num_hit_blocks
-        if self._needs_copy_on_write(seq, num_new_tokens):
-            needed += 1
-        return max(needed, 0)
+    # -- room for new tokens -------------------------------------------------------------------------
 
-    def _needs_copy_on_write(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """A forked sequence about to write into a partial block it shares must get its own copy."""
-        if not seq.block_table or num_new_tokens == 0:
-            return False
-        last = seq.block_table[-1]
-        written_in_last = seq.num_computed_tokens - (len(seq.block_table) - 1) * self.block_size
-        return 0 < written_in_last < self.block_size and self.pool.blocks[last].ref_count > 1
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> list[int]:
+        """Free blocks per group that `allocate(seq, num_new_tokens)` would take."""
+        tables = self._tables(seq)
+        return [
+            g.blocks_needed(table, seq.num_computed_tokens, num_new_tokens)
+            for g, table in zip(self.groups, tables)
+        ]
 
-    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        """Free blocks `allocate(seq, num_new_tokens)` would take (copy-on-write included)."""
-        return self._blocks_needed(seq, num_new_tokens, 0)
+    def fits(self, seq: Sequence, num_new_tokens: int, reserved: list[int] | None = None) -> bool:
+        """Whether `seq` can grow by `num_new_tokens` with `reserved[g]` blocks of each group kept
+        for others."""
+        reserved = reserved or [0] * len(self.groups)
+        return all(
+            need + keep <= g.pool.num_free
+            for need, keep, g in zip(self.blocks_needed(seq, num_new_tokens), reserved, self.groups)
+        )
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, hit_blocks: list[int] | None = None) -> bool:
-        hit_blocks = hit_blocks or []
-        revived = sum(1 for b in hit_blocks if self.pool.blocks[b].ref_count == 0)
-        return self._blocks_needed(seq, num_new_tokens, len(hit_blocks)) <= self.pool.num_free - revived
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
+        if hit is None or not hit.num_tokens:
+            return self.fits(seq, num_new_tokens)
+        computed = seq.num_computed_tokens + hit.num_tokens
+        for g, table, blocks in zip(self.groups, self._tables(seq), hit.blocks):
+            revived = sum(1 for b in blocks if b != NULL_BLOCK and g.pool.blocks[b].ref_count == 0)
+            if g.blocks_needed(table + blocks, computed, num_new_tokens) > g.pool.num_free - revived:
+                return False
+        return True
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, hit_blocks: list[int] | None = None) -> None:
+    def allocate(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit | None = None) -> None:
         """Give `seq` room for `num_new_tokens` more tokens (call can_allocate first).
 
-        `hit_blocks` is passed on admission (possibly empty): it counts as one cache lookup.
-        """
-        if hit_blocks is not None and self.enable_prefix_caching:
-            stats = self.pool.stats
-            stats.lookups += 1
-            stats.queried_tokens += seq.num_tokens
-            stats.hit_tokens += len(hit_blocks) * self.block_size
-        if hit_blocks:
-            for block_id in hit_blocks:
-                self.pool.touch(block_id)
-            seq.block_table.extend(hit_blocks)
-            seq.num_computed_tokens += len(hit_blocks) * self.block_size
-        if self._needs_copy_on_write(seq, num_new_tokens):
-            shared = seq.block_table[-1]
-            private = self.pool.allocate()
-            self._pending_copies.append((shared, private))
-            self.pool.release([shared])
-            seq.block_table[-1] = private
-        total = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
-        while len(seq.block_table) < total:
-            seq.block_table.append(self.pool.allocate())
+        `hit` is passed on admission (possibly empty): it counts as one cache lookup, and its
+        tokens count as computed."""
+        tables = self._tables(seq)
+        if hit is not None and self.enable_prefix_caching:
+            self.stats.lookups += 1
+            self.stats.queried_tokens += seq.num_tokens
+            self.stats.hit_tokens += hit.num_tokens
+        if hit is not None and hit.num_tokens:
+            for g, table, blocks in zip(self.groups, tables, hit.blocks):
+                g.attach_hit(table, blocks)
+            seq.num_computed_tokens += hit.num_tokens
+        for index, (g, table) in enumerate(zip(self.groups, tables)):
+            for src, dst in g.allocate(table, seq.num_computed_tokens, num_new_tokens):
+                self._pending_copies.append((index, src, dst))
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Child shares every block of the parent (copy-on-write on its first write)."""
-        for block_id in parent.block_table:
-            self.pool.touch(block_id)
-        child.block_table = list(parent.block_table)
+        child.block_tables = [g.fork(table) for g, table in zip(self.groups, self._tables(parent))]
         child.block_hashes = list(parent.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
-        child.num_registered_blocks = parent.num_registered_blocks
+        child.num_registered = list(parent.num_registered)
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Index every full block whose tokens have all been computed (prompt or decode)."""
         if not self.enable_prefix_caching:
             return
         self.update_hashes(seq)
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
-        if num_full <= seq.num_registered_blocks:
-            return
-        for i in range(seq.num_registered_blocks, num_full):
-            self.pool.register(seq.block_table[i], seq.block_hashes[i])
-        seq.num_registered_blocks = num_full
-        if self.on_blocks_cached is not None:
-            self.on_blocks_cached(seq)
+        tables = self._tables(seq)
+        for i, (g, table) in enumerate(zip(self.groups, tables)):
+            seq.num_registered[i] = g.register(
+                table, seq.block_hashes, seq.num_computed_tokens, seq.num_registered[i], seq.token_ids
+            )
 
     def trim(self, seq: Sequence) -> None:
         """Release the blocks past a sequence's computed tokens, tail first (speculative decoding
         reserves slots for draft tokens; those of rejected drafts are given back)."""
-        keep = cdiv(seq.num_computed_tokens, self.block_size)
-        if len(seq.block_table) > keep:
-            self.pool.release(list(reversed(seq.block_table[keep:])))
-            del seq.block_table[keep:]
+        for g, table in zip(self.groups, self._tables(seq)):
+            g.trim(table, seq.num_computed_tokens)
 
     def free(self, seq: Sequence) -> None:
         """Release a sequence's blocks tail first, so a chain's tail is evicted before its head."""
-        self.pool.release(list(reversed(seq.block_table)))
-        seq.block_table = []
+        for g, table in zip(self.groups, self._tables(seq)):
+            g.free(table)
         seq.num_computed_tokens = 0
-        seq.num_registered_blocks = 0
+        seq.num_registered = [0] * len(self.groups)
 
-    def take_copies(self) -> list[tuple[int, int]]:
+    def install_blocks(self, seq: Sequence, first_block: int, block_ids: list[int]) -> None:
+        """Index blocks a KV connector filled (taken with `pool.allocate()`) under `seq`'s hashes
+        from block `first_block` on, then release them: cached and free, tail first, like any
+        freed chain, so admission finds them as ordinary hits. Single-group models only."""
+        group = self.groups[0]
+        assert group.hashes_per_block == 1, "connectors install blocks of one hash each"
+        hashes = seq.block_hashes
+        indexed = [
+            first_block + i
+            for i, block_id in enumerate(block_ids)
+            if group.pool.register(block_id, hashes[first_block + i])
+        ]
+        if indexed and self.events is not None:
+            group.log_stored(hashes, indexed, seq.token_ids)
+        group.pool.release(list(reversed(block_ids)))
+
+    def take_copies(self) -> list[BlockCopy]:
         copies, self._pending_copies = self._pending_copies, []
         return copies
 
     def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()
+        """Forget every hash; only when no block is in use."""
+        if self.num_used_blocks:
+            return False
+        return all(g.pool.reset_prefix_cache() for g in self.groups)

@@ -28,6 +28,13 @@ def namespace_root(
     return h.digest()
 
 
+def tenant_cache_salt(api_key: str, body_salt: str | None) -> str:
+    """The cache salt of a request whose prefix cache is isolated per API key (the server's
+    --cache-salt-per-key; a router computes the same to find the same hashes)."""
+    tenant = hashlib.sha256(api_key.encode()).hexdigest()[:16]
+    return f"key:{tenant}" if body_salt is None else f"key:{tenant}:{body_salt}"
+
+
 def block_hash(parent: bytes, token_ids: Sequence[int], extra_keys: bytes = b"") -> bytes:
     h = hashlib.sha256(parent)
     h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))

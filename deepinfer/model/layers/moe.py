@@ -9,8 +9,8 @@ Routing (per token, in float32):
 
 Execution: the (token, expert) pairs are sorted by expert, each active expert runs one matmul over
 its tokens, and results are scattered back with index_add. Experts live in stacked tensors
-[E, ...] and the loop covers a contiguous range of them, so expert parallelism can give each rank
-its own range and sum the partial outputs.
+[E, ...]. Expert parallelism (layers/expert_parallel.py) sends each (token, expert) pair to the
+rank holding a replica of its expert and runs the same per-expert matmuls there.
 """
 
 from __future__ import annotations
@@ -20,7 +20,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from deepinfer.model.layers.mlp import GatedMLP, swiglu
+from deepinfer.model.layers.expert_parallel import ExpertParallelExperts, combine_pairs, run_experts
+from deepinfer.model.layers.mlp import GatedMLP
+from deepinfer.model.layers.parallel_linear import Segment
+from deepinfer.model.parallel import SINGLE, ExpertParallel, TensorParallel, split_evenly
 
 
 @dataclass(slots=True, frozen=True)
@@ -102,7 +105,6 @@ class RoutedExperts(torch.nn.Module):
         self, num_experts: int, hidden_size: int, intermediate_size: int, swiglu_limit: float | None = None
     ) -> None:
         super().__init__()
-        self.intermediate_size = intermediate_size
         self.swiglu_limit = swiglu_limit
         self.w13 = torch.nn.Parameter(
             torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False
@@ -122,42 +124,56 @@ class RoutedExperts(torch.nn.Module):
         local = (flat_ids >= 0) & (flat_ids < num_local)
         pairs = local.nonzero().squeeze(1)
         order = pairs[flat_ids[pairs].argsort(stable=True)]  # local pairs sorted by expert
-        tokens = order // top_k
         counts = torch.bincount(flat_ids[order], minlength=num_local).tolist()
-        hidden = x[tokens]  # [P, hidden], grouped by expert
-        out_rows = torch.empty_like(hidden)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = slice(start, start + count)
-            gate, up = F.linear(hidden[rows], self.w13[expert]).split(self.intermediate_size, dim=-1)
-            out_rows[rows] = F.linear(swiglu(gate, up, self.swiglu_limit), self.w2[expert])
-            start += count
-        weights = topk_weights.flatten()[order].unsqueeze(1)
-        out = torch.zeros_like(x)
-        out.index_add_(0, tokens, (out_rows * weights).to(x.dtype))
-        return out
+        out_rows = run_experts(
+            x[order // top_k], counts, self.w13, self.w2, self.swiglu_limit
+        )  # grouped by expert
+        return combine_pairs(x, out_rows, topk_weights, order, top_k)
 
 
 class DeepseekMoE(torch.nn.Module):
+    """Without expert parallelism every rank holds every expert's share of the intermediate
+    dimension (tensor parallel; the whole experts in one process) and the partial outputs are
+    summed. With it, each rank of a tensor-parallel group routes its share of the tokens through
+    the expert-parallel dispatch (experts whole, shared experts local) and the group gathers the
+    rows back."""
+
     def __init__(
         self,
         hidden_size: int,
         moe_intermediate_size: int,
         num_shared_experts: int,
         router: RouterConfig,
+        tp: TensorParallel = SINGLE,
+        ep: ExpertParallel | None = None,
     ) -> None:
         super().__init__()
+        self.tp, self.ep = tp, ep
         self.gate = GroupedTopKRouter(hidden_size, router)
-        self.experts = RoutedExperts(router.num_experts, hidden_size, moe_intermediate_size)
-        self.shared_experts = (
-            GatedMLP(hidden_size, moe_intermediate_size * num_shared_experts) if num_shared_experts else None
-        )
+        shared = moe_intermediate_size * num_shared_experts
+        if ep is None:
+            columns = Segment.even(moe_intermediate_size, tp)
+            self.experts: torch.nn.Module = RoutedExperts(router.num_experts, hidden_size, columns.local)
+            self.experts.splits = {"w13": (0, [columns, columns]), "w2": (1, [columns])}
+            self.shared_experts = GatedMLP(hidden_size, shared, tp, reduce=False) if shared else None
+        else:
+            self.experts = ExpertParallelExperts(router.num_experts, hidden_size, moe_intermediate_size, ep)
+            self.shared_experts = GatedMLP(hidden_size, shared) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)
-        out = self.experts(x, weights, ids)
+        if self.ep is None:
+            weights, ids = self.gate(x)
+            out = self.experts(x, weights, ids)
+            if self.shared_experts is not None:
+                out = out + self.shared_experts(x)
+            return self.tp.all_reduce(out)
+        counts = [
+            hi - lo for lo, hi in (split_evenly(x.shape[0], self.tp.size, r) for r in range(self.tp.size))
+        ]
+        lo = sum(counts[: self.tp.rank])
+        mine = x[lo : lo + counts[self.tp.rank]]  # this rank's share of the group's tokens
+        weights, ids = self.gate(mine)
+        out = self.experts(mine, weights, ids)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+            out = out + self.shared_experts(mine)
+        return self.tp.gather_rows(out, counts)

@@ -76,7 +76,7 @@ class V4MoE(torch.nn.Module):
             hidden_size, num_experts, top_k, scoring_func, routed_scaling_factor, hash_vocab_size
         )
         self.experts = RoutedExperts(num_experts, hidden_size, intermediate_size, swiglu_limit)
-        self.shared_experts = GatedMLP(hidden_size, intermediate_size, swiglu_limit)
+        self.shared_experts = GatedMLP(hidden_size, intermediate_size, swiglu_limit=swiglu_limit)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x, token_ids)

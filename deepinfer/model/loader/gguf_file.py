@@ -1,18 +1,23 @@
-"""Read a GGUF file: HF-style config, dequantized HF-named weights, tokenizer metadata.
+"""Read a GGUF file: HF-style config, HF-named weights, tokenizer metadata.
 
-Weights are dequantized to fp32 with the `gguf` package. llama.cpp stores the Q and K projections
-of the `llama` architecture permuted for its interleaved RoPE; they are permuted back to the HF
-"rotate half" layout here, so one model implementation serves both sources.
+Weights come either dequantized to fp32 (with the `gguf` package) or, for the block formats the
+native kernels compute on, as packed blocks: a view of the file's memory map, never converted.
+llama.cpp stores the Q and K projections of the `llama` architecture permuted for its interleaved
+RoPE; they are permuted back to the HF "rotate half" layout here (whole rows, so packed blocks
+are reordered, not decoded), so one model implementation serves both sources.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
+
+from deepinfer.kernels.gguf_blocks import PACKED_TYPES, PackedMatrix
+from deepinfer.model.loader.gguf_tensors import GGUFTensor
 
 _ARCH_TO_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama"}
 
@@ -89,25 +94,49 @@ def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_weights(reader: Any, config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, fp32 tensor) for every tensor of the file."""
+def hf_name(gguf_name: str) -> str:
+    """The HF name of a GGUF tensor (KeyError for tensors no supported model has)."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _BLOCK.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _LAYER_NAMES:
+        raise KeyError(f"unknown GGUF tensor {gguf_name!r}")
+    layer, kind, suffix = match.groups()
+    return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}"
+
+
+def _permuted_heads(gguf_name: str, config: dict[str, Any]) -> int | None:
+    """The head count whose row permutation llama.cpp applied to this tensor, if any."""
+    if config["model_type"] != "llama":
+        return None
+    if gguf_name.endswith(".attn_q.weight") or gguf_name.endswith(".attn_q.bias"):
+        return config["num_attention_heads"]
+    if gguf_name.endswith(".attn_k.weight") or gguf_name.endswith(".attn_k.bias"):
+        return config["num_key_value_heads"]
+    return None
+
+
+def iter_weights(
+    tensors: Iterable[GGUFTensor], config: dict[str, Any], packed: bool = False
+) -> Iterator[tuple[str, torch.Tensor | PackedMatrix]]:
+    """Yield (HF name, weight) for every tensor (gguf_tensors.read_tensors): an fp32 tensor, or
+    with `packed` a PackedMatrix for 2-D tensors in a format of PACKED_TYPES."""
     from gguf import quants
 
-    permute = config["model_type"] == "llama"
-    for tensor in reader.tensors:
-        array = np.asarray(quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        if tensor.name in _GLOBAL_NAMES:
-            yield _GLOBAL_NAMES[tensor.name], torch.from_numpy(array.copy())
+    packable = set(PACKED_TYPES.values()) if packed else set()
+    for tensor in tensors:
+        name, heads = hf_name(tensor.name), _permuted_heads(tensor.name, config)
+        if int(tensor.tensor_type) in packable and len(tensor.shape) == 2:
+            blocks = tensor.data  # uint8 [rows, bytes per row], in the memory map
+            if heads is not None:
+                blocks = np.ascontiguousarray(_unpermute(blocks, heads))
+            yield name, PackedMatrix(int(tensor.tensor_type), tensor.rows, tensor.shape[0], blocks)
             continue
-        match = _BLOCK.fullmatch(tensor.name)
-        if match is None or match.group(2) not in _LAYER_NAMES:
-            raise KeyError(f"unknown GGUF tensor {tensor.name!r}")
-        layer, kind, suffix = match.groups()
-        if permute and kind == "attn_q":
-            array = _unpermute(array, config["num_attention_heads"])
-        elif permute and kind == "attn_k":
-            array = _unpermute(array, config["num_key_value_heads"])
-        yield f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}", torch.from_numpy(array.copy())
+        array = np.asarray(quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        array = array.reshape(tuple(reversed(tensor.shape)))
+        if heads is not None:
+            array = _unpermute(array, heads)
+        yield name, torch.from_numpy(array.copy())
 
 
 def read_tokenizer_metadata(reader: Any) -> dict[str, Any]:

@@ -7,13 +7,16 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
+from deepinfer.kernels.gguf_blocks import PackedMatrix, gguf_kernels
 from deepinfer.model.base import CausalLM
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.loader.source import converted_gguf_dir, resolve_model_path, sampled_digest
+from deepinfer.model.parallel import ModelParallel
 from deepinfer.model.registry import model_class
 from deepinfer.tokenizer import Tokenizer
 
@@ -25,7 +28,8 @@ class LoadedModel:
     tokenizer: Tokenizer
     name: str
     weights_fingerprint: str  # content identity of weights + tokenizer (+ quantization)
-    quantization: str | None = None
+    quantization: str | None = None  # as requested (None: the model's default)
+    resolved_quantization: str | None = None  # what it runs with: None (dense), "int8" or "gguf"
 
 
 def iter_safetensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -38,14 +42,71 @@ def iter_safetensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def resolve_quantization(
+    requested: str | None, is_gguf: bool, dtype: torch.dtype, device: torch.device
+) -> str | None:
+    """The numerics a model runs with: None (its weights dense, in `dtype`), "int8" or "gguf".
+
+    The default (None) is "gguf" for a GGUF file on the CPU in float32: the file's own blocks,
+    no second conversion, as accurate as its fp32 dequantization and faster; dense otherwise."""
+    if requested is None:
+        native = is_gguf and device.type == "cpu" and dtype == torch.float32
+        return "gguf" if native and gguf_kernels() is not None else None
+    if requested == "none":
+        return None
+    if device.type != "cpu":
+        raise ValueError(f"quantization={requested!r} runs on the CPU only (device {device.type})")
+    if requested == "gguf":
+        if not is_gguf:
+            raise ValueError("quantization='gguf' needs a .gguf model file")
+        if dtype != torch.float32:
+            raise ValueError(f"quantization='gguf' computes in float32, not {dtype}")
+    return requested
+
+
+def adopt_packed_gguf(
+    net: CausalLM, gguf_path: Path, hf_config: dict[str, Any]
+) -> list[tuple[str, torch.Tensor]]:
+    """Hand `net` (still on the meta device) the GGUF's packed weights it computes on; return the
+    others dense for load_weights (norms, biases, formats without a native kernel)."""
+    import gguf
+
+    from deepinfer.model.loader.gguf_file import iter_weights
+    from deepinfer.model.loader.gguf_tensors import read_tensors
+
+    packed: dict[str, PackedMatrix] = {}
+    dense: list[tuple[str, torch.Tensor]] = []
+    for name, weight in iter_weights(read_tensors(gguf_path), hf_config, packed=True):
+        if isinstance(weight, PackedMatrix):
+            packed[name] = weight
+        else:
+            dense.append((name, weight))
+    taken = net.use_packed_weights(packed)
+    for name in sorted(packed.keys() - taken):
+        matrix = packed[name]
+        values = gguf.quants.dequantize(matrix.data, gguf.GGMLQuantizationType(matrix.qtype))
+        dense.append((name, torch.from_numpy(values.astype("float32"))))
+    return dense
+
+
 def load_model(
-    model: str | Path | None, dtype: torch.dtype, device: torch.device, quantization: str | None = None
+    model: str | Path | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantization: str | None = None,
+    parallel: ModelParallel | None = None,
 ) -> LoadedModel:
+    """The model and its tokenizer; with `parallel`, only this rank's shard of the weights (the
+    fingerprint stays the checkpoint's: every rank's prefix hashes agree)."""
     if quantization is not None and device.type != "cpu":
         raise ValueError(f"quantization={quantization!r} runs on the CPU only (device {device.type})")
     path = resolve_model_path(model)
-    if path.is_file() and path.suffix == ".gguf":
-        directory = converted_gguf_dir(path)
+    is_gguf = path.is_file() and path.suffix == ".gguf"
+    split = parallel is not None and parallel.tp.size > 1
+    # Packed GGUF layers are not split over ranks: a tensor-parallel rank dequantizes its shard.
+    resolved = resolve_quantization(quantization, is_gguf and not split, dtype, device)
+    if is_gguf:
+        directory = converted_gguf_dir(path, with_weights=resolved != "gguf")
         meta = json.loads((directory / "meta.json").read_text())
         weights_id, name = meta["fingerprint"], meta["name"]
     elif path.is_dir():
@@ -56,19 +117,23 @@ def load_model(
     else:
         raise ValueError(f"unsupported model path {str(path)!r}: expected a .gguf file or a HF directory")
 
-    config = ModelConfig.from_hf(json.loads((directory / "config.json").read_text()))
+    hf_config = json.loads((directory / "config.json").read_text())
+    config = ModelConfig.from_hf(hf_config)
     tokenizer = Tokenizer.from_dir(directory)
     if not config.eos_token_ids:
         config.eos_token_ids = list(tokenizer.eos_token_ids)
     cls = model_class(config.model_type)
     with torch.device("meta"):
-        net = cls.from_config(config)
+        net = cls.from_config(config) if parallel is None else cls.from_config(config, parallel)
+    # packed layers replace dense ones before anything is allocated
+    weights = adopt_packed_gguf(net, path, hf_config) if resolved == "gguf" else iter_safetensors(directory)
     net = net.to_empty(device=device).to(dtype)
-    net.load_weights(iter_safetensors(directory))
+    net.load_weights(weights)
     net.eval()
     identity = f"{weights_id}:{config.model_type}"
-    if quantization is not None:
-        net.quantize(quantization)
-        identity += f":{quantization}"  # other numerics, other KV: never a prefix hit across them
+    if resolved is not None:
+        if resolved != "gguf":
+            net.quantize(resolved)
+        identity += f":{resolved}"  # other numerics, other KV: never a prefix hit across them
     fingerprint = hashlib.sha256(identity.encode()).hexdigest()
-    return LoadedModel(net, config, tokenizer, name, fingerprint, quantization)
+    return LoadedModel(net, config, tokenizer, name, fingerprint, quantization, resolved)

@@ -1,9 +1,10 @@
 """Locate model files: the embedded default model, a GGUF file, or a HF directory.
 
-A GGUF is converted once (dequantized weights as safetensors, tokenizer.json, config.json) into the
-DeepInfer cache, so a second start maps a safetensors file instead of dequantizing again. The
-conversion is written to a temporary directory and renamed into place, so concurrent starts never
-see half a conversion.
+A GGUF's tokenizer and config are converted once (tokenizer.json, config.json) into the DeepInfer
+cache. Its dequantized weights (a safetensors file, so a second start maps it instead of
+dequantizing again) are written there only when asked for: quantization="gguf" reads the packed
+blocks from the GGUF itself. Both are written to a temporary name and renamed into place, so
+concurrent starts never see half a conversion.
 """
 
 from __future__ import annotations
@@ -66,36 +67,53 @@ def sampled_digest(files: list[Path]) -> str:
     return h.hexdigest()
 
 
-def converted_gguf_dir(gguf_path: Path) -> Path:
-    """Return the cache directory holding the converted GGUF, converting it on first use."""
+def converted_gguf_dir(gguf_path: Path, with_weights: bool = False) -> Path:
+    """Return the cache directory holding the converted GGUF (config, tokenizer and, with
+    `with_weights`, model.safetensors), converting on first use."""
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path}:{stat.st_size}:{stat.st_mtime_ns}:v1".encode()).hexdigest()[:20]
     target = cache_dir("models") / key
-    if (target / "meta.json").exists():
-        return target
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
-    try:
-        _convert_gguf(gguf_path, tmp)
+    if not (target / "meta.json").exists():
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
         try:
-            os.replace(tmp, target)
-        except OSError:
-            if not (target / "meta.json").exists():  # not a concurrent start that won the race
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            _convert_gguf(gguf_path, tmp)
+            try:
+                os.replace(tmp, target)
+            except OSError:
+                if not (target / "meta.json").exists():  # not a concurrent start that won the race
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if with_weights and not (target / "model.safetensors").exists():
+        _write_dequantized_weights(gguf_path, target)
     return target
+
+
+def _write_dequantized_weights(gguf_path: Path, directory: Path) -> None:
+    from safetensors.torch import save_file
+
+    from deepinfer.model.loader.gguf_file import iter_weights
+    from deepinfer.model.loader.gguf_tensors import read_tensors
+
+    config = json.loads((directory / "config.json").read_text())
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".weights-", suffix=".safetensors")
+    os.close(fd)
+    try:
+        save_file(dict(iter_weights(read_tensors(gguf_path), config)), tmp)
+        os.replace(tmp, directory / "model.safetensors")
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def _convert_gguf(gguf_path: Path, out: Path) -> None:
     import gguf
-    from safetensors.torch import save_file
 
-    from deepinfer.model.loader.gguf_file import iter_weights, read_config, read_tokenizer_metadata
+    from deepinfer.model.loader.gguf_file import read_config, read_tokenizer_metadata
     from deepinfer.tokenizer import Tokenizer, TokenizerMeta
 
     reader = gguf.GGUFReader(str(gguf_path))
     config = read_config(reader)
-    save_file(dict(iter_weights(reader, config)), str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(config, indent=1))
     token_meta = read_tokenizer_metadata(reader)
     backend = _gguf_tokenizer_backend(gguf_path)

@@ -65,9 +65,10 @@ def image_from_url(url: str) -> ImagePart:
 
 
 def thinking_from_effort(effort: ReasoningEffort | None) -> Thinking:
+    """An API's effort field: `none` turns thinking off, any other level turns it on at that level."""
     if effort is None:
         return Thinking()
-    return Thinking(enabled=effort != "none")
+    return Thinking(enabled=effort != "none", effort=effort)
 
 
 class ToolCallLedger:

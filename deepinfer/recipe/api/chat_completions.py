@@ -59,13 +59,14 @@ class _ToolCallIn(ApiModel):
 
 
 class _MessageIn(ApiModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "latest_reminder"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[_ToolCallIn] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None
+    prefix: bool = False  # DeepSeek's assistant-prefix continuation (the last message only)
 
 
 class _TextPartIn(ApiModel):
@@ -223,6 +224,11 @@ def _message(index: int, raw: Any, ledger: ToolCallLedger) -> Message:
         call_id = msg.tool_call_id or ""
         name = ledger.name_of(call_id, f"{path}.tool_call_id")
         return Message(role="tool", content=content, tool_call_id=call_id, name=name)
+    require(
+        not msg.prefix or msg.role == "assistant",
+        "only an assistant message can be a prefix",
+        f"{path}.prefix",
+    )
     if msg.role != "assistant":
         return Message(role=msg.role, content=content, name=msg.name)
     calls = []
@@ -232,7 +238,14 @@ def _message(index: int, raw: Any, ledger: ToolCallLedger) -> Message:
         calls.append(ToolCall(id=call.id, name=call.function.name, arguments=arguments))
     reasoning_text = msg.reasoning_content if msg.reasoning_content is not None else msg.reasoning
     reasoning = [Reasoning(text=reasoning_text)] if reasoning_text else []
-    return Message(role="assistant", content=content, reasoning=reasoning, tool_calls=calls, name=msg.name)
+    return Message(
+        role="assistant",
+        content=content,
+        reasoning=reasoning,
+        tool_calls=calls,
+        name=msg.name,
+        prefix=msg.prefix,
+    )
 
 
 def _tool_choice(value: str | dict[str, Any] | None, tools: list[Tool]) -> ToolChoice:
@@ -279,12 +292,14 @@ def _thinking(request: ChatCompletionRequest) -> Thinking:
         if request.chat_template_kwargs and key in request.chat_template_kwargs:
             value = request.chat_template_kwargs[key]
             require(isinstance(value, bool), "must be a boolean", f"chat_template_kwargs.{key}")
-            return Thinking(enabled=value, budget_tokens=budget if value else None)
+            effort = request.reasoning_effort if value and request.reasoning_effort != "none" else None
+            return Thinking(enabled=value, budget_tokens=budget if value else None, effort=effort)
+    effort = request.reasoning_effort
     if request.thinking is not None:
         if request.thinking.type == "disabled":
             return Thinking(enabled=False)
-        return Thinking(enabled=True, budget_tokens=budget)
-    return thinking_from_effort(request.reasoning_effort)
+        return Thinking(enabled=True, budget_tokens=budget, effort=effort if effort != "none" else None)
+    return thinking_from_effort(effort)
 
 
 def _stop(stop: str | list[str] | None) -> list[str]:

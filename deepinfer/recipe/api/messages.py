@@ -8,6 +8,7 @@ from pydantic import Field
 
 from deepinfer.recipe.api._request import (
     EngineExtensions,
+    ReasoningEffort,
     ToolCallLedger,
     arguments_text,
     check_min_tokens,
@@ -104,6 +105,7 @@ class _OutputFormat(ApiModel):
 
 class _OutputConfig(ApiModel):
     format: _OutputFormat | None = None
+    effort: ReasoningEffort | None = None
 
 
 class CountTokensRequest(EngineExtensions):
@@ -170,12 +172,15 @@ def _conversation(request: CountTokensRequest, max_tokens: int | None) -> Conver
         messages.extend(_turn(i, raw, ledger))
     response_format = None
     if request.output_config and request.output_config.format:
-        response_format = ResponseFormat(type="json_schema", json_schema=request.output_config.format.schema_)
+        # Enforced by the sampler; DeepSeek's codec does not describe it in the prompt either.
+        response_format = ResponseFormat(
+            type="json_schema", json_schema=request.output_config.format.schema_, in_prompt=False
+        )
     return Conversation(
         messages=messages,
         tools=tools,
         tool_choice=_tool_choice(request.tool_choice, tools),
-        thinking=_thinking(request.thinking, max_tokens),
+        thinking=_thinking(request.thinking, max_tokens, request.output_config),
         response_format=response_format,
         model=request.model,
         cache_salt=request.cache_salt,
@@ -218,7 +223,7 @@ def _tool_choice(spec: _ToolChoiceIn | None, tools: list[Tool]) -> ToolChoice:
         return ToolChoice(mode="none")
     require(bool(tools), f"{spec.type!r} needs at least one tool", "tool_choice.type")
     if spec.type == "any":
-        return ToolChoice(mode="required")
+        return ToolChoice(mode="required", auto_in_prompt=True)
     require(spec.name is not None, "is required when type is 'tool'", "tool_choice.name")
     require(
         any(t.name == spec.name for t in tools),
@@ -228,13 +233,16 @@ def _tool_choice(spec: _ToolChoiceIn | None, tools: list[Tool]) -> ToolChoice:
     return ToolChoice(mode="named", name=spec.name)
 
 
-def _thinking(spec: _ThinkingIn | None, max_tokens: int | None) -> Thinking:
+def _thinking(spec: _ThinkingIn | None, max_tokens: int | None, config: _OutputConfig | None) -> Thinking:
+    """`thinking` turns thinking on or off; `output_config.effort` sets its level (and `none`
+    turns it off, as the other APIs' effort fields do)."""
+    effort = config.effort if config is not None else None
     if spec is None:
-        return Thinking()
+        return Thinking(enabled=False if effort == "none" else None, effort=effort)
     if spec.type == "disabled":
         return Thinking(enabled=False)
     if spec.type == "adaptive":
-        return Thinking(enabled=True)
+        return Thinking(enabled=effort != "none", effort=effort)
     budget = spec.budget_tokens
     require(budget is not None, "is required when thinking is enabled", "thinking.budget_tokens")
     assert budget is not None
@@ -243,7 +251,7 @@ def _thinking(spec: _ThinkingIn | None, max_tokens: int | None) -> Thinking:
     )
     if max_tokens is not None:
         require(budget < max_tokens, "must be less than max_tokens", "thinking.budget_tokens")
-    return Thinking(enabled=True, budget_tokens=budget)
+    return Thinking(enabled=True, budget_tokens=budget, effort=effort if effort != "none" else None)
 
 
 def _image(raw: dict[str, Any], path: str) -> ImagePart:
@@ -263,6 +271,7 @@ def _blocks(content: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _turn(index: int, raw: Any, ledger: ToolCallLedger) -> list[Message]:
     path = f"messages[{index}]"
     message = validate(_MessageIn, raw, path)
+    require(bool(message.content), "all messages must have non-empty content", f"{path}.content")
     if message.role == "assistant":
         return [_assistant(message.content, path, ledger)]
     # A user turn's tool_result blocks become tool messages, in order, between its other parts.

@@ -1,11 +1,16 @@
 """OpenAI Responses requests: the request body -> Conversation, plus the settings echoed back.
 
 The server is stateless: `previous_response_id` and `conversation` are refused, and reasoning
-items, function calls and their outputs must come back inside `input`.
+items, function calls and their outputs must come back inside `input`. Reasoning can travel
+encrypted (`include: ["reasoning.encrypted_content"]`, responses_reasoning.py); tools are
+declared as responses_tools.py describes (functions, namespaces, apply_patch, hosted tools).
+`prompt_cache_key` is kept on the Conversation as a routing hint.
 """
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import Field
@@ -21,6 +26,8 @@ from deepinfer.recipe.api._request import (
     thinking_from_effort,
 )
 from deepinfer.recipe.api._validation import ApiModel, require, validate
+from deepinfer.recipe.api.responses_reasoning import ENCRYPTED_REASONING_INCLUDE, ReasoningSealer
+from deepinfer.recipe.api.responses_tools import CUSTOM_INPUT, HostedTools, declared_tools, flat_name
 from deepinfer.recipe.errors import RecipeError
 from deepinfer.recipe.ir import (
     ContentPart,
@@ -39,14 +46,6 @@ from deepinfer.recipe.ir import (
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 # ---------------------------------------------------------------- request models
-
-
-class _FunctionTool(ApiModel):
-    type: Literal["function"]
-    name: str = Field(min_length=1)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
 
 class _NamedToolChoice(ApiModel):
@@ -96,7 +95,14 @@ class _ReasoningItem(ApiModel):
 class _FunctionCallItem(ApiModel):
     call_id: str = Field(min_length=1)
     name: str = Field(min_length=1)
+    namespace: str | None = None
     arguments: str | dict[str, Any]
+
+
+class _CustomToolCallItem(ApiModel):
+    call_id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    input: str
 
 
 class _FunctionCallOutputItem(ApiModel):
@@ -143,6 +149,16 @@ class ResponsesRequest(EngineExtensions):
     conversation: str | dict[str, Any] | None = None
     background: bool | None = None
     prompt: dict[str, Any] | None = None
+    prompt_cache_key: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ResponsesOptions:
+    """Server settings the conversion needs: what to do with hosted tools, and the key that opens
+    encrypted reasoning (None: encrypted reasoning cannot be read)."""
+
+    hosted_tools: HostedTools = "drop"
+    reasoning: ReasoningSealer | None = None
 
 
 # ---------------------------------------------------------------- request -> Conversation
@@ -154,17 +170,20 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
     return request
 
 
-def responses_to_conversation(body: Any) -> Conversation:
+def responses_to_conversation(body: Any, options: ResponsesOptions | None = None) -> Conversation:
     """Validate a raw Responses body and turn it into the Conversation IR."""
-    return request_to_conversation(parse_responses_request(body))
+    return request_to_conversation(parse_responses_request(body), options)
 
 
-def request_to_conversation(request: ResponsesRequest) -> Conversation:
-    tools = [_tool(i, raw) for i, raw in enumerate(request.tools or [])]
+def request_to_conversation(
+    request: ResponsesRequest, options: ResponsesOptions | None = None
+) -> Conversation:
+    options = options or ResponsesOptions()
+    tools = declared_tools(request.tools or [], options.hosted_tools).tools
     messages: list[Message] = []
     if request.instructions:
         messages.append(Message(role="system", content=[TextPart(request.instructions)]))
-    messages.extend(_input_messages(request.input))
+    messages.extend(_input_messages(request.input, options.reasoning))
     max_tokens = request.max_output_tokens
     check_min_tokens(request.min_tokens, max_tokens)
     logprobs = request.top_logprobs is not None or LOGPROBS_INCLUDE in (request.include or [])
@@ -188,7 +207,12 @@ def request_to_conversation(request: ResponsesRequest) -> Conversation:
         cache_salt=request.cache_salt,
         traffic_class=request.traffic_class,
         user=request.user,
+        prompt_cache_key=request.prompt_cache_key,
     )
+
+
+def wants_encrypted_reasoning(request: ResponsesRequest) -> bool:
+    return ENCRYPTED_REASONING_INCLUDE in (request.include or [])
 
 
 def _refuse_state(request: ResponsesRequest) -> None:
@@ -197,22 +221,6 @@ def _refuse_state(request: ResponsesRequest) -> None:
     require(request.conversation is None, f"is not supported; {stateless}", "conversation")
     require(not request.background, "background responses are not supported", "background")
     require(request.prompt is None, "stored prompts are not supported", "prompt")
-
-
-def _tool(index: int, raw: Any) -> Tool:
-    path = f"tools[{index}]"
-    kind = raw.get("type") if isinstance(raw, dict) else None
-    if kind != "function":
-        raise RecipeError(
-            f"{path}.type: only function tools are supported, got {kind!r}", param=f"{path}.type"
-        )
-    spec = validate(_FunctionTool, raw, path)
-    return Tool(
-        name=spec.name,
-        description=spec.description,
-        parameters=spec.parameters if spec.parameters is not None else dict(EMPTY_OBJECT_SCHEMA),
-        strict=bool(spec.strict),
-    )
 
 
 def _tool_choice(value: str | dict[str, Any] | None, tools: list[Tool]) -> ToolChoice:
@@ -267,7 +275,7 @@ def _parts(content: str | list[dict[str, Any]], role: str, path: str) -> list[Co
     return parts
 
 
-def _input_messages(value: str | list[dict[str, Any]]) -> list[Message]:
+def _input_messages(value: str | list[dict[str, Any]], sealer: ReasoningSealer | None) -> list[Message]:
     """Flat input items -> turns: consecutive reasoning / assistant text / function calls form one
     assistant turn (reasoning first, then text, then calls), as the model produced them."""
     if isinstance(value, str):
@@ -289,17 +297,34 @@ def _input_messages(value: str | list[dict[str, Any]]) -> list[Message]:
         elif kind == "reasoning":
             reasoning = validate(_ReasoningItem, raw, path)
             texts = reasoning.content if reasoning.content else reasoning.summary
-            _assistant_turn(messages, "reasoning").reasoning.append(
-                Reasoning(text="".join(t.text for t in texts), redacted_data=reasoning.encrypted_content)
-            )
+            text = "".join(t.text for t in texts)
+            if not text and reasoning.encrypted_content:
+                if sealer is None:
+                    raise RecipeError(
+                        f"{path}.encrypted_content: this server has no key for encrypted reasoning",
+                        param=f"{path}.encrypted_content",
+                    )
+                text = sealer.open(reasoning.encrypted_content, f"{path}.encrypted_content")
+            if text:  # an empty reasoning item opens no turn
+                _assistant_turn(messages, "reasoning").reasoning.append(
+                    Reasoning(text=text, redacted_data=reasoning.encrypted_content)
+                )
         elif kind == "function_call":
             call = validate(_FunctionCallItem, raw, path)
             arguments = arguments_text(call.arguments, f"{path}.arguments")
-            ledger.add(call.call_id, call.name)
+            name = flat_name(call.namespace, call.name)
+            ledger.add(call.call_id, name)
             _assistant_turn(messages, "call").tool_calls.append(
-                ToolCall(id=call.call_id, name=call.name, arguments=arguments)
+                ToolCall(id=call.call_id, name=name, arguments=arguments)
             )
-        elif kind == "function_call_output":
+        elif kind == "custom_tool_call":
+            custom = validate(_CustomToolCallItem, raw, path)
+            ledger.add(custom.call_id, custom.name)
+            arguments = json.dumps({CUSTOM_INPUT: custom.input}, ensure_ascii=False)
+            _assistant_turn(messages, "call").tool_calls.append(
+                ToolCall(id=custom.call_id, name=custom.name, arguments=arguments)
+            )
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             result = validate(_FunctionCallOutputItem, raw, path)
             name = ledger.name_of(result.call_id, f"{path}.call_id")
             content = _parts(result.output, "tool", f"{path}.output")
@@ -325,8 +350,7 @@ def _assistant_turn(messages: list[Message], kind: Literal["reasoning", "text", 
 
 
 def response_echo(request: ResponsesRequest) -> dict[str, Any]:
-    """The request settings a `response` object repeats back to the client."""
-    tools = [_tool(i, raw) for i, raw in enumerate(request.tools or [])]
+    """The request settings a `response` object repeats back to the client (tools as declared)."""
     tool_choice: Any = request.tool_choice if request.tool_choice is not None else "auto"
     text_format = request.text.format if request.text and request.text.format else None
     return {
@@ -347,18 +371,24 @@ def response_echo(request: ResponsesRequest) -> dict[str, Any]:
             else {"type": "text"}
         },
         "tool_choice": tool_choice,
-        "tools": [
-            {
-                "type": "function",
-                "name": t.name,
-                "description": t.description,
-                "parameters": t.parameters,
-                "strict": t.strict,
-            }
-            for t in tools
-        ],
+        "tools": [_echo_tool(raw) for raw in request.tools or []],
+        "prompt_cache_key": request.prompt_cache_key,
         "top_logprobs": request.top_logprobs,
         "top_p": request.top_p,
         "truncation": request.truncation or "disabled",
         "user": request.user,
+    }
+
+
+def _echo_tool(raw: dict[str, Any]) -> dict[str, Any]:
+    if raw.get("type") != "function":
+        return raw
+    return {
+        "type": "function",
+        "name": raw.get("name"),
+        "description": raw.get("description"),
+        "parameters": raw.get("parameters")
+        if raw.get("parameters") is not None
+        else dict(EMPTY_OBJECT_SCHEMA),
+        "strict": bool(raw.get("strict")),
     }

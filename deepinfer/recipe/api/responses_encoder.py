@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+import json
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -26,6 +27,7 @@ from deepinfer.recipe.events import (
     ToolCallStart,
     Usage,
 )
+from deepinfer.recipe.ir import Tool
 
 
 def default_echo() -> dict[str, Any]:
@@ -49,12 +51,17 @@ def default_echo() -> dict[str, Any]:
         "top_p": None,
         "truncation": "disabled",
         "user": None,
+        "prompt_cache_key": None,
     }
+
+
+ItemKind = Literal["reasoning", "message", "function_call", "custom_tool_call"]
+_ID_PREFIX = {"reasoning": "rs", "message": "msg", "function_call": "fc", "custom_tool_call": "ctc"}
 
 
 @dataclass(slots=True)
 class _OpenItem:
-    kind: Literal["reasoning", "message", "function_call"]
+    kind: ItemKind
     output_index: int
     item: dict[str, Any]
     text: list[str] = field(default_factory=list)
@@ -79,6 +86,11 @@ class ResponsesEncoder:
     Output items are strictly sequential: a reasoning item, a message or a function call is
     closed (`.done` events) before the next one is added. `close()` emits `response.completed`,
     `response.incomplete` (token limit) or `response.failed`.
+
+    `tools` (the request's): calls of a namespaced function become `function_call` items with
+    `namespace` and the function's own `name`; calls of a custom tool become `custom_tool_call`
+    items holding its text `input`. `seal_reasoning`: reasoning items carry their text encrypted
+    in `encrypted_content` (the client asked for it with `include`).
     """
 
     def __init__(
@@ -89,8 +101,12 @@ class ResponsesEncoder:
         created_at: int,
         echo: dict[str, Any] | None = None,
         stream: bool = True,
+        tools: Sequence[Tool] = (),
+        seal_reasoning: Callable[[str], str] | None = None,
     ) -> None:
         self.response_id = response_id
+        self._tools = {t.name: t for t in tools}
+        self._seal = seal_reasoning
         self.model = model
         self.created_at = created_at
         self._echo = echo if echo is not None else default_echo()
@@ -135,12 +151,10 @@ class ResponsesEncoder:
 
     # -- items
 
-    def _add_item(
-        self, kind: Literal["reasoning", "message", "function_call"], item: dict[str, Any]
-    ) -> _OpenItem:
+    def _add_item(self, kind: ItemKind, item: dict[str, Any]) -> _OpenItem:
         self._close_open("completed")
         index = len(self._output)
-        prefix = {"reasoning": "rs", "message": "msg", "function_call": "fc"}[kind]
+        prefix = _ID_PREFIX[kind]
         item = {"id": f"{prefix}_{self._id_stem}_{index}", **item}
         self._output.append(item)
         opened = _OpenItem(kind=kind, output_index=index, item=item)
@@ -174,6 +188,17 @@ class ResponsesEncoder:
             part = {"type": "reasoning_text", "text": text}
             self._emit_part("response.content_part.done", item, part)
             item.item["content"] = [part]
+            if self._seal is not None:
+                item.item["encrypted_content"] = self._seal(text)
+        elif item.kind == "custom_tool_call" and item.call is not None:
+            if item.call.done:
+                text = custom_input(item.call.arguments)
+                item.item["input"] = text
+                if text:
+                    self._emit("response.custom_tool_call_input.delta", **ids, delta=text)
+                self._emit("response.custom_tool_call_input.done", **ids, input=text)
+            else:
+                status = "incomplete"
         elif item.call is not None:
             item.item["arguments"] = item.call.arguments
             if item.call.done:
@@ -220,8 +245,15 @@ class ResponsesEncoder:
             ids = {"item_id": item.item["id"], "output_index": item.output_index}
             self._emit("response.output_text.delta", **ids, content_index=0, delta=event.text, logprobs=sent)
         elif isinstance(event, ToolCallStart):
-            base = {"type": "function_call", "call_id": event.id, "name": event.name, "arguments": ""}
-            item = self._add_item("function_call", {**base, "status": "in_progress"})
+            tool = self._tools.get(event.name)
+            if tool is not None and tool.custom:
+                base = {"type": "custom_tool_call", "call_id": event.id, "name": event.name, "input": ""}
+                item = self._add_item("custom_tool_call", {**base, "status": "in_progress"})
+            else:
+                base = {"type": "function_call", "call_id": event.id, "name": event.name, "arguments": ""}
+                if tool is not None and tool.namespace is not None:
+                    base["namespace"], base["name"] = tool.namespace, tool.local_name or event.name
+                item = self._add_item("function_call", {**base, "status": "in_progress"})
             item.call = ToolCallTrack(id=event.id, name=event.name)
             self._calls[event.index] = item
         elif isinstance(event, ToolCallArgsDelta):
@@ -242,7 +274,7 @@ class ResponsesEncoder:
         if item is not self._open or item.call is None:
             return  # a later item already closed this call; its text can no longer be streamed
         sent = item.call.append(delta) if final is None else item.call.finish(final)
-        if sent:
+        if sent and item.kind == "function_call":
             ids = {"item_id": item.item["id"], "output_index": item.output_index}
             self._emit("response.function_call_arguments.delta", **ids, delta=sent)
         if final is not None:
@@ -289,6 +321,17 @@ class ResponsesEncoder:
         return self._final()
 
 
+def custom_input(arguments: str) -> str:
+    """A custom tool's text input, from the `{"input": …}` arguments the model wrote."""
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+    if isinstance(value, dict) and isinstance(value.get("input"), str):
+        return value["input"]
+    return arguments
+
+
 def build_response(
     events: Iterable[Event],
     *,
@@ -296,10 +339,18 @@ def build_response(
     model: str,
     created_at: int,
     echo: dict[str, Any] | None = None,
+    tools: Sequence[Tool] = (),
+    seal_reasoning: Callable[[str], str] | None = None,
 ) -> dict[str, Any]:
     """The `response` object for a non-streamed request whose events are all known."""
     encoder = ResponsesEncoder(
-        response_id=response_id, model=model, created_at=created_at, echo=echo, stream=False
+        response_id=response_id,
+        model=model,
+        created_at=created_at,
+        echo=echo,
+        stream=False,
+        tools=tools,
+        seal_reasoning=seal_reasoning,
     )
     for event in events:
         encoder.feed(event)

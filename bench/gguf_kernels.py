@@ -1,0 +1,142 @@
+"""Micro-benchmark of the GGUF block kernels (quantization="gguf") against this machine's roofline.
+
+    .venv/bin/python bench/gguf_kernels.py [--threads 2] [--repeats 20]
+
+- the default model's own projections (Q4_1 layers, the Q8_0 tied head) at M = 1 (batch-1
+  decode), 8, 32 (decode batches) and 128, 512 (prefill chunks), beside fp32 `F.linear` on the
+  same weights dequantized (what quantization="none" runs);
+- one decode pass over every projection of the model (30 layers and the head) at M = 1, the
+  weight-reading part of a batch-1 step, with its tok/s ceiling;
+- each format on one synthetic 4096 x 1024 matrix at M = 1 and 32;
+- the roofline as `bench roofline` measures it: best copy/add bandwidth and fp32 GEMM peak.
+GB/s counts the packed weight bytes read once per call; GOP/s counts 2·M·N·K. Times are the best
+of `--repeats` calls after a warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from deepinfer.bench.roofline import measure_roofline
+from deepinfer.kernels.gguf_blocks import PackedGroup, PackedMatrix, gguf_kernels
+from deepinfer.model.loader.gguf_tensors import read_tensors
+from deepinfer.model.loader.source import default_model_path
+
+M_VALUES = (1, 8, 32, 128, 512)
+
+
+def _best(action: Callable[[], object], repeats: int) -> float:
+    for _ in range(3):
+        action()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        action()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _matrix(tensor) -> PackedMatrix:
+    return PackedMatrix(int(tensor.tensor_type), tensor.rows, tensor.shape[0], tensor.data)
+
+
+def _dense(group: PackedGroup) -> torch.Tensor:
+    from gguf import GGMLQuantizationType, quants
+
+    parts = [quants.dequantize(m.data, GGMLQuantizationType(m.qtype)) for m in group.matrices]
+    return torch.from_numpy(np.concatenate(parts).astype(np.float32))
+
+
+def model_groups() -> dict[str, list[PackedGroup]]:
+    tensors = {t.name: t for t in read_tensors(default_model_path())}
+    layers = 1 + max(int(name.split(".")[1]) for name in tensors if name.startswith("blk."))
+
+    def group(*names: str) -> PackedGroup:
+        return PackedGroup([_matrix(tensors[name]) for name in names])
+
+    groups: dict[str, list[PackedGroup]] = {"qkv": [], "o": [], "gate_up": [], "down": []}
+    for i in range(layers):
+        b = f"blk.{i}."
+        groups["qkv"].append(group(b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"))
+        groups["o"].append(group(b + "attn_output.weight"))
+        groups["gate_up"].append(group(b + "ffn_gate.weight", b + "ffn_up.weight"))
+        groups["down"].append(group(b + "ffn_down.weight"))
+    groups["head"] = [group("token_embd.weight")]
+    return groups
+
+
+def _row(label: str, m: int, group: PackedGroup, seconds: float, dense_seconds: float | None) -> str:
+    gbs = group.nbytes / seconds / 1e9
+    gops = 2 * m * group.rows * group.cols / seconds / 1e9
+    dense = f"{dense_seconds * 1e3:.3f}" if dense_seconds else ""
+    speedup = f"{dense_seconds / seconds:.2f}×" if dense_seconds else ""
+    return f"| {label} | {m} | {seconds * 1e3:.3f} | {gbs:.1f} | {gops:.1f} | {dense} | {speedup} |"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--threads", type=int, default=int(os.environ.get("DEEPINFER_BENCH_THREADS", 2)))
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    kernels = gguf_kernels()
+    if kernels is None:
+        raise SystemExit("no C compiler: the GGUF kernels cannot be built")
+    print(f"load average {os.getloadavg()[0]:.2f}, {args.threads} threads, SIMD level {kernels.simd_level}")
+    roof = measure_roofline(threads=args.threads)
+    print(
+        f"roofline: bandwidth {roof.peak_bytes_per_s / 1e9:.1f} GB/s (copy {roof.copy_bytes_per_s / 1e9:.1f}, "
+        f"add {roof.add_bytes_per_s / 1e9:.1f}), fp32 GEMM peak {roof.peak_flops / 1e9:.1f} GFLOP/s\n"
+    )
+    groups = model_groups()
+    print("| projection (layer 0) | M | gguf ms | GB/s | GOP/s | fp32 F.linear ms | speed-up |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, items in groups.items():
+        group = items[0]
+        dense = _dense(group)
+        fmt = "+".join(sorted({_TYPE_NAMES[m.qtype] for m in group.matrices}))
+        for m in M_VALUES:
+            x = torch.randn(m, group.cols)
+            seconds = _best(lambda x=x, group=group: kernels.matmul(x, group), args.repeats)
+            dense_seconds = _best(lambda x=x, dense=dense: F.linear(x, dense), args.repeats)
+            print(_row(f"{name} {group.rows}×{group.cols} {fmt}", m, group, seconds, dense_seconds))
+
+    every = [g for items in groups.values() for g in items]
+    inputs = {g.cols: torch.randn(1, g.cols) for g in every}
+    total = sum(g.nbytes for g in every)
+    seconds = _best(lambda: [kernels.matmul(inputs[g.cols], g) for g in every], max(3, args.repeats // 4))
+    print(
+        f"\ndecode pass, every projection at M = 1: {seconds * 1e3:.2f} ms for {total / 2**20:.1f} MiB "
+        f"= {total / seconds / 1e9:.1f} GB/s ({total / seconds / roof.peak_bytes_per_s:.0%} of the roofline "
+        f"bandwidth); ceiling {1 / seconds:.0f} tok/s for the weights alone\n"
+    )
+
+    rng = np.random.default_rng(0)
+    print("| format, 4096×1024 | M | ms | GB/s | GOP/s |")
+    print("| --- | --- | --- | --- | --- |")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.kernels.gguf_testing import random_packed  # the blocks the kernel tests use
+
+    for name in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"):
+        group = PackedGroup([random_packed(name, 4096, 1024, rng)])
+        for m in (1, 32):
+            x = torch.randn(m, 1024)
+            seconds = _best(lambda x=x, group=group: kernels.matmul(x, group), args.repeats)
+            gbs, gops = group.nbytes / seconds / 1e9, 2 * m * 4096 * 1024 / seconds / 1e9
+            print(f"| {name} | {m} | {seconds * 1e3:.3f} | {gbs:.1f} | {gops:.1f} |")
+    print(f"\nload average at the end {os.getloadavg()[0]:.2f}")
+
+
+_TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}
+
+if __name__ == "__main__":
+    main()

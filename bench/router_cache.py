@@ -1,0 +1,152 @@
+"""`deepinfer bench router`: prefix-cache hit rate and TTFT of agent sessions through the router,
+round robin against cache-aware, on 2 and 3 replicas of the default model, without and with a
+shared KV store; and one replica holding everything, the hit rate cache-aware routing aims at.
+
+The workload is `bench serve`'s agent dataset: sessions resending one shared system prompt and a
+growing history, each turn sent when the session's previous one finished, all sessions at once.
+Every configuration is one run on fresh caches (prefix caches reset, the store emptied). Replicas
+run one thread each; the router, the load generator and the replicas share the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.cluster import Child, replica, reset_caches, router, running
+from deepinfer.bench.report import markdown_table, provenance, write_json
+from deepinfer.bench.serve_command import ServeOptions, run_serve
+
+
+def _empty(directory: Path) -> None:
+    for entry in directory.iterdir():
+        if entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+
+
+def _router_metrics(url: str) -> dict[str, Any]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    decisions: dict[str, float] = {}
+    estimate = 0.0
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
+        for sample in family.samples:
+            if sample.name == "deepinfer_router_routing_decisions_total":
+                reason = sample.labels["reason"]
+                decisions[reason] = decisions.get(reason, 0.0) + sample.value
+            elif sample.name == "deepinfer_router_hit_rate_estimate":
+                estimate = sample.value
+    return {"decisions": decisions, "hit_rate_estimate": estimate}
+
+
+def _one_run(args: argparse.Namespace, name: str, replicas: list[Child], policy: str) -> dict[str, Any]:
+    reset_caches(replicas)
+    urls = [a for r in replicas for a in ("--replica", r.url)]
+    with running([router(name, *urls, "--policy", policy)]) as (front,):
+        options = ServeOptions(
+            base_url=front.url,
+            api="chat",
+            dataset="agent",
+            num_prompts=args.sessions * args.turns,
+            agent_turns=args.turns,
+            input_len=args.system_len,
+            agent_user_len=args.user_len,
+            output_len=args.output_len,
+            max_concurrency=args.sessions,
+            seed=args.seed,
+            show_progress=False,
+        )
+        result = run_serve(options)
+        routed = _router_metrics(front.url)
+    summary = result["runs"][0]["summary"]
+    return {
+        "name": name,
+        "replicas": len(replicas),
+        "policy": policy,
+        "completed": summary["completed"],
+        "failed": summary["failed"],
+        "hit_rate": summary["prefix_cache_hit_rate"],
+        "ttft_p50_ms": summary["ttft_ms"]["p50"],
+        "ttft_p99_ms": summary["ttft_ms"]["p99"],
+        "duration_s": summary["duration_s"],
+        "output_throughput": summary["output_throughput"],
+        "router": routed,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    runs: list[dict[str, Any]] = []
+    plain = [replica(f"replica{i}", kv_cache_memory=args.kv_cache_memory) for i in range(3)]
+    with running(plain):
+        runs.append(_one_run(args, "single replica", plain[:1], "cache_aware"))
+        for n in (2, 3):
+            for policy in ("round_robin", "cache_aware"):
+                runs.append(_one_run(args, f"{n} replicas, {policy}", plain[:n], policy))
+    store = Path(tempfile.mkdtemp(prefix="deepinfer-bench-store-"))
+    shared = ("--kv-store", str(store), "--kv-chunk-blocks", str(args.chunk_blocks))
+    with_store = [replica(f"stored{i}", *shared, kv_cache_memory=args.kv_cache_memory) for i in range(3)]
+    with running(with_store):
+        for n in (2, 3):
+            for policy in ("round_robin", "cache_aware"):
+                _empty(store)
+                runs.append(_one_run(args, f"{n} replicas + shared store, {policy}", with_store[:n], policy))
+    shutil.rmtree(store, ignore_errors=True)
+
+    rows = [
+        [
+            r["name"],
+            f"{r['completed']}/{r['failed']}",
+            f"{r['hit_rate']:.1%}" if r["hit_rate"] is not None else "n/a",
+            f"{r['router']['hit_rate_estimate']:.1%}",
+            f"{r['ttft_p50_ms']:.0f}",
+            f"{r['ttft_p99_ms']:.0f}",
+            f"{r['duration_s']:.0f}",
+        ]
+        for r in runs
+    ]
+    print(
+        markdown_table(
+            [
+                "configuration",
+                "ok/failed",
+                "hit rate",
+                "router's estimate",
+                "TTFT p50 ms",
+                "TTFT p99 ms",
+                "run s",
+            ],
+            rows,
+        )
+    )
+    if args.result_json:
+        write_json(
+            args.result_json, {"benchmark": "router", **provenance(), "options": vars_of(args), "runs": runs}
+        )
+    return 0 if all(r["failed"] == 0 for r in runs) else 1
+
+
+def vars_of(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: v for k, v in vars(args).items() if isinstance(v, str | int | float | bool | type(None))}
+
+
+def add_parser(commands: Any) -> argparse.ArgumentParser:
+    p = commands.add_parser("router", help="agent sessions through the router: hit rate and TTFT by policy")
+    p.add_argument("--sessions", type=int, default=8, help="agent sessions, all in flight at once")
+    p.add_argument("--turns", type=int, default=6, help="turns per session")
+    p.add_argument("--system-len", type=int, default=256, help="words of the shared system prompt")
+    p.add_argument("--user-len", type=int, default=128, help="words per user turn")
+    p.add_argument(
+        "--output-len", type=int, default=32, help="tokens per answer (and per synthetic history turn)"
+    )
+    p.add_argument("--kv-cache-memory", default="384MiB", help="per replica")
+    p.add_argument("--chunk-blocks", type=int, default=4, help="blocks per stored chunk (shared store runs)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--result-json", help="write the full result here")
+    return p

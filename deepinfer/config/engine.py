@@ -1,0 +1,460 @@
+"""Engine options: one frozen, validated config shared by `LLM(...)`, `deepinfer serve`, the
+benchmarks and the engine process.
+
+Every value is checked in `__post_init__`, so a bad option fails where it is given (the API side
+of `deepinfer serve`, the `LLM` constructor) before any weight loads, with an error naming it.
+Options are grouped by what they configure (cache, scheduler, speculative decoding, KV store);
+`EngineConfig.from_kwargs` takes them flat, as `LLM(**options)` and the command line give them.
+Torch-free: the engine resolves `device` and `dtype` to torch objects itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from deepinfer.config.fields import ConfigError, check_choice, check_positive, normalize_sizes, option
+from deepinfer.store.config import KVStoreConfig, StoreLocation, parse_store_url
+from deepinfer.store.retention import RetentionPolicy, parse_retention
+
+DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
+DEFAULT_CHUNK_BLOCKS = 16
+
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    block_size: int = option(16, help="tokens per KV-cache block")
+    kv_cache_memory: int | None = option(
+        None,
+        size=True,
+        help="bytes for every KV cache of the engine (target, draft model, MTP), e.g. 512MiB, 2GiB "
+        "or 2GB (default: 2 GiB on CPU, 90%% of free memory on GPU)",
+    )
+    num_blocks: int | None = option(None, help="number of KV-cache blocks (overrides --kv-cache-memory)")
+    enable_prefix_caching: bool = option(True, help="reuse the KV of shared prompt prefixes")
+    kv_cache_dtype: Literal["auto", "float16"] = option(
+        "auto",
+        help="float16: half the KV bytes, twice the tokens per GiB (attention still in fp32); "
+        "auto: the model's dtype",
+    )
+
+    def __post_init__(self) -> None:
+        normalize_sizes(self)
+        check_positive("block_size", self.block_size, allow_none=False)
+        check_positive("kv_cache_memory", self.kv_cache_memory)
+        check_positive("num_blocks", self.num_blocks)
+        check_choice("kv_cache_dtype", self.kv_cache_dtype, ("auto", "float16"))
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = option(128, help="most sequences running at once")
+    max_num_batched_tokens: int = option(2048, help="token budget of one step")
+    prefill_chunk_size: int | None = option(None, help="most prompt tokens of one sequence per step")
+    max_model_len: int | None = option(None, help="context length (default: the model's)")
+    scheduling_policy: Literal["fcfs", "priority"] = option(
+        "fcfs", help="fcfs, or priority (lower value first)"
+    )
+
+    def __post_init__(self) -> None:
+        check_positive("max_num_seqs", self.max_num_seqs, allow_none=False)
+        check_positive("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=False)
+        check_positive("prefill_chunk_size", self.prefill_chunk_size)
+        check_positive("max_model_len", self.max_model_len)
+        check_choice("scheduling_policy", self.scheduling_policy, ("fcfs", "priority"))
+
+
+SPECULATIVE_METHODS = ("ngram", "draft", "mtp")
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    speculative_method: Literal["ngram", "draft", "mtp"] | None = option(
+        None,
+        help="speculative decoding: ngram (prompt lookup), draft (a draft model) or mtp (DeepSeek MTP)",
+    )
+    num_speculative_tokens: int = option(5, help="most draft tokens verified per step")
+    speculative_length: Literal["fixed", "dynamic"] = option(
+        "dynamic",
+        help="dynamic: per-step length from expected acceptance and the profiled step cost; "
+        "fixed: always the most",
+    )
+    speculative_model: str | None = option(
+        None, help="draft model for --speculative-method draft (default: the target model itself)"
+    )
+    speculative_ngram_min: int = option(2, help="shortest suffix n-gram prompt lookup matches")
+    speculative_ngram_max: int = option(4, help="longest suffix n-gram prompt lookup tries first")
+
+    def __post_init__(self) -> None:
+        if self.speculative_method is not None:
+            check_choice("speculative_method", self.speculative_method, SPECULATIVE_METHODS)
+        n = self.num_speculative_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ConfigError("num_speculative_tokens", f"must be an integer >= 1, got {n!r}")
+        check_choice("speculative_length", self.speculative_length, ("fixed", "dynamic"))
+        if self.speculative_model is not None and self.speculative_method != "draft":
+            raise ConfigError(
+                "speculative_model",
+                f"only used with speculative_method='draft', not {self.speculative_method!r}",
+            )
+        if self.speculative_ngram_min < 1:
+            raise ConfigError("speculative_ngram_min", f"must be >= 1, got {self.speculative_ngram_min}")
+        if self.speculative_ngram_max < self.speculative_ngram_min:
+            raise ConfigError(
+                "speculative_ngram_max",
+                f"must be >= speculative_ngram_min ({self.speculative_ngram_min}), "
+                f"got {self.speculative_ngram_max}",
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.speculative_method is not None
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    kv_store: str | None = option(None, help="persistent KV store: DIR | file://DIR | redis://HOST:PORT[/DB]")
+    kv_host_cache_bytes: int | None = option(
+        None, size=True, help="host-memory KV tier, e.g. 8GiB (default: none)"
+    )
+    kv_retention: str | None = option(
+        None, help="TTL per traffic class, e.g. agent=3d,chat=7d (the default); more classes may be added"
+    )
+    kv_store_max_bytes: int | None = option(None, size=True, help="size cap of the persistent store")
+    kv_chunk_blocks: int = option(DEFAULT_CHUNK_BLOCKS, help="full blocks per stored chunk")
+
+    def __post_init__(self) -> None:
+        normalize_sizes(self)
+        if self.kv_store is not None:
+            parse_store_url(self.kv_store)  # raises naming --kv-store
+        if self.kv_retention is not None:
+            try:
+                parse_retention(self.kv_retention)
+            except ValueError as exc:
+                raise ConfigError("kv_retention", str(exc)) from None
+        check_positive("kv_chunk_blocks", self.kv_chunk_blocks, allow_none=False)
+
+    @property
+    def location(self) -> StoreLocation | None:
+        return parse_store_url(self.kv_store) if self.kv_store is not None else None
+
+    @property
+    def retention(self) -> RetentionPolicy:
+        return parse_retention(self.kv_retention) if self.kv_retention else RetentionPolicy()
+
+    @property
+    def enabled(self) -> bool:
+        return self.kv_store is not None or bool(self.kv_host_cache_bytes)
+
+    @property
+    def identity(self) -> str | None:
+        """Which shared store this is, for engines and routers to compare (no credentials)."""
+        location = self.location
+        if location is None:
+            return None
+        if location.kind == "file":
+            return "file://" + os.path.abspath(os.path.expanduser(location.path))
+        return f"redis://{location.host}:{location.port}/{location.db}"
+
+    @property
+    def traffic_classes(self) -> list[str]:
+        """The classes requests may name (each has a retention)."""
+        return sorted(self.retention.ttls)
+
+    def settings(self) -> KVStoreConfig:
+        """The tier stack's settings (store tuning beyond these options keeps its defaults)."""
+        return KVStoreConfig(
+            location=self.location,
+            host_cache_bytes=self.kv_host_cache_bytes or 0,
+            retention=self.retention,
+            blocks_per_chunk=self.kv_chunk_blocks,
+            size_cap_bytes=self.kv_store_max_bytes,
+        )
+
+
+ROLES = ("both", "prefill", "decode")
+KV_TRANSFERS = ("direct", "store")
+TRANSFER_FAILURE_POLICIES = ("recompute", "fail")
+
+
+@dataclass(frozen=True, slots=True)
+class DisaggregationConfig:
+    """Prefill/decode disaggregation (the role, the KV handoff) and the KV events a router reads."""
+
+    role: Literal["both", "prefill", "decode"] = option(
+        "both",
+        help="both: prefill and decode every request (a plain replica); prefill: compute prompts' KV "
+        "and hand it off to a decode engine; decode: receive the KV and generate",
+    )
+    kv_transfer: Literal["direct", "store"] = option(
+        "direct",
+        help="how the prompt's KV goes from the prefill to the decode engine: direct (the decoder pulls "
+        "it over TCP) or store (through the shared --kv-store both engines use)",
+    )
+    kv_transfer_host: str = option(
+        "127.0.0.1", help="address the prefill engine's KV transfer listener binds (direct transfer)"
+    )
+    kv_transfer_port: int = option(0, help="port of the prefill engine's KV transfer listener (0: any free)")
+    kv_transfer_lease: float = option(
+        30.0,
+        help="seconds a prefill engine keeps a handed-off prompt's KV blocks for its decoder to pull them "
+        "(a decoder that never comes, or stalls, frees them when the lease ends)",
+    )
+    kv_transfer_timeout: float = option(
+        30.0, help="seconds a decode engine waits for a KV transfer before it applies --kv-transfer-failure"
+    )
+    kv_transfer_failure: Literal["recompute", "fail"] = option(
+        "recompute",
+        help="what a decode engine does when the prompt's KV does not arrive: recompute it, or fail the "
+        "request with an error",
+    )
+    kv_events_endpoint: str | None = option(
+        None,
+        help="publish KV events (block stored / removed, per tier) on this ZMQ PUB endpoint in vLLM's "
+        "wire format, e.g. tcp://127.0.0.1:5557 (port 0: any free port, reported by /v1/engine_info)",
+    )
+
+    def __post_init__(self) -> None:
+        check_choice("role", self.role, ROLES)
+        check_choice("kv_transfer", self.kv_transfer, KV_TRANSFERS)
+        check_choice("kv_transfer_failure", self.kv_transfer_failure, TRANSFER_FAILURE_POLICIES)
+        port = self.kv_transfer_port
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ConfigError("kv_transfer_port", f"expected 0..65535, got {port!r}")
+        check_positive("kv_transfer_lease", self.kv_transfer_lease, allow_none=False)
+        check_positive("kv_transfer_timeout", self.kv_transfer_timeout, allow_none=False)
+        endpoint = self.kv_events_endpoint
+        if endpoint is not None and not re.match(r"^(tcp|ipc|inproc)://\S+$", endpoint):
+            raise ConfigError(
+                "kv_events_endpoint",
+                f"expected a ZMQ endpoint such as tcp://127.0.0.1:5557, got {endpoint!r}",
+            )
+
+    @property
+    def direct_prefill(self) -> bool:
+        """A prefill engine that serves its KV to decoders over TCP."""
+        return self.role == "prefill" and self.kv_transfer == "direct"
+
+
+EPLB_POLICIES = ("auto", "hierarchical", "global")
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """How the engine spans processes and machines. `world = tensor_parallel_size *
+    data_parallel_size` ranks, one process each; `deepinfer serve` starts the ranks of its machine
+    itself, or a launcher (torchrun, Slurm, ...) starts every rank with RANK / WORLD_SIZE /
+    MASTER_ADDR / MASTER_PORT in the environment."""
+
+    tensor_parallel_size: int = option(
+        1, help="ranks that split every layer (attention heads, MLP, vocabulary) and step together"
+    )
+    data_parallel_size: int = option(
+        1, help="ranks that each schedule their own requests and KV cache (attention data parallelism)"
+    )
+    enable_expert_parallel: bool = option(
+        False, help="MoE: shard whole experts over all ranks, tokens dispatched and combined by all-to-all"
+    )
+    nnodes: int = option(1, help="machines the ranks span (torchrun style)")
+    node_rank: int | None = option(
+        None, help="this machine's index; node 0 serves HTTP (default: $NODE_RANK, $GROUP_RANK or 0)"
+    )
+    master_addr: str | None = option(
+        None, help="address of node 0 for the rendezvous (default: $MASTER_ADDR or 127.0.0.1)"
+    )
+    master_port: int | None = option(
+        None, help="rendezvous port on node 0 (default: $MASTER_PORT; one machine: a free port)"
+    )
+    distributed_backend: Literal["auto", "gloo", "nccl"] = option(
+        "auto", help="torch.distributed backend (auto: nccl on CUDA, gloo on CPU)"
+    )
+    distributed_timeout: float = option(
+        120.0, help="seconds a rank waits for its peers (rendezvous, collectives) before the engine fails"
+    )
+    cpu_binding: bool = option(
+        False, help="pin each rank of a machine to its own share of the cores (with --num-threads per rank)"
+    )
+    enable_eplb: bool = option(
+        False, help="expert-load balancing: record expert loads and re-place experts (needs expert parallel)"
+    )
+    num_redundant_experts: int = option(
+        0, help="EPLB: extra expert replicas per MoE layer, placed on the hottest experts"
+    )
+    eplb_interval: int = option(1000, help="EPLB: forward steps between rebalances")
+    eplb_policy: Literal["auto", "hierarchical", "global"] = option(
+        "auto",
+        help="EPLB placement: hierarchical (expert groups to nodes, then ranks) or global; auto: "
+        "hierarchical when the groups divide over the nodes",
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "data_parallel_size", "nnodes", "eplb_interval"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(name, f"must be an integer >= 1, got {value!r}")
+        if self.node_rank is not None and (
+            isinstance(self.node_rank, bool)
+            or not isinstance(self.node_rank, int)
+            or not 0 <= self.node_rank < self.nnodes
+        ):
+            raise ConfigError(
+                "node_rank", f"must be in 0..{self.nnodes - 1} (--nnodes), got {self.node_rank!r}"
+            )
+        if self.master_port is not None and not (
+            isinstance(self.master_port, int)
+            and not isinstance(self.master_port, bool)
+            and 0 < self.master_port < 65536
+        ):
+            raise ConfigError("master_port", f"must be a TCP port (1..65535), got {self.master_port!r}")
+        check_choice("distributed_backend", self.distributed_backend, ("auto", "gloo", "nccl"))
+        check_positive("distributed_timeout", self.distributed_timeout, allow_none=False)
+        if self.world_size % self.nnodes:
+            raise ConfigError(
+                "nnodes",
+                f"{self.world_size} ranks (tensor_parallel_size x data_parallel_size) do not divide "
+                f"over {self.nnodes} nodes",
+            )
+        if self.tensor_parallel_size > 1 and self.data_parallel_size > 1:
+            raise ConfigError(
+                "data_parallel_size",
+                "data parallelism together with tensor parallelism is not supported yet: use one of them",
+            )
+        if (
+            isinstance(self.num_redundant_experts, bool)
+            or not isinstance(self.num_redundant_experts, int)
+            or (self.num_redundant_experts < 0)
+        ):
+            raise ConfigError(
+                "num_redundant_experts", f"must be an integer >= 0, got {self.num_redundant_experts!r}"
+            )
+        if self.enable_eplb and not self.enable_expert_parallel:
+            raise ConfigError("enable_eplb", "expert-load balancing needs --enable-expert-parallel")
+        if self.num_redundant_experts and not self.enable_eplb:
+            raise ConfigError(
+                "num_redundant_experts", "redundant experts are placed by EPLB: add --enable-eplb"
+            )
+        check_choice("eplb_policy", self.eplb_policy, EPLB_POLICIES)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.data_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+
+SUB_CONFIGS = {
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "speculative": SpeculativeConfig,
+    "store": StoreConfig,
+    "disaggregation": DisaggregationConfig,
+    "parallel": ParallelConfig,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str | None = option(
+        None, help="a .gguf file or a HF directory (default: the embedded model)", flag="model"
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
+        "auto", help="weights and activations dtype (auto: float32 on CPU, bfloat16 on CUDA)"
+    )
+    device: str = option("auto", help="auto, cpu or cuda[:N]")
+    attention_backend: Literal["auto", "torch", "cpu_paged"] = option("auto", help="attention implementation")
+    num_threads: int | None = option(
+        None, help="CPU threads for torch, per rank (default: the machine's cores split over its ranks)"
+    )
+    # gguf: a GGUF's linears computed on its own packed blocks (Q4_0/Q4_1/Q8_0/Q4_K/Q6_K) by
+    # native kernels, as llama.cpp does. int8: W8A8 linears (int8 weights per channel, per-token
+    # activation scales), not bit-equal to fp32. none: the weights dense in `dtype`.
+    quantization: Literal["none", "int8", "gguf"] | None = option(
+        None,
+        help="gguf: compute on a GGUF's packed blocks with native kernels; int8: W8A8 linears; none: "
+        "dense weights in --dtype (default: gguf for a GGUF file on the CPU in float32, none otherwise)",
+    )
+    grammar_compile_timeout: float = option(
+        10.0,
+        help="seconds a structured-output grammar (JSON schema, forced tool call) may take to compile; "
+        "slower ones are refused (400)",
+    )
+    cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
+    store: StoreConfig = dataclasses.field(default_factory=StoreConfig)
+    disaggregation: DisaggregationConfig = dataclasses.field(default_factory=DisaggregationConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        check_choice("dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
+        if not isinstance(self.device, str) or not _DEVICE.match(self.device):
+            raise ConfigError("device", f"expected auto, cpu or cuda[:N], got {self.device!r}")
+        check_choice("attention_backend", self.attention_backend, ("auto", "torch", "cpu_paged"))
+        check_positive("num_threads", self.num_threads)
+        if self.quantization is not None:
+            check_choice("quantization", self.quantization, ("none", "int8", "gguf"))
+        check_positive("grammar_compile_timeout", self.grammar_compile_timeout, allow_none=False)
+        if self.parallel.world_size > 1:
+            if self.speculative.enabled:
+                raise ConfigError(
+                    "speculative_method", "speculative decoding over several ranks is not supported yet"
+                )
+            if self.store.enabled:
+                raise ConfigError("kv_store", "the KV store over several ranks is not supported yet")
+            if self.quantization not in (None, "none") and self.parallel.tensor_parallel_size > 1:
+                raise ConfigError(
+                    "quantization", f"{self.quantization} with tensor parallelism is not supported yet"
+                )
+            if self.disaggregation.role != "both":
+                raise ConfigError("role", "prefill/decode roles over several ranks are not supported yet")
+            if self.disaggregation.kv_events_endpoint is not None:
+                raise ConfigError("kv_events_endpoint", "KV events over several ranks are not supported yet")
+        if self.store.enabled and not self.cache.enable_prefix_caching:
+            raise ConfigError(
+                "kv_store", "the KV store and host tier need prefix caching (enable_prefix_caching)"
+            )
+        pd = self.disaggregation
+        if pd.role != "both" and not self.cache.enable_prefix_caching:
+            raise ConfigError(
+                "role", f"a {pd.role} engine hands KV off by prefix hash: it needs enable_prefix_caching"
+            )
+        if pd.role != "both" and pd.kv_transfer == "store" and self.store.kv_store is None:
+            raise ConfigError(
+                "kv_transfer", f"kv_transfer='store' needs a shared --kv-store on the {pd.role} engine"
+            )
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Options given flat (`block_size=32, kv_store="dir"`), each routed to its sub-config."""
+        top = {f.name for f in dataclasses.fields(cls)} - set(SUB_CONFIGS)
+        owners = {f.name: group for group, sub in SUB_CONFIGS.items() for f in dataclasses.fields(sub)}
+        unknown = set(kwargs) - top - set(owners)
+        if unknown:
+            raise TypeError(f"unknown engine options: {sorted(unknown)}; known: {sorted(top | set(owners))}")
+        grouped: dict[str, dict[str, Any]] = {group: {} for group in SUB_CONFIGS}
+        for name, value in kwargs.items():
+            if name in owners:
+                grouped[owners[name]][name] = value
+        return cls(
+            **{name: value for name, value in kwargs.items() if name in top},
+            **{group: SUB_CONFIGS[group](**values) for group, values in grouped.items()},
+        )
+
+    def to_kwargs(self) -> dict[str, Any]:
+        """The inverse of from_kwargs: every option by its flat name."""
+        flat = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in SUB_CONFIGS}
+        for group in SUB_CONFIGS:
+            sub = getattr(self, group)
+            flat.update({f.name: getattr(sub, f.name) for f in dataclasses.fields(sub)})
+        return flat
+
+    def replace(self, **kwargs: Any) -> EngineConfig:
+        """A copy with some options changed, given flat."""
+        return EngineConfig.from_kwargs(**{**self.to_kwargs(), **kwargs})

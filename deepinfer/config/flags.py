@@ -1,0 +1,119 @@
+"""Command-line flags from config fields: `--block-size`, `--kv-cache-memory 2GiB`,
+`--no-enable-prefix-caching`, `--api-key K` (repeatable). The help text is the field's own.
+
+Flags parse into the same frozen configs `LLM(...)` builds, so every value is validated once,
+by the config, before anything loads; a bad value is an argparse error naming the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from collections.abc import Iterator
+from typing import Any
+
+from deepinfer.config.engine import SUB_CONFIGS, EngineConfig
+from deepinfer.config.fields import ConfigError
+from deepinfer.config.units import parse_int_list, parse_size
+
+
+def size_argument(text: str) -> int:
+    """argparse type for a size flag (see deepinfer.config.units)."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def int_list_argument(text: str) -> list[int]:
+    """argparse type for a comma-separated list of positive integers (`1,4,16`)."""
+    try:
+        return parse_int_list(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _unwrap_optional(hint: Any) -> Any:
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        rest = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(rest) == 1:
+            return rest[0]
+    return hint
+
+
+def flag_names(f: dataclasses.Field) -> tuple[str, ...]:
+    """The field's flag spellings: its own (`flag=`, a name or several) or `--field-name`."""
+    flag = f.metadata.get("flag")
+    if flag is None:
+        return ("--" + f.name.replace("_", "-"),)
+    return (flag,) if isinstance(flag, str) else tuple(flag)
+
+
+def flag_name(f: dataclasses.Field) -> str:
+    return flag_names(f)[0]
+
+
+def _leaf_fields(cls: type) -> Iterator[tuple[dataclasses.Field, Any]]:
+    """(field, type hint) of every option of `cls`, sub-configs flattened."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if cls is EngineConfig and f.name in SUB_CONFIGS:
+            yield from _leaf_fields(SUB_CONFIGS[f.name])
+        elif "help" in f.metadata:
+            yield f, hints[f.name]
+
+
+def add_config_flags(
+    parser: argparse.ArgumentParser, cls: type, title: str, skip: tuple[str, ...] = ()
+) -> None:
+    """One flag per option of `cls` (a config dataclass), in an argument group called `title`.
+    Defaults are left to the config (argparse sees None), so `--help` shows the config's own."""
+    group = parser.add_argument_group(title)
+    for f, hint in _leaf_fields(cls):
+        if f.name in skip:
+            continue
+        kind = _unwrap_optional(hint)
+        default = f.default if f.default is not dataclasses.MISSING else None
+        shown = (
+            f" (default: {default})"
+            if default not in (None, (), "") and not isinstance(default, bool)
+            else ""
+        )
+        text = f.metadata["help"] + shown.replace("%", "%%")
+        name = flag_name(f)
+        if f.metadata.get("repeat"):
+            group.add_argument(name, dest=f.name, action="append", default=None, help=text)
+        elif kind is bool:
+            group.add_argument(
+                name, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=text
+            )
+        elif typing.get_origin(kind) is typing.Literal:
+            group.add_argument(name, dest=f.name, choices=typing.get_args(kind), default=None, help=text)
+        else:
+            convert = size_argument if f.metadata.get("size") else kind
+            group.add_argument(name, dest=f.name, type=convert, default=None, help=text)
+
+
+def given_options(args: argparse.Namespace, cls: type, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The options of `cls` set on the command line (flat names -> values)."""
+    values = {}
+    for f, _ in _leaf_fields(cls):
+        if f.name not in skip and getattr(args, f.name, None) is not None:
+            values[f.name] = getattr(args, f.name)
+    return values
+
+
+def build_config(parser: argparse.ArgumentParser, cls: type, values: dict[str, Any]) -> Any:
+    """`cls` from flat option values; a ConfigError becomes a usage error naming the flag."""
+    try:
+        return cls.from_kwargs(**values) if cls is EngineConfig else cls(**values)
+    except ConfigError as exc:
+        flags = {f.name: flag_name(f) for f, _ in _leaf_fields(cls)}
+        message = str(exc)
+        if exc.name in flags:
+            message = flags[exc.name] + message[len(exc.name) :]
+        parser.error(message)
+    except ValueError as exc:  # checks of a field's own parser, already naming the flag
+        parser.error(str(exc))

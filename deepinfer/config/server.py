@@ -1,0 +1,92 @@
+"""Options of the HTTP side of `deepinfer serve`, validated where they are given."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from deepinfer.config.fields import ConfigError, check_choice, check_positive, normalize_sizes, option
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    host: str = option("127.0.0.1", help="address to listen on")
+    port: int = option(8000, help="0 picks a free port (printed at startup)")
+    api_keys: Sequence[str] = option(
+        default_factory=tuple,
+        flag="--api-key",
+        repeat=True,
+        help="require this key (Authorization: Bearer or x-api-key); repeat for several",
+    )
+    served_model_names: Sequence[str] = option(
+        default_factory=tuple,
+        flag="--served-model-name",
+        repeat=True,
+        help="a name clients use in `model` (default: the model's); repeat for several",
+    )
+    max_waiting_requests: int = option(
+        512, help="requests waiting for their first token before new ones get 429 (Anthropic: 529)"
+    )
+    max_body_bytes: int = option(32 << 20, size=True, help="larger request bodies get 413")
+    cache_salt_per_key: bool = option(
+        False, help="isolate the prefix cache between API keys (on top of any cache_salt in bodies)"
+    )
+    recipe_family: str | None = option(
+        None,
+        flag=("--chat-encoding", "--recipe-family"),
+        help="the chat encoding (prompt format and output parser), overriding the one detected from the "
+        "model: deepseek_v41, deepseek_v4, deepseek_v32, deepseek_v31, deepseek_r1 or chat_template",
+    )
+    hosted_tools: Literal["drop", "reject"] = option(
+        "drop",
+        help="Responses tools the server cannot run (web_search, file_search, ...): drop them from the "
+        "prompt, or answer 400",
+    )
+    reasoning_key: str | None = option(
+        None,
+        help="key for the Responses API's encrypted reasoning (64 hex digits); default: a new key at every "
+        "start (blobs from before a restart then fail to decrypt)",
+    )
+    engine_mode: Literal["process", "thread"] = option(
+        "process", help="run the engine core in its own process (default) or on a thread of the server"
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = option("info", help="log level")
+    shutdown_timeout: float = option(
+        30.0,
+        help="seconds a graceful stop (SIGTERM, Ctrl-C) lets requests in flight finish, and then "
+        "the engine flush queued KV-store writes",
+    )
+
+    def __post_init__(self) -> None:
+        normalize_sizes(self)
+        object.__setattr__(self, "api_keys", tuple(self.api_keys))
+        object.__setattr__(self, "served_model_names", tuple(self.served_model_names))
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ConfigError("port", f"expected 0..65535, got {self.port!r}")
+        check_positive("max_waiting_requests", self.max_waiting_requests, allow_none=False)
+        if isinstance(self.max_waiting_requests, float):
+            raise ConfigError("max_waiting_requests", "must be an integer")
+        check_positive("max_body_bytes", self.max_body_bytes, allow_none=False)
+        check_choice("engine_mode", self.engine_mode, ("process", "thread"))
+        check_choice("log_level", self.log_level, LOG_LEVELS)
+        check_choice("hosted_tools", self.hosted_tools, ("drop", "reject"))
+        if self.reasoning_key is not None:
+            try:
+                key = bytes.fromhex(self.reasoning_key)
+            except ValueError:
+                key = b""
+            if len(key) != 32:
+                raise ConfigError("reasoning_key", "expected 64 hex digits (an AES-256 key)")
+        if (
+            isinstance(self.shutdown_timeout, bool)
+            or not isinstance(self.shutdown_timeout, int | float)
+            or self.shutdown_timeout < 0
+        ):
+            raise ConfigError(
+                "shutdown_timeout", f"must be a number of seconds >= 0, got {self.shutdown_timeout!r}"
+            )
+        if any(not key for key in self.api_keys):
+            raise ConfigError("api_keys", "an API key must not be empty")

@@ -1,0 +1,321 @@
+"""Direct KV transfer between engines: a prefill engine leases a finished prompt's blocks and
+serves them, over TCP, to the one decode engine that pulls them.
+
+Pull, with a lease: the prefill engine pins the blocks when the prompt's prefill finishes and
+keeps them until its decoder has pulled them or the lease ends, whichever comes first, so a
+decoder that never comes (or stalls mid-transfer) cannot pin them for longer. The decoder asks
+for the blocks it lacks by prefix hash; the prefiller sends the longest run of them it holds.
+
+Why our own protocol over plain TCP sockets: a peer that dies is seen at once (EOF or a reset on
+the open connection, refusal on a new one), where zmq reconnects silently and a pull would
+only time out; one request and one reply per transfer need no more than length-prefixed
+frames; numpy buffers go out and come in without copies (`sendall` of the array, `recv_into`
+it); and nothing new is installed. Mooncake's transfer engine would bring RDMA on machines
+that have it, but needs its own metadata service for a TCP-only loopback setup like ours.
+
+Frames: 4-byte big-endian length, then msgpack. Decoder -> prefiller: PullRequest. Prefiller ->
+decoder: PullReply, then (status ok, num_blocks > 0) the KV as raw bytes of `dtype` in `shape`
+([tensors, tokens, *slot]: the first cache group's tensors, whole blocks).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+import msgspec
+import numpy as np
+
+from deepinfer.sequence import KVSource
+
+log = logging.getLogger(__name__)
+
+MAX_HEADER_BYTES = 64 << 20  # a request lists one 32-byte hash per block: far below this
+_LENGTH = 4
+
+
+class PullRequest(msgspec.Struct, array_like=True):
+    transfer_id: str
+    block_hashes: list[bytes]  # the blocks the decoder lacks, in order (may be empty: "release it")
+
+
+class PullReply(msgspec.Struct, array_like=True, omit_defaults=True):
+    status: str  # ok | unknown (no such lease: expired, pulled already, or never made)
+    message: str = ""
+    num_blocks: int = 0
+    dtype: str = ""
+    shape: list[int] = []
+
+
+OK = "ok"
+UNKNOWN = "unknown"
+
+_encoder = msgspec.msgpack.Encoder()
+_requests = msgspec.msgpack.Decoder(PullRequest)
+_replies = msgspec.msgpack.Decoder(PullReply)
+
+
+class TransferError(RuntimeError):
+    """A pull that brought no KV: the prefiller is gone, refused it, or it took too long."""
+
+
+def send_frame(sock: socket.socket, message: msgspec.Struct) -> None:
+    data = _encoder.encode(message)
+    sock.sendall(len(data).to_bytes(_LENGTH, "big") + data)
+
+
+def recv_into(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill `view` from the socket; EOF is a TransferError, the deadline a TimeoutError."""
+    received = 0
+    while received < len(view):
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("timed out")
+            sock.settimeout(remaining)
+        n = sock.recv_into(view[received:])
+        if n == 0:
+            raise TransferError(f"the connection closed after {received} of {len(view)} bytes")
+        received += n
+
+
+def recv_frame(sock: socket.socket, deadline: float | None = None) -> bytes:
+    length = bytearray(_LENGTH)
+    recv_into(sock, memoryview(length), deadline)
+    size = int.from_bytes(length, "big")
+    if size > MAX_HEADER_BYTES:
+        raise TransferError(f"a {size}-byte header is larger than any the protocol sends")
+    data = bytearray(size)
+    recv_into(sock, memoryview(data), deadline)
+    return bytes(data)
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"a KV transfer address is host:port, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+# -- the prefill side ---------------------------------------------------------------------------
+
+
+class LeaseState(enum.Enum):
+    READY = "ready"  # pinned, waiting for its decoder
+    SENDING = "sending"  # a listener thread is reading and sending its blocks
+    DONE = "done"  # sent (or failed): the engine may release its blocks
+
+
+@dataclass(slots=True)
+class Lease:
+    transfer_id: str
+    block_hashes: list[bytes]
+    block_ids: list[int]
+    deadline: float  # time.monotonic() by which its blocks go back to the pool
+    state: LeaseState = LeaseState.READY
+
+
+class BlockReader(Protocol):
+    def read_blocks(self, group: int, block_ids: list[int]) -> np.ndarray: ...
+
+
+class KVTransferServer:
+    """The prefill engine's listener and its leases.
+
+    Threads: `lease` and `reap` run on the engine's thread (the blocks' references belong to its
+    pool); an accept thread and one thread per connection read leased blocks (pinned, so no
+    step writes them) and send them. A lease is claimed (READY -> SENDING) by at most one pull,
+    under the lock, and the engine releases only READY leases past their deadline and DONE
+    ones, so no block is released while it is being read. A send is bounded by the lease's
+    deadline: a decoder that stops reading loses the connection when the lease ends.
+    """
+
+    def __init__(
+        self,
+        reader: BlockReader,
+        host: str,
+        port: int,
+        lease_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.reader = reader
+        self.lease_s = lease_s
+        self.clock = clock
+        self._listener = socket.create_server((host, port))
+        self._listener.settimeout(0.25)  # the accept loop notices close() within this
+        bound_host, bound_port = self._listener.getsockname()[:2]
+        self.address = f"[{bound_host}]:{bound_port}" if ":" in bound_host else f"{bound_host}:{bound_port}"
+        self._lock = threading.Lock()
+        self._leases: dict[str, Lease] = {}
+        self._closed = threading.Event()
+        self.num_sent = 0
+        self.num_failed = 0
+        self.num_expired = 0
+        self.num_unknown = 0
+        self._accept_thread = threading.Thread(target=self._accept, name="kv-transfer-accept", daemon=True)
+        self._accept_thread.start()
+
+    @property
+    def num_leases(self) -> int:
+        with self._lock:
+            return len(self._leases)
+
+    def lease(self, transfer_id: str, block_hashes: list[bytes], block_ids: list[int]) -> bool:
+        """Hold blocks (already referenced by the caller) for one pull; False if the id is taken."""
+        with self._lock:
+            if transfer_id in self._leases:
+                return False
+            deadline = self.clock() + self.lease_s
+            self._leases[transfer_id] = Lease(transfer_id, list(block_hashes), list(block_ids), deadline)
+            return True
+
+    def reap(self) -> list[Lease]:
+        """Leases whose blocks may go back to the pool now: pulled, failed, or expired unclaimed."""
+        now = self.clock()
+        done = []
+        with self._lock:
+            for transfer_id, lease in list(self._leases.items()):
+                expired = lease.state is LeaseState.READY and lease.deadline <= now
+                if lease.state is LeaseState.DONE or expired:
+                    if expired:
+                        self.num_expired += 1
+                        log.warning("KV lease %s expired before a decoder pulled it", transfer_id)
+                    done.append(self._leases.pop(transfer_id))
+        return done
+
+    def _claim(self, transfer_id: str) -> Lease | None:
+        with self._lock:
+            lease = self._leases.get(transfer_id)
+            if lease is None or lease.state is not LeaseState.READY or lease.deadline <= self.clock():
+                return None
+            lease.state = LeaseState.SENDING
+            return lease
+
+    def _done(self, lease: Lease, sent: bool) -> None:
+        with self._lock:
+            lease.state = LeaseState.DONE
+            if sent:
+                self.num_sent += 1
+            else:
+                self.num_failed += 1
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._serve, args=(conn,), name="kv-transfer-send", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                request = _requests.decode(recv_frame(conn, self.clock() + self.lease_s))
+            except (OSError, TransferError, msgspec.DecodeError) as error:
+                log.debug("a KV pull request was not read: %s", error)
+                return
+            lease = self._claim(request.transfer_id)
+            if lease is None:
+                with self._lock:
+                    self.num_unknown += 1
+                self._reply_quietly(
+                    conn, PullReply(UNKNOWN, f"no KV is leased under {request.transfer_id!r}")
+                )
+                return
+            sent = False
+            try:
+                sent = self._send(conn, lease, request.block_hashes)
+            except (OSError, TransferError) as error:
+                log.warning("KV transfer %s failed or stalled past its lease: %s", lease.transfer_id, error)
+            finally:
+                self._done(lease, sent)
+
+    def _send(self, conn: socket.socket, lease: Lease, wanted: list[bytes]) -> bool:
+        position = {h: i for i, h in enumerate(lease.block_hashes)}
+        first = position.get(wanted[0]) if wanted else None
+        count = 0
+        if first is not None:
+            while (
+                count < len(wanted)
+                and first + count < len(lease.block_hashes)
+                and lease.block_hashes[first + count] == wanted[count]
+            ):
+                count += 1
+        conn.settimeout(max(lease.deadline - self.clock(), 0.001))  # sendall: a total bound
+        if count == 0:
+            send_frame(conn, PullReply(OK))
+            return True
+        assert first is not None
+        kv = np.ascontiguousarray(self.reader.read_blocks(0, lease.block_ids[first : first + count]))
+        send_frame(conn, PullReply(OK, num_blocks=count, dtype=str(kv.dtype), shape=list(kv.shape)))
+        conn.sendall(memoryview(kv).cast("B"))
+        return True
+
+    @staticmethod
+    def _reply_quietly(conn: socket.socket, reply: PullReply) -> None:
+        try:
+            conn.settimeout(5.0)
+            send_frame(conn, reply)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        """Stop accepting pulls (those in flight finish or fail on their own deadlines)."""
+        self._closed.set()
+        self._listener.close()
+        self._accept_thread.join(1.0)
+
+
+# -- the decode side ----------------------------------------------------------------------------
+
+
+class KVPuller:
+    """The decode engine's side: pulls run on a small thread pool, each bounded by `timeout_s`
+    from connection to the last byte."""
+
+    def __init__(self, timeout_s: float, threads: int = 2) -> None:
+        self.timeout_s = timeout_s
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kv-transfer-pull")
+
+    def pull(self, source: KVSource, block_hashes: list[bytes]) -> Future[np.ndarray | None]:
+        """The KV of the longest leading run of `block_hashes` the prefiller holds ([tensors,
+        tokens, *slot]; None for no blocks). Fails with TransferError or TimeoutError."""
+        return self._pool.submit(self._pull, source, list(block_hashes))
+
+    def _pull(self, source: KVSource, block_hashes: list[bytes]) -> np.ndarray | None:
+        deadline = time.monotonic() + self.timeout_s
+        host, port = split_address(source.address)
+        try:
+            with socket.create_connection((host, port), timeout=self.timeout_s) as sock:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock.settimeout(max(deadline - time.monotonic(), 0.001))
+                send_frame(sock, PullRequest(source.transfer_id, block_hashes))
+                reply = _replies.decode(recv_frame(sock, deadline))
+                if reply.status != OK:
+                    raise TransferError(
+                        f"the prefill engine at {source.address} answered {reply.status}: {reply.message}"
+                    )
+                if reply.num_blocks == 0:
+                    return None
+                kv = np.empty(reply.shape, dtype=np.dtype(reply.dtype))
+                recv_into(sock, memoryview(kv).cast("B"), deadline)
+                return kv
+        except TimeoutError:
+            raise TimeoutError(
+                f"the KV transfer from {source.address} took longer than {self.timeout_s:g} s"
+            ) from None
+        except ConnectionError as error:
+            raise TransferError(f"the prefill engine at {source.address} is unreachable: {error}") from None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

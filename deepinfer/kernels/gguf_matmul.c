@@ -1,0 +1,651 @@
+/* Matrix products with GGUF block-quantized weights (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), for CPUs.
+ *
+ * y[m, n] = sum_k x[m, k] * W[n, k], W kept in the file's packed blocks (row n = K/block blocks).
+ * As llama.cpp does, each activation row is first quantized to int8 per block (32 values for the
+ * 32-wide formats, 256 for the k-quants), so every block's dot product is an exact integer sum of
+ * int8 products; floats only scale and add those sums.
+ *
+ * Numerics (the same on every code path and for every batch composition):
+ *  - activations: 32-wide blocks are GGUF's Q8_0 / Q8_1, rounded as llama.cpp makes them:
+ *    q = round-half-even(x * (127 / amax)), d = fp16(amax / 127), s = fp16(amax / 127 * sum(q));
+ *    256-wide blocks: d = amax / 127 in float, q = round-half-even(x * (1 / d));
+ *  - per (row m, output n), for each weight block b in order:
+ *      acc = fma((float)isum(b), d_w(b) * d_a(b), acc)
+ *    with isum(b) the block's exact integer dot product (k-quants: sub-block scales multiplied in,
+ *    Q6_K's offset of 32 taken out, all as integers), and the offset terms in a second sum:
+ *      off = fma(m_w(b), s_a(b), off)                              (Q4_1's min)
+ *      off = fma(-(dmin(b) * d_a(b)), (float)sum_j m_j bsum_j, off)  (Q4_K's mins)
+ *  - y = acc + off.
+ * A prologue may transform each activation row before it is quantized (fusing what would be
+ * separate calls of a decoder layer): RMSNorm of x + residual (the sum also written out: the new
+ * residual stream), or SwiGLU of a [gate | up] row.
+ * A row's result depends only on its own activations: batching, threads and tiling never change
+ * a bit. The AVX2, AVX-512 VNNI (on 256-bit registers) and portable C paths give identical bits:
+ * the integer sums are exact whatever their order, the float operations are the ones above, and
+ * the file is compiled with -ffp-contract=off so the compiler fuses nothing behind our back.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "rowops.h"
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define GGUF_SIMD 1
+#else
+#define GGUF_SIMD 0
+#endif
+
+#define AI static inline __attribute__((always_inline))
+
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 }; /* ggml type ids */
+
+/* Packed weight blocks, byte for byte as in a GGUF file. */
+typedef struct { uint16_t d; uint8_t qs[16]; } block_q4_0;                 /* (q - 8) * d */
+typedef struct { uint16_t d, m; uint8_t qs[16]; } block_q4_1;              /* q * d + m */
+typedef struct { uint16_t d; int8_t qs[32]; } block_q8_0;                  /* q * d */
+typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; } block_q4_k;
+typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; } block_q6_k;
+
+/* Quantized activations of M rows, in scratch: q [M][K] int8; d, s [nb][M] float (block-major,
+ * so the scales of neighbouring rows load together); for 256-wide blocks bsum [M][nb][16], the
+ * sums of each 16 values. */
+typedef struct {
+    int8_t *q;
+    float *d, *s;
+    int16_t *bsum;
+    int64_t M, K, nb;
+} acts;
+
+static inline float half_to_float(uint16_t h) {
+    _Float16 f;
+    memcpy(&f, &h, sizeof f);
+    return (float)f;
+}
+
+static int block_elems(int qtype) { return qtype == Q4_K || qtype == Q6_K ? 256 : 32; }
+
+static int64_t block_bytes(int qtype) {
+    switch (qtype) {
+    case Q4_0: return sizeof(block_q4_0);
+    case Q4_1: return sizeof(block_q4_1);
+    case Q8_0: return sizeof(block_q8_0);
+    case Q4_K: return sizeof(block_q4_k);
+    case Q6_K: return sizeof(block_q6_k);
+    default: return 0;
+    }
+}
+
+static int64_t acts_bytes(int64_t M, int64_t K, int wide) {
+    const int64_t nb = K / (wide ? 256 : 32);
+    return M * K + 2 * nb * M * (int64_t)sizeof(float) + (wide ? M * nb * 16 * (int64_t)sizeof(int16_t) : 0);
+}
+
+static acts acts_at(void *base, int64_t M, int64_t K, int wide) {
+    acts a;
+    a.M = M, a.K = K, a.nb = K / (wide ? 256 : 32);
+    a.q = (int8_t *)base;
+    a.d = (float *)((char *)base + M * K);
+    a.s = a.d + a.nb * M;
+    a.bsum = wide ? (int16_t *)(a.s + a.nb * M) : NULL;
+    return a;
+}
+
+/* ---------------------------------------------------------------- activation quantization */
+
+static inline float round_to_half(float v) { return (float)(_Float16)v; } /* nearest even */
+
+static void quantize_row(const float *x, const acts *a, int64_t m, int block) {
+    int8_t *q = a->q + m * a->K;
+    for (int64_t b = 0; b < a->nb; ++b) {
+        const float *xb = x + b * block;
+        float amax = 0.0f;
+        for (int i = 0; i < block; ++i) amax = fmaxf(amax, fabsf(xb[i]));
+        const float d = amax / 127.0f;
+        const float id = block == 32 ? (amax != 0.0f ? 127.0f / amax : 0.0f) : (d != 0.0f ? 1.0f / d : 0.0f);
+        int sum = 0;
+        for (int j = 0; j < block / 16; ++j) {
+            int part = 0;
+            for (int i = 16 * j; i < 16 * j + 16; ++i) {
+                const int v = (int)nearbyintf(xb[i] * id);
+                q[b * block + i] = (int8_t)v;
+                part += v;
+            }
+            if (a->bsum) a->bsum[(m * a->nb + b) * 16 + j] = (int16_t)part;
+            sum += part;
+        }
+        /* 32-wide blocks are GGUF's Q8_0 / Q8_1: fp16 scale and sum */
+        a->d[b * a->M + m] = block == 32 ? round_to_half(d) : d;
+        a->s[b * a->M + m] = block == 32 ? round_to_half(d * (float)sum) : d * (float)sum;
+    }
+}
+
+#if GGUF_SIMD
+/* The same for 32-wide blocks, eight values per instruction (same bits: max, one multiply, the
+ * same rounding, exact integer sums). */
+static void quantize_row32_simd(const float *x, const acts *a, int64_t m) {
+    int8_t *q = a->q + m * a->K;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t b = 0; b < a->nb; ++b) {
+        __m256 v[4], amax = _mm256_setzero_ps();
+        for (int i = 0; i < 4; ++i) {
+            v[i] = _mm256_loadu_ps(x + 32 * b + 8 * i);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        const float amax_s = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        const float d = amax_s / 127.0f;
+        const __m256 id = _mm256_set1_ps(amax_s != 0.0f ? 127.0f / amax_s : 0.0f);
+        __m256i qi[4], sum = _mm256_setzero_si256();
+        for (int i = 0; i < 4; ++i) {
+            qi[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            sum = _mm256_add_epi32(sum, qi[i]);
+        }
+        /* int32 -> int8 in element order (packs interleave the 128-bit halves; undo it) */
+        const __m256i p8 = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+        _mm256_storeu_si256((__m256i *)(q + 32 * b), _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+        a->d[b * a->M + m] = round_to_half(d);
+        a->s[b * a->M + m] = round_to_half(d * (float)_mm_cvtsi128_si32(s4));
+    }
+}
+#endif
+
+/* ---------------------------------------------------------------- shared helpers */
+
+/* Q4_K's eight 6-bit scales and mins, unpacked from their 12 bytes. */
+static inline void q4k_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
+    for (int j = 0; j < 4; ++j) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 6) << 4);
+        mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+    }
+}
+
+static inline int32_t q4k_min_dot(const uint8_t mn[8], const int16_t *bsum) {
+    int32_t total = 0;
+    for (int j = 0; j < 8; ++j) total += mn[j] * (bsum[2 * j] + bsum[2 * j + 1]);
+    return total;
+}
+
+/* ---------------------------------------------------------------- portable C path
+ * One (weight row, activation row) pair at a time: the path for CPUs without AVX2, and the
+ * cross-check of the SIMD paths' bits. */
+
+static float dot_row_scalar(int qtype, const uint8_t *wrow, const acts *a, int64_t m) {
+    float acc = 0.0f, off = 0.0f;
+    const int8_t *q = a->q + m * a->K;
+    for (int64_t b = 0; b < a->nb; ++b) {
+        const float da = a->d[b * a->M + m];
+        int32_t isum = 0;
+        if (qtype == Q4_0 || qtype == Q4_1) {
+            const uint8_t *qs = qtype == Q4_0 ? ((const block_q4_0 *)wrow)[b].qs : ((const block_q4_1 *)wrow)[b].qs;
+            const int bias = qtype == Q4_0 ? 8 : 0;
+            for (int i = 0; i < 16; ++i)
+                isum += ((qs[i] & 0x0F) - bias) * q[32 * b + i] + ((qs[i] >> 4) - bias) * q[32 * b + i + 16];
+            if (qtype == Q4_0) {
+                acc = fmaf((float)isum, half_to_float(((const block_q4_0 *)wrow)[b].d) * da, acc);
+            } else {
+                const block_q4_1 *blk = (const block_q4_1 *)wrow + b;
+                acc = fmaf((float)isum, half_to_float(blk->d) * da, acc);
+                off = fmaf(half_to_float(blk->m), a->s[b * a->M + m], off);
+            }
+        } else if (qtype == Q8_0) {
+            const block_q8_0 *blk = (const block_q8_0 *)wrow + b;
+            for (int i = 0; i < 32; ++i) isum += blk->qs[i] * q[32 * b + i];
+            acc = fmaf((float)isum, half_to_float(blk->d) * da, acc);
+        } else if (qtype == Q4_K) {
+            const block_q4_k *blk = (const block_q4_k *)wrow + b;
+            const int8_t *qb = q + 256 * b;
+            uint8_t sc[8], mn[8];
+            q4k_scales(blk->scales, sc, mn);
+            for (int c = 0; c < 4; ++c) {
+                int32_t lo = 0, hi = 0;
+                for (int i = 0; i < 32; ++i) {
+                    lo += (blk->qs[32 * c + i] & 0x0F) * qb[64 * c + i];
+                    hi += (blk->qs[32 * c + i] >> 4) * qb[64 * c + 32 + i];
+                }
+                isum += sc[2 * c] * lo + sc[2 * c + 1] * hi;
+            }
+            const int32_t imin = q4k_min_dot(mn, a->bsum + (m * a->nb + b) * 16);
+            acc = fmaf((float)isum, half_to_float(blk->d) * da, acc);
+            off = fmaf(-(half_to_float(blk->dmin) * da), (float)imin, off);
+        } else { /* Q6_K */
+            const block_q6_k *blk = (const block_q6_k *)wrow + b;
+            const int8_t *qb = q + 256 * b;
+            for (int h = 0; h < 2; ++h) {
+                const uint8_t *ql = blk->ql + 64 * h, *qh = blk->qh + 32 * h;
+                for (int l = 0; l < 32; ++l) {
+                    const int v[4] = {(ql[l] & 0x0F) | ((qh[l] & 3) << 4), (ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4),
+                                      (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4), (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)};
+                    for (int g = 0; g < 4; ++g)
+                        isum += blk->scales[8 * h + 2 * g + l / 16] * (v[g] - 32) * qb[128 * h + 32 * g + l];
+                }
+            }
+            acc = fmaf((float)isum, half_to_float(blk->d) * da, acc);
+        }
+    }
+    return acc + off;
+}
+
+#if GGUF_SIMD
+/* ---------------------------------------------------------------- AVX2 / AVX-512 VNNI paths */
+
+/* Eight int32 lanes, lane l = sum of bytes 4l..4l+3 of u * s (u unsigned, s signed; our ranges
+ * never saturate the 16-bit step, so both forms give the same integers). */
+AI __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+/* The same with each 16-bit pair sum multiplied by scale16 (the k-quants' sub-block scales). */
+AI __m256i dot_u8s8_scaled(__m256i u, __m256i s, __m256i scale16) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), scale16);
+}
+
+/* Lane p = the sum of v[p]'s eight lanes, for eight vectors at once (exact integers). */
+AI __m256i hsum8_epi32(const __m256i v[8]) {
+    const __m256i ab = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    const __m256i cd = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31));
+}
+
+AI int32_t hsum_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+
+AI __m256i nibbles32(const uint8_t *qs) { /* 16 bytes -> 32 values 0..15, in element order */
+    /* both halves hold the 16 bytes; the upper one shifted by 4 (bits crossing into a byte's
+     * top nibble from its neighbour are masked off) */
+    const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
+    return _mm256_and_si256(_mm256_srlv_epi32(q, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(0x0F));
+}
+
+/* fp16 scale (and Q4_1 min) of block b of a 32-wide row, as raw halves */
+AI uint16_t block_d(const int qtype, const uint8_t *row, int64_t b) {
+    return qtype == Q4_1 ? ((const block_q4_1 *)row)[b].d : qtype == Q4_0 ? ((const block_q4_0 *)row)[b].d : ((const block_q8_0 *)row)[b].d;
+}
+
+/* Output rows [n, n + NR) x activation rows [m, m + MR) of a 32-wide format, NR * MR <= 8:
+ * the pairs' block dots are reduced to one integer each, then scaled eight at a time. */
+AI void tile32(const int qtype, const int NR, const int MR, const uint8_t *w, int64_t w_stride, const acts *a,
+               int64_t m, float *y, int64_t ldy) {
+    __m256 acc = _mm256_setzero_ps(), off = _mm256_setzero_ps();
+    const int64_t M = a->M;
+    /* A decode tile reads NR short rows (a few hundred bytes each): too short for the hardware
+     * prefetcher to lock on, so the bytes of the tile after next are requested while this one computes. */
+    const char *next = (const char *)w + 2 * NR * w_stride;
+    const int64_t next_lines = NR == 8 ? (NR * w_stride + 63) / 64 : 0;
+    for (int64_t b = 0; b < a->nb; ++b) {
+        for (int64_t l = b * next_lines / a->nb; l < (b + 1) * next_lines / a->nb; ++l)
+            _mm_prefetch(next + 64 * l, _MM_HINT_T0);
+        __m256i isum[8];
+        for (int p = NR * MR; p < 8; ++p) isum[p] = _mm256_setzero_si256();
+        __m256i aq[4];
+        for (int r = 0; r < MR; ++r) aq[r] = _mm256_loadu_si256((const __m256i *)(a->q + (m + r) * a->K + 32 * b));
+        for (int i = 0; i < NR; ++i) {
+            const uint8_t *row = w + i * w_stride;
+            __m256i u, sgn;
+            if (qtype == Q4_1) {
+                u = nibbles32(((const block_q4_1 *)row)[b].qs);
+                sgn = u;
+            } else if (qtype == Q4_0) {
+                sgn = _mm256_sub_epi8(nibbles32(((const block_q4_0 *)row)[b].qs), _mm256_set1_epi8(8));
+                u = _mm256_sign_epi8(sgn, sgn);
+            } else {
+                sgn = _mm256_loadu_si256((const __m256i *)((const block_q8_0 *)row)[b].qs);
+                u = _mm256_sign_epi8(sgn, sgn);
+            }
+            for (int r = 0; r < MR; ++r)
+                isum[i * MR + r] = dot_u8s8(u, qtype == Q4_1 ? aq[r] : _mm256_sign_epi8(aq[r], sgn));
+        }
+        /* lane p = i * MR + r: the weight scale of row i times the activation scale of row r */
+        __m256 dw, da, mw = _mm256_setzero_ps(), sa = _mm256_setzero_ps();
+        if (NR == 8 && MR == 1) {
+            __m128i h = _mm_cvtsi32_si128(block_d(qtype, w, b));
+            for (int i = 1; i < 8; ++i) h = _mm_insert_epi16(h, block_d(qtype, w + i * w_stride, b), i);
+            dw = _mm256_cvtph_ps(h);
+            da = _mm256_set1_ps(a->d[b * M + m]);
+            if (qtype == Q4_1) {
+                __m128i hm = _mm_cvtsi32_si128(((const block_q4_1 *)w)[b].m);
+                for (int i = 1; i < 8; ++i) hm = _mm_insert_epi16(hm, ((const block_q4_1 *)(w + i * w_stride))[b].m, i);
+                mw = _mm256_cvtph_ps(hm);
+                sa = _mm256_set1_ps(a->s[b * M + m]);
+            }
+        } else if (NR == 2 && MR == 4) {
+            dw = _mm256_set_m128(_mm_set1_ps(_cvtsh_ss(block_d(qtype, w + w_stride, b))), _mm_set1_ps(_cvtsh_ss(block_d(qtype, w, b))));
+            da = _mm256_broadcast_ps((const __m128 *)(a->d + b * M + m));
+            if (qtype == Q4_1) {
+                mw = _mm256_set_m128(_mm_set1_ps(_cvtsh_ss(((const block_q4_1 *)(w + w_stride))[b].m)),
+                                     _mm_set1_ps(_cvtsh_ss(((const block_q4_1 *)w)[b].m)));
+                sa = _mm256_broadcast_ps((const __m128 *)(a->s + b * M + m));
+            }
+        } else { /* remainder tiles: lanes built one by one */
+            float dwv[8] = {0}, dav[8] = {0}, mwv[8] = {0}, sav[8] = {0};
+            for (int i = 0; i < NR; ++i)
+                for (int r = 0; r < MR; ++r) {
+                    dwv[i * MR + r] = _cvtsh_ss(block_d(qtype, w + i * w_stride, b));
+                    dav[i * MR + r] = a->d[b * M + m + r];
+                    if (qtype == Q4_1) {
+                        mwv[i * MR + r] = _cvtsh_ss(((const block_q4_1 *)(w + i * w_stride))[b].m);
+                        sav[i * MR + r] = a->s[b * M + m + r];
+                    }
+                }
+            dw = _mm256_loadu_ps(dwv), da = _mm256_loadu_ps(dav), mw = _mm256_loadu_ps(mwv), sa = _mm256_loadu_ps(sav);
+        }
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum8_epi32(isum)), _mm256_mul_ps(dw, da), acc);
+        if (qtype == Q4_1) off = _mm256_fmadd_ps(mw, sa, off);
+    }
+    float out[8];
+    _mm256_storeu_ps(out, _mm256_add_ps(acc, off));
+    for (int i = 0; i < NR; ++i)
+        for (int r = 0; r < MR; ++r) y[r * ldy + i] = out[i * MR + r];
+}
+
+AI __m256i scale_pair16(int lo, int hi) { /* int16 lanes 0-7 = lo, 8-15 = hi */
+    return _mm256_set_m128i(_mm_set1_epi16((int16_t)hi), _mm_set1_epi16((int16_t)lo));
+}
+
+/* Output row n x activation rows [m, m + MR) of Q4_K. */
+AI void tile_q4k(const int MR, const uint8_t *w, const acts *a, int64_t m, float *y, int64_t ldy) {
+    float acc[4] = {0}, off[4] = {0};
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    for (int64_t b = 0; b < a->nb; ++b) {
+        const block_q4_k *blk = (const block_q4_k *)w + b;
+        uint8_t sc[8], mn[8];
+        q4k_scales(blk->scales, sc, mn);
+        __m256i isum[4];
+        for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
+        for (int c = 0; c < 4; ++c) {
+            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(blk->qs + 32 * c));
+            const __m256i lo = _mm256_and_si256(bytes, mask), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
+            const __m256i sc_lo = _mm256_set1_epi16(sc[2 * c]), sc_hi = _mm256_set1_epi16(sc[2 * c + 1]);
+            for (int r = 0; r < MR; ++r) {
+                const int8_t *q = a->q + (m + r) * a->K + 256 * b + 64 * c;
+                const __m256i p_lo = dot_u8s8_scaled(lo, _mm256_loadu_si256((const __m256i *)q), sc_lo);
+                const __m256i p_hi = dot_u8s8_scaled(hi, _mm256_loadu_si256((const __m256i *)(q + 32)), sc_hi);
+                isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(p_lo, p_hi));
+            }
+        }
+        const float d = _cvtsh_ss(blk->d), dmin = _cvtsh_ss(blk->dmin);
+        for (int r = 0; r < MR; ++r) {
+            const float da = a->d[b * a->M + m + r];
+            const int32_t imin = q4k_min_dot(mn, a->bsum + ((m + r) * a->nb + b) * 16);
+            acc[r] = fmaf((float)hsum_epi32(isum[r]), d * da, acc[r]);
+            off[r] = fmaf(-(dmin * da), (float)imin, off[r]);
+        }
+    }
+    for (int r = 0; r < MR; ++r) y[r * ldy] = acc[r] + off[r];
+}
+
+/* Output row n x activation rows [m, m + MR) of Q6_K. */
+AI void tile_q6k(const int MR, const uint8_t *w, const acts *a, int64_t m, float *y, int64_t ldy) {
+    float acc[4] = {0};
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
+    for (int64_t b = 0; b < a->nb; ++b) {
+        const block_q6_k *blk = (const block_q6_k *)w + b;
+        __m256i isum[4];
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)blk->scales));
+        for (int r = 0; r < MR; ++r) { /* the offset of 32 first: scales times the 16-value sums */
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)(a->bsum + ((m + r) * a->nb + b) * 16));
+            isum[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5));
+        }
+        for (int h = 0; h < 2; ++h) {
+            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk->ql + 64 * h));
+            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk->ql + 64 * h + 32));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk->qh + 32 * h));
+            __m256i g[4];
+            g[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4));
+            g[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4));
+            g[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4));
+            g[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4));
+            for (int k = 0; k < 4; ++k) {
+                const int sub = 8 * h + 2 * k; /* the group's two 16-value sub-blocks */
+                const __m256i scale = scale_pair16(blk->scales[sub], blk->scales[sub + 1]);
+                for (int r = 0; r < MR; ++r) {
+                    const int8_t *q = a->q + (m + r) * a->K + 256 * b + 128 * h + 32 * k;
+                    isum[r] = _mm256_add_epi32(isum[r], dot_u8s8_scaled(g[k], _mm256_loadu_si256((const __m256i *)q), scale));
+                }
+            }
+        }
+        const float d = _cvtsh_ss(blk->d);
+        for (int r = 0; r < MR; ++r) acc[r] = fmaf((float)hsum_epi32(isum[r]), d * a->d[b * a->M + m + r], acc[r]);
+    }
+    for (int r = 0; r < MR; ++r) y[r * ldy] = acc[r];
+}
+
+#define TILE32_CASE(QT)                                                                                       \
+    case QT:                                                                                                  \
+        if (nr == 8 && mr == 1) tile32(QT, 8, 1, w, w_stride, a, m, y, ldy);                                  \
+        else if (nr == 2 && mr == 4) tile32(QT, 2, 4, w, w_stride, a, m, y, ldy);                             \
+        else if (nr == 1 && mr == 4) tile32(QT, 1, 4, w, w_stride, a, m, y, ldy);                             \
+        else if (nr == 2 && mr == 1) tile32(QT, 2, 1, w, w_stride, a, m, y, ldy);                             \
+        else tile32(QT, 1, 1, w, w_stride, a, m, y, ldy);                                                     \
+        break;
+
+/* One tile through the SIMD path; (nr, mr) is one of the shapes the caller picks. */
+static void run_tile(int qtype, int nr, int mr, const uint8_t *w, int64_t w_stride, const acts *a, int64_t m,
+                     float *y, int64_t ldy) {
+    switch (qtype) {
+        TILE32_CASE(Q4_0)
+        TILE32_CASE(Q4_1)
+        TILE32_CASE(Q8_0)
+    case Q4_K:
+        for (int i = 0; i < nr; ++i) {
+            if (mr == 4) tile_q4k(4, w + i * w_stride, a, m, y + i, ldy);
+            else tile_q4k(1, w + i * w_stride, a, m, y + i, ldy);
+        }
+        break;
+    case Q6_K:
+        for (int i = 0; i < nr; ++i) {
+            if (mr == 4) tile_q6k(4, w + i * w_stride, a, m, y + i, ldy);
+            else tile_q6k(1, w + i * w_stride, a, m, y + i, ldy);
+        }
+        break;
+    }
+}
+#endif /* GGUF_SIMD */
+
+/* ---------------------------------------------------------------- entry points */
+
+/* 1 when this build runs the SIMD path, 2 with VNNI dot products, 0 for portable C. */
+int gguf_simd_level(void) {
+#if GGUF_SIMD && ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
+    return 2;
+#elif GGUF_SIMD
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int64_t gguf_block_bytes(int qtype) { return block_bytes(qtype); }
+
+int gguf_block_elems(int qtype) { return block_bytes(qtype) ? block_elems(qtype) : 0; }
+
+static void families(int64_t nseg, const int32_t *qtypes, int *need32, int *need256) {
+    *need32 = *need256 = 0;
+    for (int64_t s = 0; s < nseg; ++s) {
+        if (block_elems(qtypes[s]) == 32) *need32 = 1;
+        else *need256 = 1;
+    }
+}
+
+/* Bytes of scratch gguf_matmul needs for M rows of K values and these weight types. */
+int64_t gguf_scratch_bytes(int64_t M, int64_t K, int64_t nseg, const int32_t *qtypes) {
+    int need32, need256;
+    families(nseg, qtypes, &need32, &need256);
+    return need32 * acts_bytes(M, K, 0) + need256 * acts_bytes(M, K, 1);
+}
+
+enum { PROLOGUE_NONE = 0, PROLOGUE_RMS_NORM = 1, PROLOGUE_SWIGLU = 2 };
+
+/* y[M, sum(rows)] (row stride ldy) = a[M, K] times the concatenation of nseg packed matrices
+ * (segment s: qtypes[s], rows[s] x K, weights[s] row-major blocks) transposed, where a is
+ * x [M, K] (row stride ldx) after the prologue:
+ *   PROLOGUE_NONE      a = x;
+ *   PROLOGUE_RMS_NORM  v = x + residual (or x when residual is NULL), sum = v (when not NULL),
+ *                      a = rms_norm(v) * norm_weight, eps; residual and sum rows are K apart;
+ *   PROLOGUE_SWIGLU    x rows hold 2K values [gate | up]: a = silu(gate) * up.
+ * Writes only y, sum and scratch (gguf_scratch_bytes). simd = 0 forces the portable path. */
+void gguf_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t nseg, const int32_t *qtypes,
+                 const void *const *weights, const int64_t *rows, void *scratch, float *y, int64_t ldy, int simd,
+                 int prologue, const float *residual, float *sum, const float *norm_weight, float eps) {
+    int need32, need256;
+    families(nseg, qtypes, &need32, &need256);
+    const acts a32 = acts_at(scratch, M, K, 0);
+    const acts a256 = acts_at((char *)scratch + need32 * acts_bytes(M, K, 0), M, K, 1);
+    const int use_simd = simd && GGUF_SIMD;
+    /* Work units of UNIT output rows (never across segments): the static split over threads
+     * decides who computes a row, never how. */
+    enum { UNIT = 16 };
+    int64_t units = 0;
+    for (int64_t s = 0; s < nseg; ++s) units += (rows[s] + UNIT - 1) / UNIT;
+    /* Activation rows per pass: a chunk of quantized activations stays in L2 while a unit's
+     * weight rows are reused over it. */
+    int64_t m_chunk = (192 << 10) / (K + 16);
+    m_chunk = m_chunk < 4 ? 4 : m_chunk - m_chunk % 4;
+
+#pragma omp parallel
+    {
+        float *row = prologue != PROLOGUE_NONE ? malloc(K * sizeof(float)) : NULL;
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; ++m) {
+            const float *a = x + m * ldx;
+            if (prologue == PROLOGUE_RMS_NORM) {
+                const float *v = a;
+                if (residual) {
+                    float *out = sum ? sum + m * K : row;
+                    for (int64_t i = 0; i < K; ++i) out[i] = a[i] + residual[m * K + i];
+                    v = out;
+                } else if (sum) {
+                    memcpy(sum + m * K, a, K * sizeof(float));
+                }
+                rms_norm_row(v, norm_weight, row, K, eps);
+                a = row;
+            } else if (prologue == PROLOGUE_SWIGLU) {
+                swiglu_row(a, a + K, row, K);
+                a = row;
+            }
+            if (need32) {
+#if GGUF_SIMD
+                if (use_simd) quantize_row32_simd(a, &a32, m);
+                else
+#endif
+                    quantize_row(a, &a32, m, 32);
+            }
+            if (need256) quantize_row(a, &a256, m, 256);
+        }
+        free(row);
+        /* implicit barrier: every activation row is quantized before any product */
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < units; ++u) {
+            int64_t s = 0, first = u, col0 = 0;
+            while (first >= (rows[s] + UNIT - 1) / UNIT) {
+                first -= (rows[s] + UNIT - 1) / UNIT;
+                col0 += rows[s];
+                ++s;
+            }
+            const int qtype = qtypes[s];
+            const acts *a = block_elems(qtype) == 256 ? &a256 : &a32;
+            const int64_t w_stride = a->nb * block_bytes(qtype);
+            const int64_t n0 = first * UNIT, n1 = n0 + UNIT < rows[s] ? n0 + UNIT : rows[s];
+            const uint8_t *wseg = (const uint8_t *)weights[s];
+            for (int64_t m0 = 0; m0 < M; m0 += m_chunk) {
+                const int64_t m1 = m0 + m_chunk < M ? m0 + m_chunk : M;
+                if (!use_simd) {
+                    for (int64_t n = n0; n < n1; ++n)
+                        for (int64_t m = m0; m < m1; ++m)
+                            y[m * ldy + col0 + n] = dot_row_scalar(qtype, wseg + n * w_stride, a, m);
+                    continue;
+                }
+#if GGUF_SIMD
+                const int nr = M == 1 ? 8 : 2;
+                for (int64_t n = n0; n < n1;) {
+                    const int tile_rows = n + nr <= n1 ? nr : 1;
+                    for (int64_t m = m0; m < m1;) {
+                        const int tile_cols = M > 1 && m + 4 <= m1 ? 4 : 1;
+                        run_tile(qtype, tile_rows, tile_cols, wseg + n * w_stride, w_stride, a, m, y + m * ldy + col0 + n, ldy);
+                        m += tile_cols;
+                    }
+                    n += tile_rows;
+                }
+#endif
+            }
+        }
+    }
+}
+
+/* out[i, :] = dequantized row ids[i] of a packed [*, K] matrix (embedding lookups, tests).
+ * The arithmetic is the `gguf` package's (d * q + m in that order), so rows equal its output. */
+void gguf_dequantize_rows(int qtype, const void *weights, int64_t K, const int64_t *ids, int64_t n, float *out) {
+    const int64_t nb = K / block_elems(qtype), w_stride = nb * block_bytes(qtype);
+#pragma omp parallel for schedule(static) if (n > 16)
+    for (int64_t i = 0; i < n; ++i) {
+        const uint8_t *row = (const uint8_t *)weights + ids[i] * w_stride;
+        float *o = out + i * K;
+        for (int64_t b = 0; b < nb; ++b) {
+            if (qtype == Q4_0 || qtype == Q4_1) {
+                const uint8_t *qs = qtype == Q4_0 ? ((const block_q4_0 *)row)[b].qs : ((const block_q4_1 *)row)[b].qs;
+                const float d = half_to_float(qtype == Q4_0 ? ((const block_q4_0 *)row)[b].d : ((const block_q4_1 *)row)[b].d);
+                for (int j = 0; j < 16; ++j) {
+                    if (qtype == Q4_0) {
+                        o[32 * b + j] = d * (float)((qs[j] & 0x0F) - 8);
+                        o[32 * b + j + 16] = d * (float)((qs[j] >> 4) - 8);
+                    } else {
+                        const float m = half_to_float(((const block_q4_1 *)row)[b].m);
+                        o[32 * b + j] = d * (float)(qs[j] & 0x0F) + m;
+                        o[32 * b + j + 16] = d * (float)(qs[j] >> 4) + m;
+                    }
+                }
+            } else if (qtype == Q8_0) {
+                const block_q8_0 *blk = (const block_q8_0 *)row + b;
+                const float d = half_to_float(blk->d);
+                for (int j = 0; j < 32; ++j) o[32 * b + j] = (float)blk->qs[j] * d;
+            } else if (qtype == Q4_K) {
+                const block_q4_k *blk = (const block_q4_k *)row + b;
+                uint8_t sc[8], mn[8];
+                q4k_scales(blk->scales, sc, mn);
+                const float d = half_to_float(blk->d), dmin = half_to_float(blk->dmin);
+                for (int c = 0; c < 4; ++c) {
+                    const float d_lo = d * (float)sc[2 * c], m_lo = dmin * (float)mn[2 * c];
+                    const float d_hi = d * (float)sc[2 * c + 1], m_hi = dmin * (float)mn[2 * c + 1];
+                    for (int j = 0; j < 32; ++j) {
+                        o[256 * b + 64 * c + j] = d_lo * (float)(blk->qs[32 * c + j] & 0x0F) - m_lo;
+                        o[256 * b + 64 * c + 32 + j] = d_hi * (float)(blk->qs[32 * c + j] >> 4) - m_hi;
+                    }
+                }
+            } else if (qtype == Q6_K) {
+                const block_q6_k *blk = (const block_q6_k *)row + b;
+                const float d = half_to_float(blk->d);
+                for (int h = 0; h < 2; ++h) {
+                    const uint8_t *ql = blk->ql + 64 * h, *qh = blk->qh + 32 * h;
+                    float *oh = o + 256 * b + 128 * h;
+                    for (int l = 0; l < 32; ++l) {
+                        const int q[4] = {(ql[l] & 0x0F) | ((qh[l] & 3) << 4),
+                                          (ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4),
+                                          (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4),
+                                          (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)};
+                        for (int g = 0; g < 4; ++g)
+                            oh[32 * g + l] = (d * (float)blk->scales[8 * h + 2 * g + l / 16]) * (float)(q[g] - 32);
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,52 @@
+/* Row-wise fp32 operations of a decoder layer, for CPUs: RMSNorm (optionally fused with the
+ * residual add before it) and rotary embedding in place.
+ *
+ * At batch 1 a decode step runs them 90 times on rows of a few hundred values, where PyTorch's
+ * per-operator overhead (tens of microseconds each here) costs more than the arithmetic; one call
+ * per operation does the whole batch. Each row is computed on its own, in the same order whatever
+ * the number of rows or threads, so results never depend on the batch.
+ */
+#include <stdint.h>
+
+#include "rowops.h"
+
+/* out[t] = v * w / sqrt(mean(v^2) + eps) with v = x[t], or with a residual v = sum[t] =
+ * x[t] + residual[t] (the new residual stream, written to sum). The sum of squares in double. */
+void rms_norm_rows(const float *x, const float *residual, float *sum, const float *weight, float *out, int64_t rows,
+                   int64_t dim, float eps) {
+#pragma omp parallel for schedule(static) if (rows * dim > 65536)
+    for (int64_t t = 0; t < rows; ++t) {
+        const float *row = x + t * dim;
+        if (residual) {
+            const float *r = residual + t * dim;
+            float *s = sum + t * dim;
+            for (int64_t i = 0; i < dim; ++i) s[i] = row[i] + r[i];
+            row = s;
+        }
+        rms_norm_row(row, weight, out + t * dim, dim, eps);
+    }
+}
+
+/* Rotate heads [0, heads) of each token in place, "rotate half" layout: with x1, x2 the two
+ * halves of a head, x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin. x is [T, *, head_dim] with
+ * token stride token_stride; cos/sin are [table_rows, head_dim] tables (first halves used).
+ * Returns -1, touching nothing, if a position lies outside the tables. */
+int rotary_rows(float *x, const int64_t *positions, const float *cos_table, const float *sin_table,
+                int64_t table_rows, int64_t tokens, int64_t heads, int64_t head_dim, int64_t token_stride) {
+    const int64_t half = head_dim / 2;
+    for (int64_t t = 0; t < tokens; ++t)
+        if (positions[t] < 0 || positions[t] >= table_rows) return -1;
+#pragma omp parallel for schedule(static) if (tokens * heads * head_dim > 65536)
+    for (int64_t t = 0; t < tokens; ++t) {
+        const float *c = cos_table + positions[t] * head_dim, *s = sin_table + positions[t] * head_dim;
+        for (int64_t h = 0; h < heads; ++h) {
+            float *x1 = x + t * token_stride + h * head_dim, *x2 = x1 + half;
+            for (int64_t i = 0; i < half; ++i) {
+                const float a = x1[i], b = x2[i];
+                x1[i] = a * c[i] - b * s[i];
+                x2[i] = b * c[i] + a * s[i];
+            }
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,59 @@
+"""ctypes binding of rowwise.c: RMSNorm (with the residual add) and rotary embedding for fp32 rows.
+
+Callers use these for contiguous fp32 CPU tensors and PyTorch otherwise; `rowwise_kernels()` is
+None when no C compiler is available.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+
+import torch
+
+from deepinfer.kernels.build import load_kernel_library
+
+
+class RowwiseKernels:
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self._norm = lib.rms_norm_rows
+        self._norm.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
+        self._norm.restype = None
+        self._rotary = lib.rotary_rows
+        self._rotary.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
+        self._rotary.restype = ctypes.c_int
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(norm(v), v) for v = x + residual, or (norm(x), None). x, residual: contiguous fp32 [..., dim]."""
+        dim = x.shape[-1]
+        out = torch.empty_like(x)
+        summed = None if residual is None else torch.empty_like(x)
+        self._norm(
+            x.data_ptr(), None if residual is None else residual.data_ptr(), None if summed is None else summed.data_ptr(),
+            weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps,
+        )  # fmt: skip
+        return out, summed
+
+    def rotary_(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotate x [T, heads, dim] in place (heads and values contiguous); cos/sin [P, dim] fp32."""
+        tokens, heads, dim = x.shape
+        status = self._rotary(
+            x.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0], tokens, heads, dim,
+            x.stride(0),
+        )  # fmt: skip
+        if status:
+            raise IndexError(f"a position is outside the rotary tables (0..{cos.shape[0] - 1})")
+
+
+def fits(x: torch.Tensor) -> bool:
+    """Whether the C path takes this tensor: fp32, on the CPU, contiguous."""
+    return x.dtype is torch.float32 and x.is_cpu and x.is_contiguous()
+
+
+@cache
+def rowwise_kernels() -> RowwiseKernels | None:
+    lib = load_kernel_library("rowwise", ("-ffp-contract=off",))
+    return None if lib is None else RowwiseKernels(lib)

@@ -1,0 +1,97 @@
+"""Which replica gets a request: round robin, least load, or cache-aware.
+
+Cache-aware (after SGLang's router, with tier credits and a shared store): when the load is
+unbalanced (the busiest replica has `balance_abs_threshold` more requests than the least busy
+and `balance_rel_threshold` times its load), the least loaded replica; otherwise the replica
+whose caches hold the most of the prompt (device blocks count 1, host and store blocks their
+credit), if that is at least `cache_threshold` of the prompt; otherwise the least loaded one.
+Ties go to the replica that served the same session last (prompt_cache_key, metadata.user_id,
+x-session-id), then to the least loaded, then to the first listed.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Protocol
+
+from deepinfer.config.router import RouterConfig
+from deepinfer.router.index import PrefixMatch
+
+CREDIT_EPSILON = 1e-6
+
+
+class Routable(Protocol):
+    name: str
+
+    @property
+    def load(self) -> int: ...
+
+
+@dataclass(slots=True)
+class Candidate:
+    replica: Routable
+    match: PrefixMatch | None  # None: nothing known of the prompt (no features, or no events)
+    total_blocks: int
+
+    @property
+    def credit(self) -> float:
+        return self.match.credit if self.match is not None else 0.0
+
+
+@dataclass(slots=True)
+class Decision:
+    replica: Routable
+    reason: str  # round_robin | load | balance | cache | affinity
+    credit: float
+    total_blocks: int
+
+
+class Policy:
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self._turns = itertools.count()
+        self._sessions: dict[str, str] = {}  # session key -> replica name that served it last
+
+    def choose(self, candidates: list[Candidate], session: str | None) -> Decision:
+        if not candidates:
+            raise ValueError("no candidates")
+        policy = self.config.policy
+        if policy == "round_robin":
+            chosen = candidates[next(self._turns) % len(candidates)]
+            decision = Decision(chosen.replica, "round_robin", chosen.credit, chosen.total_blocks)
+        elif policy == "least_load":
+            chosen = self._least_loaded(candidates, session)
+            decision = Decision(chosen.replica, "load", chosen.credit, chosen.total_blocks)
+        else:
+            decision = self._cache_aware(candidates, session)
+        if session is not None:
+            self._sessions[session] = decision.replica.name
+            if len(self._sessions) > 100_000:  # bounded: the oldest sessions are forgotten
+                self._sessions.pop(next(iter(self._sessions)))
+        return decision
+
+    def _least_loaded(self, candidates: list[Candidate], session: str | None) -> Candidate:
+        last = self._sessions.get(session) if session is not None else None
+        return min(candidates, key=lambda c: (c.replica.load, c.replica.name != last))
+
+    def _cache_aware(self, candidates: list[Candidate], session: str | None) -> Decision:
+        config = self.config
+        loads = [c.replica.load for c in candidates]
+        busiest, idlest = max(loads), min(loads)
+        if (
+            busiest - idlest > config.balance_abs_threshold
+            and busiest > config.balance_rel_threshold * idlest
+        ):
+            chosen = self._least_loaded(candidates, session)
+            return Decision(chosen.replica, "balance", chosen.credit, chosen.total_blocks)
+        best = max(c.credit for c in candidates)
+        total = candidates[0].total_blocks
+        if total and best / total >= config.cache_threshold:
+            tied = [c for c in candidates if c.credit >= best - CREDIT_EPSILON]
+            chosen = self._least_loaded(tied, session)
+            return Decision(chosen.replica, "cache", chosen.credit, chosen.total_blocks)
+        chosen = self._least_loaded(candidates, session)
+        last = self._sessions.get(session) if session is not None else None
+        reason = "affinity" if last == chosen.replica.name and len(candidates) > 1 else "load"
+        return Decision(chosen.replica, reason, chosen.credit, chosen.total_blocks)

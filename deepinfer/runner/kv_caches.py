@@ -1,0 +1,109 @@
+"""The KV-cache tensors of every cache group, for every model of the engine (the target, a draft
+model, MTP), allocated once from the planned layout.
+
+Group g's tensors are [num_slots_g, *slot_shape]; the models sharing a group address it with the
+same block tables. Block copies (copy-on-write) and transfers to other tiers go through here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from deepinfer.cache_layout import CacheGroup, CacheLayout, GroupLayout
+from deepinfer.runner.inputs import ForwardInputs, RowSpan, build_inputs
+from deepinfer.sequence import Sequence
+
+
+@dataclass(slots=True)
+class CacheView:
+    """One model's side of the caches: its tensors and the engine groups its own groups are."""
+
+    tensors: list[torch.Tensor]
+    group_indices: list[int]  # engine (KV manager) group of each of the model's groups
+    groups: list[GroupLayout]
+    device: torch.device
+
+    def tables(self, seq: Sequence) -> list[list[int]]:
+        """The sequence's block tables of this model's groups, in the model's order."""
+        return [seq.block_tables[g] for g in self.group_indices]
+
+    def inputs(self, spans: list[RowSpan]) -> ForwardInputs:
+        """Inputs (tensors and metadata) for a forward of this model over `spans`."""
+        return build_inputs(spans, self.groups, self.device)
+
+
+class KVCaches:
+    def __init__(
+        self, layout: CacheLayout, declared: dict[str, list[CacheGroup]], device: torch.device
+    ) -> None:
+        """`declared`: each owner's cache groups in its own order (their tensors are in `layout`,
+        merged into compatible groups)."""
+        self.layout = layout
+        self.device = device
+        # Zeroed, not empty: masked attention weights multiply unused slots, and NaN * 0 is NaN.
+        self.tensors: list[list[torch.Tensor]] = [
+            [
+                torch.zeros((g.num_slots, *t.slot_shape), dtype=getattr(torch, t.dtype), device=device)
+                for t in g.group.tensors
+            ]
+            for g in layout.groups
+        ]
+        self.owner_groups: dict[str, list[int]] = {}
+        self._owned: dict[str, list[torch.Tensor]] = {}
+        for owner, groups in declared.items():
+            indices = [self._index_of(group) for group in groups]
+            self.owner_groups[owner] = indices
+            self._owned[owner] = [
+                tensor
+                for g in indices
+                for spec, tensor in zip(layout.groups[g].group.tensors, self.tensors[g])
+                if spec.owner == owner
+            ]
+
+    def _index_of(self, group: CacheGroup) -> int:
+        for i, g in enumerate(self.layout.groups):
+            if g.group.compatible(group):
+                return i
+        raise ValueError(f"cache group {group.layout()} is not in the planned layout")
+
+    def view(self, owner: str) -> CacheView:
+        """What a model's forward needs of the caches: its tensors (in the order of its declared
+        groups' tensors) and its groups."""
+        indices = self.owner_groups[owner]
+        return CacheView(self._owned[owner], indices, [self.layout.groups[g] for g in indices], self.device)
+
+    def copy_blocks(self, copies: list[tuple[int, int, int]]) -> None:
+        """Apply (group, src block, dst block) copies to every tensor of the group."""
+        by_group: dict[int, list[tuple[int, int]]] = {}
+        for group, src, dst in copies:
+            by_group.setdefault(group, []).append((src, dst))
+        for group, pairs in by_group.items():
+            per_block = self.layout.groups[group].entries_per_block
+            src = self._slots([s for s, _ in pairs], per_block)
+            dst = self._slots([d for _, d in pairs], per_block)
+            for tensor in self.tensors[group]:
+                tensor[dst] = tensor[src]
+
+    def _slots(self, block_ids: list[int], per_block: int) -> torch.Tensor:
+        offsets = torch.arange(per_block)
+        slots = torch.tensor(block_ids, dtype=torch.long)[:, None] * per_block + offsets
+        return slots.flatten().to(self.device)
+
+    def read_blocks(self, group: int, block_ids: list[int]) -> np.ndarray:
+        """One group's whole blocks as a host array [tensors, slots, *slot_shape] (for the KV
+        store; the group's tensors must share a slot shape)."""
+        slots = self._slots(block_ids, self.layout.groups[group].entries_per_block)
+        return torch.stack([t[slots] for t in self.tensors[group]]).cpu().numpy()
+
+    def write_blocks(self, group: int, block_ids: list[int], kv: np.ndarray) -> None:
+        """Inverse of read_blocks: fill whole blocks from a host array."""
+        tensors = self.tensors[group]
+        slots = self._slots(block_ids, self.layout.groups[group].entries_per_block)
+        data = torch.from_numpy(np.array(kv)).to(self.device)  # a writable copy: store buffers are read-only
+        if data.shape != (len(tensors), len(slots), *tensors[0].shape[1:]):
+            raise ValueError(f"KV chunk of shape {tuple(data.shape)} does not fit {len(block_ids)} blocks")
+        for i, tensor in enumerate(tensors):
+            tensor[slots] = data[i].to(tensor.dtype)

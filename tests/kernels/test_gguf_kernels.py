@@ -1,0 +1,210 @@
+"""The GGUF block kernels against the `gguf` package's dequantization and a float64 reference."""
+
+from __future__ import annotations
+
+import platform
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from deepinfer.kernels.gguf_blocks import GGUFKernels, PackedGroup, PackedMatrix, gguf_kernels
+from deepinfer.model.layers.norm import RMSNorm
+from deepinfer.model.loader.gguf_tensors import read_tensors
+from tests.kernels.gguf_testing import (
+    FORMATS,
+    activation_error_bound,
+    dequantized,
+    random_packed,
+    reference_product,
+)
+
+ROWS, COLS = 70, 512  # 70: tiles of 4 and 2 rows with remainders; 512: two k-quant superblocks
+
+
+@pytest.fixture(scope="module")
+def kernels() -> GGUFKernels:
+    built = gguf_kernels()
+    assert built is not None, "the kernels must build on the test machine"
+    return built
+
+
+def _rng(*key: object) -> np.random.Generator:
+    return np.random.default_rng(zlib.crc32(repr(key).encode()))
+
+
+def _matmul(
+    kernels: GGUFKernels, x: np.ndarray, *matrices: PackedMatrix, portable: bool = False
+) -> np.ndarray:
+    return kernels.matmul(torch.from_numpy(x), PackedGroup(matrices), portable=portable).numpy()
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("batch", [1, 9])
+def test_kernel_equals_the_quantized_activation_reference(kernels, name, batch):
+    """Exact integer block dots: only float32 rounding separates the kernel from float64 math."""
+    rng = _rng(name, batch)
+    matrix = random_packed(name, ROWS, COLS, rng)
+    x = rng.standard_normal((batch, COLS)).astype(np.float32)
+    reference, magnitude = reference_product(x, matrix)
+    error = np.abs(_matmul(kernels, x, matrix) - reference)
+    assert np.all(error <= 1e-5 * magnitude + 1e-7), (error / magnitude).max()
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_kernel_error_against_fp32_matmul_is_bounded_by_activation_rounding(kernels, name):
+    """Against dequantize-then-matmul: at most half an activation step per value, times |w|."""
+    rng = _rng("bound", name)
+    matrix = random_packed(name, ROWS, COLS, rng)
+    x = rng.standard_normal((9, COLS)).astype(np.float32)
+    exact = x.astype(np.float64) @ dequantized(matrix).astype(np.float64).T
+    _, magnitude = reference_product(x, matrix)
+    error = np.abs(_matmul(kernels, x, matrix) - exact)
+    assert np.all(error <= activation_error_bound(x, matrix) + 1e-5 * magnitude)
+    # and in practice far below the bound: rounding errors cancel
+    assert np.linalg.norm(error) / np.linalg.norm(exact) < 0.02
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_a_row_never_depends_on_batch_threads_or_code_path(kernels, name):
+    rng = _rng("invariance", name)
+    matrices = (random_packed(name, ROWS, COLS, rng), random_packed("Q8_0", 30, COLS, rng))
+    x = rng.standard_normal((33, COLS)).astype(np.float32)
+    batched = _matmul(kernels, x, *matrices)
+    alone = np.concatenate([_matmul(kernels, x[i : i + 1], *matrices) for i in range(len(x))])
+    assert np.array_equal(batched, alone)
+    spiked = x.copy()
+    spiked[0] *= 1000  # an outlier in another row changes nothing in this one
+    assert np.array_equal(_matmul(kernels, spiked, *matrices)[1:], batched[1:])
+    assert np.array_equal(_matmul(kernels, x, *matrices, portable=True), batched)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = _matmul(kernels, x, *matrices)
+    finally:
+        torch.set_num_threads(threads)
+    assert np.array_equal(one_thread, batched)
+
+
+def test_a_group_computes_as_the_concatenation_of_its_matrices(kernels):
+    rng = _rng("group")
+    parts = [
+        random_packed(name, rows, COLS, rng) for name, rows in (("Q4_K", 48), ("Q6_K", 17), ("Q4_1", 31))
+    ]
+    x = rng.standard_normal((5, COLS)).astype(np.float32)
+    together = _matmul(kernels, x, *parts)
+    assert np.array_equal(together, np.concatenate([_matmul(kernels, x, p) for p in parts], axis=1))
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_row_lookup_equals_the_gguf_package(kernels, name):
+    rng = _rng("rows", name)
+    matrix = random_packed(name, ROWS, COLS, rng)
+    ids = torch.tensor([5, 0, 69, 5, 33])
+    assert np.array_equal(kernels.dequantize_rows(matrix, ids).numpy(), dequantized(matrix)[ids.numpy()])
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":")[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def _other_targets() -> list[tuple[tuple[str, ...], int]]:
+    """Instruction sets this CPU runs, besides -march=native: (flags, expected simd level)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    flags = _cpu_flags()
+    targets = [(("-march=x86-64",), 0)]
+    if {"avx2", "fma", "f16c"} <= flags:
+        targets.append((("-march=x86-64", "-mavx2", "-mfma", "-mf16c"), 1))
+    if {"avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512bw", "avx512_vnni"} <= flags:
+        vnni = (
+            "-march=x86-64",
+            "-mavx2",
+            "-mfma",
+            "-mf16c",
+            "-mavx512f",
+            "-mavx512vl",
+            "-mavx512bw",
+            "-mavx512vnni",
+        )
+        targets.append((vnni, 2))
+    return targets
+
+
+@pytest.mark.parametrize("target", _other_targets(), ids=lambda t: f"simd{t[1]}")
+def test_every_instruction_set_gives_the_same_bits(kernels, target):
+    flags, level = target
+    other = gguf_kernels(flags)
+    assert other is not None and other.simd_level == level
+    for name in FORMATS:
+        rng = _rng("isa", name)
+        matrix = random_packed(name, ROWS, COLS, rng)
+        for batch in (1, 6):
+            x = rng.standard_normal((batch, COLS)).astype(np.float32)
+            assert np.array_equal(_matmul(other, x, matrix), _matmul(kernels, x, matrix)), (name, batch)
+
+
+def test_the_real_model_tensors(kernels, default_model_path):
+    """The default model's Q4_1 projections and Q8_0 embedding, against dequantize-then-matmul."""
+    tensors = {t.name: t for t in read_tensors(default_model_path)}
+    rng = _rng("real")
+    for name in ("blk.0.attn_q.weight", "blk.17.ffn_down.weight", "token_embd.weight"):
+        tensor = tensors[name]
+        blocks = tensor.data[:2048]  # rows of the memory map, not a copy
+        matrix = PackedMatrix(int(tensor.tensor_type), blocks.shape[0], tensor.shape[0], blocks)
+        x = rng.standard_normal((4, matrix.cols)).astype(np.float32)
+        exact = x.astype(np.float64) @ dequantized(matrix).astype(np.float64).T
+        reference, magnitude = reference_product(x, matrix)
+        y = _matmul(kernels, x, matrix)
+        assert np.all(np.abs(y - reference) <= 1e-5 * magnitude + 1e-7), name
+        assert np.all(np.abs(y - exact) <= activation_error_bound(x, matrix) + 1e-5 * magnitude), name
+        assert np.linalg.norm(y - exact) / np.linalg.norm(exact) < 0.01, name
+
+
+def test_bad_inputs_are_refused(kernels):
+    rng = _rng("bad")
+    matrix = random_packed("Q4_0", 8, 64, rng)
+    group = PackedGroup([matrix])
+    with pytest.raises(ValueError, match="float32"):
+        kernels.matmul(torch.zeros(2, 64, dtype=torch.float64), group)
+    with pytest.raises(ValueError, match="float32"):
+        kernels.matmul(torch.zeros(2, 32), group)
+    with pytest.raises(IndexError):
+        kernels.dequantize_rows(matrix, torch.tensor([8]))
+    with pytest.raises(ValueError, match="same number of columns"):
+        PackedGroup([matrix, random_packed("Q4_0", 8, 96, rng)])
+    with pytest.raises(ValueError, match="blocks"):
+        kernels.row_bytes(2, 48)
+
+
+def test_fused_prologues_equal_the_separate_steps(kernels):
+    """RMSNorm (with the residual add) and SwiGLU inside the activation pass, as a layer uses them."""
+    rng = _rng("prologues")
+    norm = RMSNorm(COLS, 1e-5)
+    norm.weight.data = torch.from_numpy(rng.standard_normal(COLS).astype(np.float32))
+    group = PackedGroup([random_packed("Q4_1", 40, COLS, rng), random_packed("Q4_K", 24, COLS, rng)])
+    x, residual = (torch.from_numpy(rng.standard_normal((7, COLS)).astype(np.float32)) for _ in range(2))
+    y, summed = kernels.matmul_rms_norm(x, residual, norm.weight, norm.eps, group)
+    assert torch.equal(summed, x + residual)
+    assert torch.equal(y, kernels.matmul(norm(x + residual), group))  # the same row math, same bits
+    first, same = kernels.matmul_rms_norm(x, None, norm.weight, norm.eps, group)
+    assert same is x and torch.equal(first, kernels.matmul(norm(x), group))
+    gate_up = torch.from_numpy(rng.standard_normal((7, 2 * COLS)).astype(np.float32))
+    fused = kernels.matmul_swiglu(gate_up, group)
+    gate, up = gate_up.split(COLS, dim=-1)
+    separate = kernels.matmul(torch.nn.functional.silu(gate) * up, group)
+    assert torch.allclose(fused, separate, rtol=1e-3, atol=1e-3 * separate.abs().max().item())
+    for run in (
+        lambda rows, portable: kernels.matmul_rms_norm(
+            x[rows], residual[rows], norm.weight, norm.eps, group, portable
+        )[0],
+        lambda rows, portable: kernels.matmul_swiglu(gate_up[rows], group, portable),
+    ):
+        batched = run(slice(None), False)
+        assert torch.equal(run(slice(None), True), batched)
+        assert torch.equal(torch.cat([run(slice(i, i + 1), False) for i in range(7)]), batched)

@@ -1,0 +1,148 @@
+"""Real processes on loopback for the disaggregation and router tests: replicas (`deepinfer
+serve`, small KV budgets, one thread each), a `deepinfer router` in front, started together."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.server.server_process import ServerProcess, pid_alive, wait_until
+
+MODEL = "SmolLM2-135M-Instruct"
+SMALL = ("--kv-cache-memory", "64MiB", "--num-threads", "1", "--max-num-batched-tokens", "512")
+_ROUTER = re.compile(r"DeepInfer router at (http://\S+) ")
+
+
+def replica(*args: str) -> ServerProcess:
+    return ServerProcess(*SMALL, "--kv-events-endpoint", "tcp://127.0.0.1:0", *args)
+
+
+class RouterProcess:
+    def __init__(self, *args: str, startup_timeout_s: float = 120.0) -> None:
+        self.command = [
+            sys.executable,
+            "-m",
+            "deepinfer.cli",
+            "router",
+            "--port",
+            "0",
+            "--log-level",
+            "warning",
+            "--health-interval",
+            "0.5",
+            *args,
+        ]
+        self.startup_timeout_s = startup_timeout_s
+        self.lines: list[str] = []
+        self.url = ""
+        self._announced = threading.Event()
+        self.process: subprocess.Popen[str] | None = None
+
+    def start(self) -> RouterProcess:
+        self.process = subprocess.Popen(
+            self.command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            cwd=Path(__file__).resolve().parents[2],
+            start_new_session=True,
+        )
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self._announced.wait(self.startup_timeout_s):
+            self.kill()
+            raise RuntimeError("the router did not start:\n" + "\n".join(self.lines[-40:]))
+        return self
+
+    def _read(self) -> None:
+        assert self.process is not None and self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.append(line.rstrip("\n"))
+            match = _ROUTER.search(line)
+            if match and not self._announced.is_set():
+                self.url = match.group(1)
+                self._announced.set()
+
+    def health(self) -> dict[str, Any]:
+        return httpx.get(self.url + "/health", timeout=10).json()
+
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        assert wait_until(lambda: self.health()["status"] == "ok", timeout_s), self.health()
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        assert self.process is not None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise RuntimeError("the router did not stop on SIGTERM") from None
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+def start_all(servers: list[ServerProcess]) -> None:
+    """Start replicas side by side (each loads the model); if one fails, stop them all."""
+    with ThreadPoolExecutor(len(servers)) as pool:
+        futures = [pool.submit(s.start) for s in servers]
+        errors = [f.exception() for f in futures]
+    if any(errors):
+        for s in servers:
+            s.kill()
+        raise next(e for e in errors if e is not None)
+
+
+def stop_all(servers: list[ServerProcess]) -> None:
+    for s in servers:
+        s.kill()
+    for s in servers:
+        if s.engine_pid:
+            wait_until(lambda s=s: not pid_alive(s.engine_pid), 10.0)
+
+
+def engine_info(server: ServerProcess) -> dict[str, Any]:
+    return httpx.get(server.url + "/v1/engine_info", timeout=10).json()
+
+
+def blocks_in_use(server: ServerProcess) -> int:
+    load = engine_info(server)["load"]
+    return load["num_blocks"] - load["num_free_blocks"]
+
+
+def wait_all_blocks_free(servers: list[ServerProcess], timeout_s: float = 15.0) -> None:
+    """Once requests end, no engine holds a KV block (leases included)."""
+    assert wait_until(lambda: all(blocks_in_use(s) == 0 for s in servers), timeout_s, 0.2), {
+        s.url: blocks_in_use(s) for s in servers
+    }
+
+
+def cached_tokens(usage: dict[str, Any]) -> int:
+    """Prompt tokens served from the prefix cache, in any API's usage."""
+    if "cache_read_input_tokens" in usage:
+        return int(usage["cache_read_input_tokens"] or 0)
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
+    return int(details.get("cached_tokens") or 0)
+
+
+def reusable(prompt_tokens: int, block_size: int = 16) -> int:
+    """Prompt tokens a handoff carries: every full block but the last token's."""
+    return (prompt_tokens - 1) // block_size * block_size
+
+
+def elapsed(since: float) -> float:
+    return time.monotonic() - since

@@ -1,0 +1,129 @@
+"""The router's prefix index (fed by KV events, credited by tier, a shared store credited to every
+replica reading it) and the routing policies, on plain data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from deepinfer.config import ConfigError
+from deepinfer.config.router import RouterConfig
+from deepinfer.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from deepinfer.router.index import PrefixIndex, TierCredits
+from deepinfer.router.policy import Candidate, Policy
+from deepinfer.router.prompt import PromptFeatures
+
+H = [bytes([i]) * 32 for i in range(10)]
+
+
+def stored(hashes: list[bytes], medium: str = "GPU") -> BlockStored:
+    return BlockStored(hashes, None, [], 16, None, medium)
+
+
+def test_match_follows_the_chain_across_tiers_with_their_credit() -> None:
+    index = PrefixIndex(TierCredits(device=1.0, host=0.5, store=0.25))
+    index.add_replica("a", store="file:///kv")
+    index.add_replica("b", store="file:///kv")
+    index.apply("a", [stored(H[:2]), stored(H[2:4], "CPU"), stored(H[4:6], "STORE")])
+    match = index.match("a", H[:8])
+    assert (match.num_blocks, match.device_blocks) == (6, 2)
+    assert match.credit == pytest.approx(2 + 2 * 0.5 + 2 * 0.25)
+    # A store written through by one replica is a hit for every replica reading it.
+    assert index.match("b", H[4:8]).credit == pytest.approx(0.5)
+    assert index.match("b", H[:8]).num_blocks == 0  # but the chain starts at block 0
+
+
+def test_removed_and_cleared_forget_blocks_but_never_the_store() -> None:
+    index = PrefixIndex()
+    index.add_replica("a", store="redis://h:6379/0")
+    index.apply("a", [stored(H[:3]), stored(H[:3], "STORE")])
+    index.apply("a", [BlockRemoved([H[1]], "GPU"), BlockRemoved([H[0]], "STORE")])
+    assert index.match("a", H[:3]).device_blocks == 1
+    index.apply("a", [AllBlocksCleared()])
+    assert index.size("a") == {"GPU": 0, "CPU": 0, "STORE": 3}
+    index.forget("a")
+    assert index.match("a", H[:3]).num_blocks == 3  # from the store alone
+
+
+@dataclass
+class FakeReplica:
+    name: str
+    load: int = 0
+
+
+def config(**options) -> RouterConfig:
+    return RouterConfig(replicas=("http://a:1", "http://b:1"), **options)
+
+
+def candidates(credits: list[float], loads: list[int], total: int = 10) -> list[Candidate]:
+    from deepinfer.router.index import PrefixMatch
+
+    return [
+        Candidate(FakeReplica(f"r{i}", load), PrefixMatch(c, int(c), int(c)), total)
+        for i, (c, load) in enumerate(zip(credits, loads))
+    ]
+
+
+def test_cache_aware_prefers_the_replica_holding_the_prompt() -> None:
+    policy = Policy(config())
+    decision = policy.choose(candidates([2.0, 8.0], [0, 5]), None)
+    assert (decision.replica.name, decision.reason) == ("r1", "cache")
+
+
+def test_cache_aware_below_the_threshold_goes_by_load() -> None:
+    policy = Policy(config(cache_threshold=0.5))
+    decision = policy.choose(candidates([2.0, 4.0], [3, 1]), None)
+    assert (decision.replica.name, decision.reason) == ("r1", "load")
+    decision = policy.choose(candidates([4.0, 2.0], [3, 1]), None)
+    assert decision.replica.name == "r1"
+
+
+def test_unbalanced_load_overrides_the_cache() -> None:
+    policy = Policy(config(balance_abs_threshold=4, balance_rel_threshold=1.5))
+    decision = policy.choose(candidates([9.0, 0.0], [10, 1]), None)
+    assert (decision.replica.name, decision.reason) == ("r1", "balance")
+
+
+def test_session_affinity_breaks_ties() -> None:
+    policy = Policy(config())
+    first = policy.choose(candidates([0.0, 0.0], [0, 0]), "session-1")
+    for _ in range(3):
+        again = policy.choose(candidates([0.0, 0.0], [0, 0]), "session-1")
+        assert again.replica.name == first.replica.name
+    other = policy.choose(
+        candidates([0.0, 0.0], [1, 0] if first.replica.name == "r0" else [0, 1]), "session-2"
+    )
+    assert other.replica.name != first.replica.name
+
+
+def test_round_robin_and_least_load() -> None:
+    rr = Policy(config(policy="round_robin"))
+    assert [rr.choose(candidates([9.0, 0.0], [0, 9]), None).replica.name for _ in range(4)] == [
+        "r0",
+        "r1",
+    ] * 2
+    least = Policy(config(policy="least_load"))
+    assert least.choose(candidates([9.0, 0.0], [5, 2]), None).replica.name == "r1"
+
+
+def test_router_hashes_match_the_engine_hashes() -> None:
+    from deepinfer.engine.kv_cache.prefix import extend_block_hashes, namespace_root
+
+    tokens = list(range(50))
+    engine_hashes: list[bytes] = []
+    extend_block_hashes(engine_hashes, namespace_root("fp", "salt"), tokens, 16)
+    features = PromptFeatures(tokens, "salt", None, None)
+    assert features.block_hashes("fp", 16, "salt") == engine_hashes[:3]  # (50 - 1) // 16 usable blocks
+    assert features.salt_for("key", per_key=True).startswith("key:")
+
+
+def test_config_errors_name_the_option() -> None:
+    with pytest.raises(ConfigError, match=r"^prefill"):
+        RouterConfig(prefill=("http://p:1",))
+    with pytest.raises(ConfigError, match=r"^replicas"):
+        RouterConfig()
+    with pytest.raises(ConfigError, match=r"^replicas: expected an http"):
+        RouterConfig(replicas=("localhost:8000",))
+    with pytest.raises(ConfigError, match=r"^policy"):
+        RouterConfig(replicas=("http://a:1",), policy="random")
