@@ -9,9 +9,11 @@ per 128 tokens, all attended). The first layers route tokens to experts by a fix
 block) drafts the token after next from the final streams and the next token's embedding.
 
 The kept state is explicit per-token and per-entry rows behind a V4Cache; `cache_declarations`
-lists them (layer, kind, row width, rows per token, how far back a step reads) for the engine's
-cache groups. The forward over a step is `forward_cached`; the engine's single-group
-`forward(... kv_caches, meta, backend)` and `kv_cache_spec` do not apply to this model.
+lists them (layer, kind, row width, rows per token, how far back a step reads). On the engine they
+become cache groups (`cache_groups`, `group_declarations`): one sliding group per distinct
+lookback (window = lookback + 1) and one compressed group per compress rate, read and written
+through attention/v4_paged.py's PagedV4Cache. `forward_cached` runs a step over any V4Cache;
+`forward` is it over the engine's groups.
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.attention.backend import AttentionBackend
-from deepinfer.attention.metadata import AttentionMetadata
+from deepinfer.attention.metadata import ForwardMetadata
 from deepinfer.attention.v4_cache import CacheDecl, CacheKind, StepLayout, V4Cache
-from deepinfer.model.base import CausalLM
+from deepinfer.attention.v4_paged import PagedTensor, PagedV4Cache, step_layout
+from deepinfer.cache_layout import CacheGroup
+from deepinfer.model.base import CausalLM, cache_tensor
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.deepseek_v4_config import CSA, DeepseekV4Arch
 from deepinfer.model.deepseek_v4_weights import load_v4_weights
@@ -37,11 +41,6 @@ from deepinfer.model.layers.v4_rotary import TrailingRope
 from deepinfer.model.registry import register_model
 
 log = logging.getLogger(__name__)
-
-HYBRID_CACHE_NEEDED = (
-    "DeepSeek-V4 keeps a hybrid cache (sliding-window rows, compressed entries, compressor state) "
-    "declared by cache_declarations(); run it with forward_cached over a V4Cache"
-)
 
 
 def _param(*shape: int) -> torch.nn.Parameter:
@@ -71,6 +70,49 @@ def cache_declarations(arch: DeepseekV4Arch) -> list[CacheDecl]:
             decls.append(CacheDecl(layer, CacheKind.INDEXER_STATE, 4 * arch.index_head_dim, 1, 2 * rate - 1))
             decls.append(CacheDecl(layer, CacheKind.INDEXER_KEYS, arch.index_head_dim, rate, None))
     return decls
+
+
+def group_declarations(decls: list[CacheDecl]) -> list[list[CacheDecl]]:
+    """The declarations bucketed into engine cache groups, in order of first appearance: a
+    windowed kind (one row per token, `lookback` positions read back) goes to the sliding group
+    of window lookback + 1, a compressed kind (one entry per m tokens) to the compressed group of
+    rate m."""
+    buckets: dict[tuple[str, int], list[CacheDecl]] = {}
+    for decl in decls:
+        if decl.lookback is not None:
+            key = ("sliding", decl.lookback + 1)
+        else:
+            key = ("compressed", decl.tokens_per_row)
+        buckets.setdefault(key, []).append(decl)
+    return list(buckets.values())
+
+
+def v4_cache_groups(decls: list[CacheDecl], dtype: torch.dtype, owner: str) -> list[CacheGroup]:
+    """One CacheGroup per bucket of `group_declarations`, a [slots, width] tensor per declaration."""
+    groups = []
+    for bucket in group_declarations(decls):
+        tensors = tuple(
+            cache_tensor(f"layers.{d.layer}.{d.kind.value}", (d.width,), dtype, owner) for d in bucket
+        )
+        first = bucket[0]
+        if first.lookback is not None:
+            groups.append(CacheGroup("sliding", tensors, window=first.lookback + 1))
+        else:
+            groups.append(CacheGroup("compressed", tensors, tokens_per_entry=first.tokens_per_row))
+    return groups
+
+
+def paged_tensors(
+    decls: list[CacheDecl], kv_caches: list[torch.Tensor]
+) -> dict[tuple[int, CacheKind], PagedTensor]:
+    """(layer, kind) -> its tensor among `kv_caches` (the groups' tensors flattened in the order of
+    `v4_cache_groups`) and its group index."""
+    out: dict[tuple[int, CacheKind], PagedTensor] = {}
+    flat = iter(kv_caches)
+    for group, bucket in enumerate(group_declarations(decls)):
+        for decl in bucket:
+            out[(decl.layer, decl.kind)] = PagedTensor(decl, next(flat), group)
+    return out
 
 
 class V4Block(torch.nn.Module):
@@ -134,6 +176,8 @@ class MTPModule(torch.nn.Module):
 
 @register_model("deepseek_v4")
 class DeepseekV4ForCausalLM(CausalLM):
+    uses_attention_backend = False
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
@@ -162,15 +206,24 @@ class DeepseekV4ForCausalLM(CausalLM):
         """What to allocate per sequence; MTP blocks only while their weights are loaded."""
         return [d for d in cache_declarations(self.arch) if d.layer < self.arch.num_layers + len(self.mtp)]
 
+    def main_declarations(self) -> list[CacheDecl]:
+        return [d for d in self.cache_declarations() if d.layer < self.arch.num_layers]
+
+    def cache_groups(self, dtype: torch.dtype, owner: str = "target") -> list[CacheGroup]:
+        """The main layers' kept state as engine cache groups (see `group_declarations`)."""
+        return v4_cache_groups(self.main_declarations(), dtype, owner)
+
     def forward(
         self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
-        raise NotImplementedError(HYBRID_CACHE_NEEDED)
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[torch.Tensor],  # the tensors of cache_groups(), in order
+        meta: ForwardMetadata,  # one AttentionMetadata per cache group
+        backend: AttentionBackend,  # unused: the model reads its groups itself (OwnAttention)
+    ) -> torch.Tensor:  # final streams [T, hc_mult, hidden]
+        layout = step_layout(meta)
+        cache = PagedV4Cache(paged_tensors(self.main_declarations(), kv_caches), meta, layout)
+        return self.forward_cached(input_ids, positions, layout, cache)
 
     # -- main model ----------------------------------------------------------------------------
 
