@@ -11,6 +11,20 @@ rate m. A logical index i (a position, or an entry number) of sequence s maps to
 through the step's block table of that group. The KV manager releases sliding blocks once no
 later step's lookback reaches them (their table entries then read as block 0), so every read is
 checked against the declaration's lookback: stale rows are an error, never data.
+
+What a block keeps, and why a prefix hit needs nothing else:
+- a sliding-group block: the rows of `block_size` consecutive positions of every kind in the
+  group (raw K = V; the compressors' and the indexer's raw [kv | gate] projections). The
+  compressor state at a boundary is not a snapshot: it is those rows of the not-yet-pooled
+  positions, so it is kept as sliding-window KV (vLLM keeps Mamba-like state the same way). A
+  hit of L tokens needs positions L - window + 1 .. L - 1 of each group, exactly the lookback
+  of its kinds; the manager's SlidingWindowGroup accepts a hit only when those blocks are still
+  indexed (blocks released out of the window stay indexed until evicted).
+- a compressed-group block: `entries_per_block` finished entries (CSA entries with their indexer
+  keys, or HCA entries), indexed like full attention once every token they pool is computed.
+  Every hit length is a multiple of the lcm of the groups' block tokens (the manager's
+  hit_granularity), hence of every compress rate: at a hit no compression window is open, and
+  every entry before it is complete and cached. A hit cannot end inside a compression window.
 """
 
 from __future__ import annotations
