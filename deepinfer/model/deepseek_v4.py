@@ -261,6 +261,38 @@ class DeepseekV4ForCausalLM(CausalLM):
     def num_mtp_layers(self) -> int:
         return len(self.mtp)
 
+    def mtp_cache_groups(self, dtype: torch.dtype) -> list[CacheGroup]:
+        """The MTP blocks' raw KV (one [slots, head_dim] tensor per depth, owner "mtp"), as a full
+        group: the proposer catches up on the rows of the previous step after the target's window
+        has moved on (a prefill chunk's first rows read up to window - 1 positions before the
+        chunk), so these rows are not released with the target's sliding blocks. Empty without
+        MTP weights."""
+        decls = [d for d in self.cache_declarations() if d.layer >= self.arch.num_layers]
+        tensors = tuple(
+            cache_tensor(f"mtp.{d.layer - self.arch.num_layers}.{d.kind.value}", (d.width,), dtype, "mtp")
+            for d in decls
+        )
+        return [CacheGroup("full", tensors)] if tensors else []
+
+    def mtp_draft_logits(
+        self,
+        next_token_ids: torch.Tensor,  # [T] token i + 1 for each row
+        positions: torch.Tensor,  # [T] position i of each row
+        previous_hidden: torch.Tensor,  # [T, hc_mult, hidden] final streams at i (or the previous depth's)
+        kv_cache: torch.Tensor,  # this depth's MTP raw KV [num_slots, head_dim]
+        forward_meta: ForwardMetadata,  # the rows laid out like a main-model step, one (full) group
+        depth: int = 0,
+        logits_rows: torch.Tensor | None = None,  # rows to compute logits for (default: all)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP proposer's entry point: draft logits [N, vocab] for the token after next and the
+        streams [T, hc_mult, hidden] of every row; writes this step's rows into `kv_cache`."""
+        layer = self.arch.num_layers + depth
+        (decl,) = [d for d in self.cache_declarations() if d.layer == layer]
+        layout = step_layout(forward_meta)
+        cache = PagedV4Cache({(layer, decl.kind): PagedTensor(decl, kv_cache, 0)}, forward_meta, layout)
+        logits, streams = self.mtp_forward(next_token_ids, positions, previous_hidden, layout, cache, depth)
+        return (logits if logits_rows is None else logits[logits_rows]), streams
+
     def mtp_forward(
         self,
         next_token_ids: torch.Tensor,  # [T] token i + 1 for each row

@@ -16,6 +16,7 @@ import torch
 from deepinfer import LLM, SamplingParams
 from deepinfer.attention.v4_cache import CacheKind
 from tests.deepseek_v4.conftest import CachedRun
+from tests.deepseek_v4.test_mtp import reference_draft_logits
 from tests.deepseek_v4.tiny_v4 import TinyV4, build_v4, tiny_config
 
 WINDOW = 16
@@ -218,3 +219,49 @@ def test_aborted_requests_leave_no_blocks(checkpoint):
 def test_kv_store_is_refused_for_the_hybrid_cache(checkpoint, tmp_path):
     with pytest.raises(ValueError, match="one cache group; this model has 4"):
         _llm(checkpoint, kv_store=str(tmp_path / "store"))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"num_blocks": 256}, {"num_blocks": 48, "prefill_chunk_size": 32, "enable_prefix_caching": False}],
+    ids=["plain", "preemption"],
+)
+def test_mtp_speculation_keeps_greedy_output(checkpoint, reference, options):
+    prompts, expected = reference
+    llm = _llm(
+        checkpoint, speculative_method="mtp", num_speculative_tokens=3, speculative_length="fixed", **options
+    )
+    assert [g.group.kind for g in llm.engine.core.layout.groups][-1] == "full"  # the MTP block's raw KV
+    assert _greedy(llm, prompts) == expected
+    assert llm.engine.core.spec_stats().num_decode_steps > 0
+    if options["num_blocks"] == 48:
+        assert llm.engine.core.num_preemptions > 0
+    assert _blocks_in_use(llm) == 0
+
+
+def test_first_draft_is_the_mtp_prediction(checkpoint):
+    """Every step's first draft equals the MTP module's prediction from scratch (HF pieces and
+    DeepSeek's formula, test_mtp.py), through pending rows, chunked prefill and forks."""
+    llm = _llm(
+        checkpoint,
+        prefill_chunk_size=16,
+        speculative_method="mtp",
+        num_speculative_tokens=2,
+        speculative_length="fixed",
+    )
+    proposer = llm.engine.core.spec.proposer
+    drafted: list[tuple[list[int], int]] = []
+    propose = proposer.propose
+
+    def recording(plan, requests):
+        propose(plan, requests)
+        drafted.extend((list(r.seq.token_ids), r.token_ids[0]) for r in requests if r.token_ids)
+
+    proposer.propose = recording
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, n=2)
+    llm.generate(
+        [{"prompt_token_ids": p} for p in _prompts(checkpoint, [37, 20], seed=12)], params, use_tqdm=False
+    )
+    assert len(drafted) >= 8
+    for token_ids, first_draft in drafted:
+        assert first_draft == reference_draft_logits(checkpoint, token_ids)[-1].argmax().item()

@@ -19,7 +19,7 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
 
 
-def _reference_draft_logits(tiny, ids: list[int]) -> torch.Tensor:
+def reference_draft_logits(tiny, ids: list[int]) -> torch.Tensor:
     hf, cfg, w = tiny.hf, tiny.hf.config, tiny.mtp_weights
     captured = {}
     hook = hf.model.hc_head.register_forward_hook(
@@ -56,7 +56,7 @@ def test_mtp_draft_logits_match_reference(tiny, tiny_model):
     ids = torch.randint(
         3, tiny.config["vocab_size"], (30,), generator=torch.Generator().manual_seed(8)
     ).tolist()
-    expected = _reference_draft_logits(tiny, ids)
+    expected = reference_draft_logits(tiny, ids)
     for chunk in (29, 1, 6):
         run = CachedRun(tiny_model)
         seq = run.new_sequence()
