@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from tests.deepseek.tiny_checkpoint import build_tokenizer
+from tests.deepseek.tiny_checkpoint import build_tokenizer, write_tokenizer
 
 HEAD_GAIN = 4.0
 # HF parameter names -> DeepSeek's (the inverse of transformers' conversion mapping for V4).
@@ -334,14 +334,23 @@ def dequantize_mxfp4_reference(packed: torch.Tensor, scale: torch.Tensor) -> tor
 
 
 def build_v4(
-    directory: Path, make_config: Callable[[int], dict[str, Any]], *, seed: int, quantize: bool = False
+    directory: Path,
+    make_config: Callable[[int], dict[str, Any]],
+    *,
+    seed: int,
+    quantize: bool = False,
+    tokenizer_json: str | None = None,
 ) -> TinyV4:
-    """make_config(vocab_size) -> config.json; the tokenizer decides the vocabulary."""
+    """make_config(vocab_size) -> config.json; the tokenizer (default: a small BPE trained here;
+    `tokenizer_json`: e.g. DeepSeek V4's own) decides the vocabulary."""
     from transformers import DeepseekV4ForCausalLM
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperHead
 
     directory.mkdir(parents=True, exist_ok=True)
-    config = make_config(build_tokenizer(directory))
+    vocab = (
+        build_tokenizer(directory) if tokenizer_json is None else write_tokenizer(directory, tokenizer_json)
+    )
+    config = make_config(vocab)
     num_layers = config["num_hidden_layers"]
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
