@@ -15,6 +15,8 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.attention.v4_cache import CacheKind
+from deepinfer.runner.inputs import ForwardWork, RowSpan
+from deepinfer.sequence import EngineRequest, Sequence
 from tests.deepseek_v4.conftest import CachedRun
 from tests.deepseek_v4.test_mtp import reference_draft_logits
 from tests.deepseek_v4.tiny_v4 import TinyV4, build_v4, tiny_config
@@ -133,6 +135,41 @@ def test_greedy_matches_standalone_and_hf(checkpoint, reference):
             torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0
         )
     assert hf[0, len(prompt) :].tolist() == expected[3]
+    assert _blocks_in_use(llm) == 0
+
+
+@pytest.mark.parametrize("chunk", [1, 5])
+def test_logits_through_the_paged_cache_match_hf(checkpoint, chunk):
+    """A 56-token prompt (3.5 windows, 7 HCA entries) fed `chunk` tokens per forward through the
+    engine's runner and KV manager (sliding blocks released as the window moves): fp32 logits
+    within 1e-4 of transformers' whole-prompt forward."""
+    llm = _llm(checkpoint, enable_prefix_caching=False)
+    core = llm.engine.core
+    (ids,) = _prompts(checkpoint, [56], seed=13)
+    seq = Sequence(-1, EngineRequest("paged", ids, SamplingParams()), 0, list(ids), len(ids), b"")
+    got = []
+    for start in range(0, len(ids), chunk):
+        tokens = ids[start : start + chunk]
+        core.kv.allocate(seq, len(tokens))
+        span = RowSpan(core.runner.view.tables(seq), start, tokens)
+        _, _, logits = core.runner.run(ForwardWork([span], core.kv.take_copies(), list(range(len(tokens)))))
+        seq.num_computed_tokens += len(tokens)
+        got.append(logits)
+    released = [sum(b == -1 for b in table) for table in seq.block_tables[:2]]
+    core.kv.free(seq)
+    with torch.no_grad():
+        expected = checkpoint.hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(torch.cat(got), expected, atol=1e-4, rtol=0)
+    assert min(released) > 0  # both sliding groups gave blocks back while the prompt ran
+
+
+def test_forks_share_blocks_and_decode_like_one_sequence(checkpoint, reference):
+    prompts, expected = reference
+    llm = _llm(checkpoint)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, n=3)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts[2:4]], params, use_tqdm=False)
+    for out, want in zip(outputs, expected[2:4]):
+        assert [list(c.token_ids) for c in out.outputs] == [want] * 3
     assert _blocks_in_use(llm) == 0
 
 
