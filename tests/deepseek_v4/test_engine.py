@@ -216,7 +216,7 @@ def test_prefix_hits_of_several_lengths_equal_no_caching(checkpoint):
 
 def test_long_sequence_holds_a_window_of_sliding_pages(checkpoint):
     """20 windows of context: each sliding group holds at most its window plus one block of
-    pages at every decode step, while the compressed groups grow with the context."""
+    pages at every decode step, while the compressed groups hold every entry so far."""
     llm = _llm(checkpoint, num_blocks=512, enable_prefix_caching=False, max_num_batched_tokens=64)
     core = llm.engine.core
     (prompt,) = _prompts(checkpoint, [20 * WINDOW - 8], seed=8)
@@ -234,7 +234,8 @@ def test_long_sequence_holds_a_window_of_sliding_pages(checkpoint):
             held = pool.num_blocks - pool.num_free
             assert held * BLOCK <= window + BLOCK, (held, window)
         for pool, block_tokens in compressed:
-            assert (pool.num_blocks - pool.num_free) * block_tokens >= seq.num_computed_tokens
+            # exactly the blocks of the entries so far: the formula's bytes, rounded up to a block
+            assert pool.num_blocks - pool.num_free == -(-seq.num_computed_tokens // block_tokens)
     assert decode_steps >= 8
     assert _blocks_in_use(llm) == 0
 
