@@ -254,9 +254,15 @@ def test_aborted_requests_leave_no_blocks(checkpoint):
     assert not llm.engine.has_unfinished_requests()
 
 
-def test_kv_store_is_refused_for_the_hybrid_cache(checkpoint, tmp_path):
-    with pytest.raises(ValueError, match="one cache group; this model has 4"):
+def test_kv_store_and_pd_handoff_are_refused_for_the_hybrid_cache(checkpoint, tmp_path):
+    """Both move blocks of one group today; the hybrid cache's several groups are refused up
+    front with the option named, instead of a store holding half of what a hit needs."""
+    with pytest.raises(ValueError, match=r"kv_store: .*one cache group; this model has 4"):
         _llm(checkpoint, kv_store=str(tmp_path / "store"))
+    with pytest.raises(ValueError, match=r"kv_store: .*one cache group"):
+        _llm(checkpoint, kv_host_cache_bytes=1 << 20)
+    with pytest.raises(ValueError, match="role=prefill: KV handoff supports models with one cache group"):
+        _llm(checkpoint, role="prefill")
 
 
 @pytest.mark.parametrize(
