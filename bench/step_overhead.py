@@ -66,7 +66,9 @@ def run(args: argparse.Namespace) -> int:
 
     rows, records = [], []
     for mode in args.modes:
-        llm = LLM(args.model, num_threads=args.threads, **({"async_scheduling": True} if mode == "on" else {}))
+        llm = LLM(
+            args.model, num_threads=args.threads, **({"async_scheduling": True} if mode == "on" else {})
+        )
         for batch in args.batch_sizes:
             _measure(llm, batch, 4)  # warm-up
             record = {"async_scheduling": mode, **_measure(llm, batch, args.output_len)}
