@@ -65,6 +65,27 @@ def attend_sequence(
     return out.transpose(0, 1)
 
 
+class OwnAttention:
+    """For a model that attends through its own cache reader (DeepSeek-V4's PagedV4Cache): the
+    step's metadata needs no backend precomputation, and no layer calls the backend."""
+
+    name = "model"
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Nothing to precompute."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        raise RuntimeError("this model attends through its own cache reader, not an attention backend")
+
+
 class TorchReferenceBackend:
     """Every sequence attended one by one with SDPA over its gathered context: slow, obviously right."""
 

@@ -36,6 +36,7 @@ REPO_COMMANDS = {
     "router": "router_cache",
     "pd": "pd_itl",
     "parallel": "parallel",
+    "overhead": "step_overhead",
     "soak": "soak",
 }
 

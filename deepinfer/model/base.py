@@ -26,6 +26,9 @@ class CausalLM(torch.nn.Module):
     config: ModelConfig
     # Whether the attention of this model reads a KV cache whose dtype differs from its weights'.
     supports_kv_cache_dtype = False
+    # Whether the layers attend through the engine's AttentionBackend (False: the model reads its
+    # cache groups itself, and the runner gives it attention.backend.OwnAttention).
+    uses_attention_backend = True
 
     @classmethod
     def from_config(cls, config: ModelConfig, parallel: ModelParallel | None = None) -> CausalLM:

@@ -71,6 +71,8 @@ class ModelConfig:
 def _layer_windows(cfg: dict[str, Any], model_type: str, num_layers: int) -> list[int | None]:
     """HF's sliding-window settings: `layer_types` where given; Qwen2's `use_sliding_window` for
     layers from `max_window_layers` on; Mistral's `sliding_window` on every layer."""
+    if model_type == "deepseek_v4":
+        return [None] * num_layers  # V4's hybrid layer types are read by deepseek_v4_config.py
     window = cfg.get("sliding_window")
     types = cfg.get("layer_types")
     if types is not None:

@@ -9,7 +9,7 @@ from typing import Protocol
 
 import torch
 
-from deepinfer.attention.backend import AttentionBackend, TorchReferenceBackend
+from deepinfer.attention.backend import AttentionBackend, OwnAttention, TorchReferenceBackend
 from deepinfer.attention.metadata import ForwardMetadata
 from deepinfer.model.base import CausalLM
 from deepinfer.model.layers.expert_parallel import ExpertBalancer
@@ -39,6 +39,8 @@ def make_attention_backend(
     For a model that rounds its activations, every prompt row goes through the per-row kernel:
     the tiled prefill's GEMMs sum in an order that depends on the chunk's shape (differences of
     ~1e-6), which the rounding can turn into another token once a prompt is chunked or cached."""
+    if not model.uses_attention_backend:
+        return OwnAttention()
     if name == "torch" or (name == "auto" and device.type != "cpu"):
         return TorchReferenceBackend()
     from deepinfer.attention.cpu_paged import CpuPagedBackend

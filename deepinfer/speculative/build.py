@@ -69,7 +69,7 @@ def proposer_cache_groups(
         if not groups:
             raise ValueError(
                 "speculative_method='mtp' needs a model with multi-token-prediction weights "
-                f"(DeepSeek-V3 family with num_nextn_predict_layers > 0); {type(target).__name__} has none"
+                f"(DeepSeek-V3 or V4 family with num_nextn_predict_layers > 0); {type(target).__name__} has none"
             )
         return {"mtp": groups}
     return {}

@@ -169,12 +169,12 @@ class SpeculativeDecoder:
                 k = item.num_draft_tokens
                 request = self._requests.get(item.seq.seq_id)
                 probs = torch.stack(request.probs) if request is not None and request.probs else None
-                result, tokens = verify_processed(
+                verification, tokens = verify_processed(
                     processed[start : start + k + 1], rows[start : start + k + 1], item.draft_token_ids, probs
                 )
                 start += k + 1
                 out[item.seq.seq_id] = tokens
-                self._observe(item.seq.seq_id, result.accept_probs, k)
+                self._observe(item.seq.seq_id, verification.accept_probs, k)
         for item in items:
             if (
                 item.sample

@@ -37,7 +37,9 @@ PROFILE_CONTEXT = 64
 @dataclass(slots=True)
 class _PendingRows:
     start: int  # position of the first row
-    hidden: torch.Tensor  # [n, H] target hidden states of positions start .. start + n - 1
+    hidden: (
+        torch.Tensor
+    )  # [n, H] (V4: [n, hc_mult, H]) target hidden states of positions start .. start + n - 1
     next_tokens: list[int]  # token at position p + 1 for each row p
 
     @property
@@ -66,7 +68,7 @@ class MTPProposer:
         inputs = self.caches.inputs(spans)
         device = self.caches.device
         prev = torch.empty(
-            (inputs.input_ids.numel(), previous[0].shape[-1]), dtype=previous[0].dtype, device=device
+            (inputs.input_ids.numel(), *previous[0].shape[1:]), dtype=previous[0].dtype, device=device
         )
         for offset, rows in zip(inputs.offsets, previous):
             prev[offset : offset + rows.shape[0]] = rows

@@ -34,6 +34,8 @@ def server():
     code = process.stop()
     # A clean shutdown: exit code 0 and no orphaned engine process.
     assert code == 0, process.log_tail()
+    # The engine left on its own after the Shutdown message (not terminated at the deadline).
+    assert "did not stop" not in "\n".join(process.lines), process.log_tail()
     assert wait_until(lambda: not pid_alive(process.engine_pid), 10.0)
 
 

@@ -234,8 +234,9 @@ def engine_process_main(
     alarm.connect(output_address)
 
     def rank_died(reason: str) -> None:
-        alarm.send(codec.encode(EngineFailed(f"the engine failed: {reason}")))
-        alarm.close()  # lingers until the message is out
+        if not alarm.closed:  # closed: the engine is stopping anyway
+            alarm.send(codec.encode(EngineFailed(f"the engine failed: {reason}")))
+            alarm.close()  # lingers until the message is out
         os._exit(1)
 
     try:
@@ -271,5 +272,6 @@ def engine_process_main(
         if publisher is not None:
             publisher.close()
         inbox_socket.close(linger=0)
+        alarm.close(linger=0)
         outbox.close()
-        context.term()
+        context.term()  # blocks until every socket of the context is closed

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.distributed.eplb import Placement, balancedness, identity_placement, rebalance
+from deepinfer.model.layers.mlp import swiglu
 from deepinfer.model.parallel import ExpertParallel
 
 log = logging.getLogger(__name__)
@@ -32,8 +33,10 @@ def run_experts(
     counts: list[int],  # rows of each expert, in expert order
     w13: torch.Tensor,  # [E, 2I, hidden]
     w2: torch.Tensor,  # [E, hidden, I]
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:  # [P, hidden]
-    """Each expert's SwiGLU over its rows, one matmul pair per expert with rows."""
+    """Each expert's SwiGLU (clamped by `swiglu_limit` if given) over its rows, one matmul pair per
+    expert with rows."""
     intermediate = w2.shape[2]
     out = torch.empty_like(hidden)
     start = 0
@@ -42,7 +45,7 @@ def run_experts(
             continue
         rows = slice(start, start + count)
         gate, up = F.linear(hidden[rows], w13[expert]).split(intermediate, dim=-1)
-        out[rows] = F.linear(F.silu(gate) * up, w2[expert])
+        out[rows] = F.linear(swiglu(gate, up, swiglu_limit), w2[expert])
         start += count
     return out
 

@@ -14,15 +14,22 @@ class GatedMLP(torch.nn.Module):
 
     Under tensor parallelism a rank holds its share of the intermediate dimension (`columns`):
     its output is a partial sum, reduced over the group here, or (`reduce=False`) by the caller
-    together with other partial sums."""
+    together with other partial sums. With `swiglu_limit` (DeepSeek-V4), gate is clamped from
+    above and up to [-limit, limit] first."""
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, tp: TensorParallel = SINGLE, reduce: bool = True
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        tp: TensorParallel = SINGLE,
+        reduce: bool = True,
+        swiglu_limit: float | None = None,
     ) -> None:
         super().__init__()
         self.columns = Segment.even(intermediate_size, tp)
         self.tp = tp if reduce else SINGLE
         self.intermediate_size = self.columns.local
+        self.swiglu_limit = swiglu_limit
         self.gate_up_proj = torch.nn.Parameter(
             torch.empty(2 * self.columns.local, hidden_size), requires_grad=False
         )
@@ -31,4 +38,10 @@ class GatedMLP(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.gate_up_proj).split(self.intermediate_size, dim=-1)
-        return self.tp.all_reduce(F.linear(F.silu(gate) * up, self.down_proj))
+        return self.tp.all_reduce(F.linear(swiglu(gate, up, self.swiglu_limit), self.down_proj))
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up

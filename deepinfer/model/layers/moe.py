@@ -98,10 +98,14 @@ def _keep_top_groups(
 
 
 class RoutedExperts(torch.nn.Module):
-    """Stacked SwiGLU experts: w13 [E, 2I, hidden] (gate rows then up rows), w2 [E, hidden, I]."""
+    """Stacked SwiGLU experts: w13 [E, 2I, hidden] (gate rows then up rows), w2 [E, hidden, I];
+    `swiglu_limit` clamps the gate and up activations (DeepSeek-V4)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, swiglu_limit: float | None = None
+    ) -> None:
         super().__init__()
+        self.swiglu_limit = swiglu_limit
         self.w13 = torch.nn.Parameter(
             torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False
         )
@@ -121,7 +125,9 @@ class RoutedExperts(torch.nn.Module):
         pairs = local.nonzero().squeeze(1)
         order = pairs[flat_ids[pairs].argsort(stable=True)]  # local pairs sorted by expert
         counts = torch.bincount(flat_ids[order], minlength=num_local).tolist()
-        out_rows = run_experts(x[order // top_k], counts, self.w13, self.w2)  # grouped by expert
+        out_rows = run_experts(
+            x[order // top_k], counts, self.w13, self.w2, self.swiglu_limit
+        )  # grouped by expert
         return combine_pairs(x, out_rows, topk_weights, order, top_k)
 
 

@@ -1,0 +1,70 @@
+"""Tiny random DeepSeek-V4 checkpoints (built once per session), loaded the way `deepinfer` loads them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.attention.v4_cache import ContiguousV4Cache, StepLayout
+from deepinfer.model.loader.load import load_model
+from tests.deepseek_v4.tiny_v4 import TinyV4, build_v4, official_config, tiny_config
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> TinyV4:
+    """transformers' config dialect: sliding, CSA (m=4, top-3), HCA (m=8), window 8, hc_mult 4."""
+    return build_v4(tmp_path_factory.mktemp("v4_tiny"), tiny_config, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny):
+    return load_model(tiny.path, torch.float32, torch.device("cpu")).model
+
+
+@pytest.fixture(scope="session")
+def quantized(tmp_path_factory) -> TinyV4:
+    """DeepSeek's published dialect, FP8 (e8m0 128x128 scales) with MXFP4 experts, HCA at m=128."""
+    return build_v4(tmp_path_factory.mktemp("v4_quantized"), official_config, seed=3, quantize=True)
+
+
+class CachedRun:
+    """Drives a model step by step over one ContiguousV4Cache, as the engine would."""
+
+    def __init__(self, model: torch.nn.Module, release: bool = True) -> None:
+        self.model = model
+        self.cache = ContiguousV4Cache(model.cache_declarations(), torch.float32, torch.device("cpu"))
+        self.release = release
+        self.lengths: dict[int, int] = {}
+
+    def new_sequence(self) -> int:
+        seq = self.cache.add_sequence()
+        self.lengths[seq] = 0
+        return seq
+
+    @torch.no_grad()
+    def step(self, chunks: dict[int, list[int]]) -> list[torch.Tensor]:
+        """Feeds each sequence its chunk in one step; returns each chunk's streams [n, hc, hidden]."""
+        seqs = list(chunks)
+        layout = StepLayout(tuple(self.lengths[s] for s in seqs), tuple(len(chunks[s]) for s in seqs))
+        ids = torch.tensor([t for s in seqs for t in chunks[s]])
+        positions = torch.cat([torch.arange(self.lengths[s], self.lengths[s] + len(chunks[s])) for s in seqs])
+        streams = self.model.forward_cached(ids, positions, layout, self.cache.step(seqs, layout))
+        offsets = layout.offsets
+        for s in seqs:
+            self.lengths[s] += len(chunks[s])
+            if self.release:
+                self.cache.release(s, self.lengths[s])
+        return [streams[offsets[i] : offsets[i + 1]] for i in range(len(seqs))]
+
+    def logits(self, chunks: dict[int, list[int]]) -> list[torch.Tensor]:
+        with torch.no_grad():
+            return [self.model.compute_logits(s) for s in self.step(chunks)]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matrices: threads only add synchronisation on the shared cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
