@@ -37,6 +37,7 @@ REPO_COMMANDS = {
     "pd": "pd_itl",
     "parallel": "parallel",
     "overhead": "step_overhead",
+    "soak": "soak",
 }
 
 

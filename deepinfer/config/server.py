@@ -7,8 +7,24 @@ from dataclasses import dataclass
 from typing import Literal
 
 from deepinfer.config.fields import ConfigError, check_choice, check_positive, normalize_sizes, option
+from deepinfer.response_store.location import parse_response_store, parse_retention_overrides
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def check_response_store(config: ServerConfig) -> None:
+    """The response store's options parse (their errors name the option)."""
+    if config.response_store is not None:
+        try:
+            parse_response_store(config.response_store)
+        except ValueError as exc:
+            raise ConfigError("response_store", str(exc)) from None
+    if config.response_retention is not None:
+        try:
+            parse_retention_overrides(config.response_retention)
+        except ValueError as exc:
+            raise ConfigError("response_retention", str(exc)) from None
+    check_positive("response_store_max_bytes", config.response_store_max_bytes, allow_none=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,8 +76,23 @@ class ServerConfig:
         "the engine flush queued KV-store writes",
     )
 
+    response_store: str | None = option(
+        None,
+        help="where `store: true` Responses are kept: sqlite (a file in the cache directory), sqlite:PATH, "
+        "redis://HOST:PORT[/DB] or off; default: the --kv-store's Redis when it is one, else sqlite",
+    )
+    response_retention: str | None = option(
+        None,
+        help="how long stored responses stay after their last use, per traffic class, e.g. chat=1d,agent=12h "
+        "(default: the --kv-retention of each class)",
+    )
+    response_store_max_bytes: int = option(
+        1 << 30, size=True, help="size cap of the response store; the least recently used go first"
+    )
+
     def __post_init__(self) -> None:
         normalize_sizes(self)
+        check_response_store(self)
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
         object.__setattr__(self, "served_model_names", tuple(self.served_model_names))
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:

@@ -1,12 +1,14 @@
 """The answer to a generating request: SSE frames as tokens arrive, or one body at the end.
 
 Every route hands over the same three things: the GenerationStream of its engine requests,
-the Choices that turn deltas into canonical events, and an EventSink (its API's encoder).
+the Choices that turn deltas into canonical events, and an EventSink (its API's encoder); and
+optionally `on_close`, awaited once the answer is complete and before its last frames (or its
+body) go out: a stored response is saved before its client can ask for it.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 from fastapi import Request
@@ -19,6 +21,8 @@ from deepinfer.recipe.events import Event
 from deepinfer.server.errors import ApiError
 from deepinfer.server.generation import Choices
 from deepinfer.server.http_io import EventStreamResponse, until_disconnect
+
+OnClose = Callable[[], Awaitable[None]]
 
 
 class EventSink(Protocol):
@@ -38,7 +42,9 @@ class EventSink(Protocol):
     def body(self) -> dict[str, Any]: ...
 
 
-async def stream_frames(stream: GenerationStream, choices: Choices, sink: EventSink) -> AsyncIterator[str]:
+async def stream_frames(
+    stream: GenerationStream, choices: Choices, sink: EventSink, on_close: OnClose | None = None
+) -> AsyncIterator[str]:
     """SSE text for a streamed request: one chunk of frames per wake-up. Closing the iterator
     early (client gone) aborts what is still running."""
     started = False
@@ -63,12 +69,17 @@ async def stream_frames(stream: GenerationStream, choices: Choices, sink: EventS
                 frames.extend(sink.feed(index, event))
             if frames:
                 yield "".join(frames)
-        yield "".join(sink.close())
+        closing = sink.close()
+        if on_close is not None:
+            await on_close()
+        yield "".join(closing)
     finally:
         stream.abort()
 
 
-async def collect_body(stream: GenerationStream, choices: Choices, sink: EventSink) -> dict[str, Any]:
+async def collect_body(
+    stream: GenerationStream, choices: Choices, sink: EventSink, on_close: OnClose | None = None
+) -> dict[str, Any]:
     """The whole answer of a request that is not streamed; GenerationError if it failed."""
     started = False
     try:
@@ -85,17 +96,25 @@ async def collect_body(stream: GenerationStream, choices: Choices, sink: EventSi
     finally:
         stream.abort()
     sink.close()
+    if on_close is not None:
+        await on_close()
     return sink.body()
 
 
 async def respond(
-    request: Request, stream: GenerationStream, choices: Choices, sink: EventSink, *, streaming: bool
+    request: Request,
+    stream: GenerationStream,
+    choices: Choices,
+    sink: EventSink,
+    *,
+    streaming: bool,
+    on_close: OnClose | None = None,
 ) -> Response:
     """The HTTP answer: SSE frames as they come, or the whole body once generation ends."""
     if streaming:
-        return EventStreamResponse(stream_frames(stream, choices, sink), on_disconnect=stream.abort)
+        return EventStreamResponse(stream_frames(stream, choices, sink, on_close), on_disconnect=stream.abort)
     try:
-        body = await until_disconnect(request, collect_body(stream, choices, sink), stream.abort)
+        body = await until_disconnect(request, collect_body(stream, choices, sink, on_close), stream.abort)
     except GenerationError as error:
         raise ApiError(500, str(error), code="generation_failed") from None
     if body is None:  # the client is gone; nobody reads this

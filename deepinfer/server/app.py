@@ -12,7 +12,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deepinfer.recipe.errors import RecipeError
 from deepinfer.sampling_params import InvalidRequestError
-from deepinfer.server import anthropic_routes, misc_routes, openai_routes, pd_routes
+from deepinfer.server import anthropic_routes, misc_routes, openai_routes, pd_routes, responses_routes
 from deepinfer.server.errors import ApiError, error_response, flavor_of
 from deepinfer.server.state import ServerState
 
@@ -50,6 +50,7 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="DeepInfer", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
     app.include_router(openai_routes.router)
+    app.include_router(responses_routes.router)
     app.include_router(anthropic_routes.router)
     app.include_router(misc_routes.router)
     app.include_router(pd_routes.router)

@@ -11,9 +11,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from deepinfer.engine.ipc.client import EngineDeadError
 from deepinfer.recipe.api import chat_completion_to_conversation
 from deepinfer.recipe.api._validation import ApiModel, require, validate
+from deepinfer.response_store import tenant_of
 from deepinfer.server.errors import ApiError
 from deepinfer.server.http_io import read_json
 from deepinfer.server.openai_routes import state_of
+from deepinfer.server.responses_routes import responses_prompt
 
 router = APIRouter()
 
@@ -49,12 +51,16 @@ class _Detokenize(ApiModel):
 @router.post("/tokenize")
 async def tokenize(request: Request) -> JSONResponse:
     """`{"prompt": text}` tokenizes text; `{"messages": [...], ...}` (a Chat Completions body)
-    tokenizes the prompt the chat template renders for it, exactly as a request would."""
+    or `{"input": ..., ...}` (a Responses body, `previous_response_id` included) tokenizes the
+    prompt the chat template renders for it, exactly as a request would."""
     state = state_of(request)
-    state.authorize(request)
+    api_key = state.authorize(request)
     body = await read_json(request, state.config.max_body_bytes)
     state.model_name(body)
-    if isinstance(body, dict) and "messages" in body:
+    if isinstance(body, dict) and "input" in body:
+        rendered = await responses_prompt(state, body, tenant_of(api_key))
+        tokens = rendered.prompt.token_ids or []
+    elif isinstance(body, dict) and "messages" in body:
         conv = chat_completion_to_conversation(body)
         kwargs = body.get("chat_template_kwargs")
         prompt = state.require_recipe().render(

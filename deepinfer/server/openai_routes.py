@@ -1,4 +1,5 @@
-"""OpenAI-compatible routes: Chat Completions, Responses, Completions and the model list."""
+"""OpenAI-compatible routes: Chat Completions, Completions and the model list (the Responses API
+is responses_routes.py)."""
 
 from __future__ import annotations
 
@@ -9,21 +10,16 @@ from fastapi.responses import JSONResponse, Response
 
 from deepinfer.recipe.api import (
     ChatCompletionEncoder,
-    ResponsesEncoder,
     chat_completion_to_conversation,
     new_id,
-    parse_responses_request,
-    request_to_conversation,
-    response_echo,
 )
-from deepinfer.recipe.api.responses import wants_encrypted_reasoning
 from deepinfer.recipe.ir import Conversation
 from deepinfer.server.answer import respond
 from deepinfer.server.completions import CompletionEncoder, TextChoices, parse_completion_request
-from deepinfer.server.constraints import CHAT_FORMAT, RESPONSES_FORMAT
+from deepinfer.server.constraints import CHAT_FORMAT
 from deepinfer.server.generation import ChoiceParsers, sampling_params
 from deepinfer.server.http_io import read_json
-from deepinfer.server.sinks import ChatSink, ResponsesSink
+from deepinfer.server.sinks import ChatSink
 from deepinfer.server.state import ServerState
 from deepinfer.validation import check_prompt
 
@@ -79,51 +75,6 @@ async def chat_completions(request: Request) -> Response:
     )
     choices = ChoiceParsers(prompt, params.n, _top_logprobs(conv))
     return await respond(request, stream, choices, ChatSink(encoder), streaming=conv.stream)
-
-
-@router.post("/v1/responses")
-async def responses(request: Request) -> Response:
-    state = state_of(request)
-    arrival = time.monotonic()
-    api_key = state.authorize(request)
-    body = await read_json(request, state.config.max_body_bytes)
-    model = state.model_name(body)
-    parsed = parse_responses_request(body)
-    conv = request_to_conversation(parsed, state.responses_options)
-    prompt = state.render(conv, param="input")
-    assert prompt.token_ids is not None
-    params = sampling_params(
-        conv.params,
-        num_prompt_tokens=len(prompt.token_ids),
-        max_model_len=state.max_model_len,
-        skip_special_tokens=False,
-        defaults=prompt.defaults,
-    )
-    grammar = await state.output_constraint(conv, prompt, RESPONSES_FORMAT, body)
-    response_id = new_id("resp_")
-    engine_request = state.engine_request(
-        request,
-        response_id,
-        prompt.token_ids,
-        params,
-        api_key=api_key,
-        cache_salt=conv.cache_salt,
-        traffic_class=conv.traffic_class,
-        grammar=grammar,
-    )
-    state.admit("openai")
-    stream = state.submit([(engine_request, prompt.text)], arrival)
-    encoder = ResponsesEncoder(
-        response_id=response_id,
-        model=model,
-        created_at=int(time.time()),
-        echo=response_echo(parsed),
-        stream=conv.stream,
-        tools=conv.tools,
-        seal_reasoning=state.reasoning_sealer.seal if wants_encrypted_reasoning(parsed) else None,
-    )
-    choices = ChoiceParsers(prompt, 1, _top_logprobs(conv))
-    return await respond(request, stream, choices, ResponsesSink(encoder), streaming=conv.stream)
 
 
 @router.post("/v1/completions")

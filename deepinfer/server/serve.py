@@ -34,6 +34,7 @@ from deepinfer.server.app import build_app
 from deepinfer.server.constraints import GrammarValidator
 from deepinfer.server.metrics import ServerMetrics
 from deepinfer.server.state import ServerState
+from deepinfer.server.stored_responses import StoredResponses, open_response_store
 from deepinfer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,11 @@ async def start_state(engine_config: EngineConfig, server_config: ServerConfig) 
     except BaseException:
         await transport.close()
         raise
+    try:
+        response_store = await asyncio.to_thread(open_response_store, engine_config, server_config)
+    except BaseException:
+        await transport.close()
+        raise
     metrics = ServerMetrics()
     client = EngineClient(transport, tokenizer, on_request_done=metrics.request_done)
     metrics.attach_engine(lambda: (client.stats, client.healthy, client.num_waiting))
@@ -109,6 +115,7 @@ async def start_state(engine_config: EngineConfig, server_config: ServerConfig) 
         metrics=metrics,
         created=int(time.time()),
         grammars=grammars,
+        responses=StoredResponses(response_store),
     )
 
 
@@ -245,7 +252,9 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> Non
     try:
         await server.serve(sockets=[sock])
     finally:
-        # Streams still open when uvicorn's own grace period ended end here with the engine.
+        # Background responses were drained with the other requests; any still running end
+        # as failed and are recorded, then the engine stops (streams still open end with it).
+        await state.responses.close(server.flush_time_left())
         await state.client.close(server.flush_time_left())
         if state.grammars is not None:
             state.grammars.close()

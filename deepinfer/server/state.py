@@ -28,6 +28,7 @@ from deepinfer.server.constraints import (
 )
 from deepinfer.server.errors import ApiError, Flavor, overloaded
 from deepinfer.server.metrics import ServerMetrics
+from deepinfer.server.stored_responses import StoredResponses
 from deepinfer.store.retention import DEFAULT_TRAFFIC_CLASS
 from deepinfer.structured.spec import GrammarSpec
 from deepinfer.tokenizer import Tokenizer
@@ -63,6 +64,7 @@ class ServerState:
     grammars: GrammarValidator | None = None  # built by start_state; needed by constrained requests
     draining: bool = False  # a graceful stop began: new requests get 503, those in flight finish
     reasoning_sealer: ReasoningSealer = field(default_factory=ReasoningSealer.generate)
+    responses: StoredResponses = field(default_factory=lambda: StoredResponses(None))  # None: keeps nothing
 
     @property
     def responses_options(self) -> ResponsesOptions:

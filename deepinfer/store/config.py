@@ -25,9 +25,8 @@ class StoreLocation:
     password: str | None = None
 
 
-def parse_store_url(url: str) -> StoreLocation:
-    """DIR | file://DIR | redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]."""
-    option = "--kv-store"
+def parse_store_url(url: str, option: str = "--kv-store") -> StoreLocation:
+    """DIR | file://DIR | redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]; errors name `option`."""
     if not url or not url.strip():
         raise ValueError(f"{option}: empty; give a directory, file://DIR or redis://HOST:PORT[/DB]")
     if url.startswith("file://"):

@@ -244,7 +244,7 @@ def test_bad_values_name_the_field(body: dict[str, Any], param: str) -> None:
 
 
 def test_previous_response_id_error_explains_statelessness() -> None:
-    with pytest.raises(RecipeError, match="stateless"):
+    with pytest.raises(RecipeError, match="keeps no responses"):
         responses_to_conversation(_with(previous_response_id="resp_1", store=True))
 
 

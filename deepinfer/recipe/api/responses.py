@@ -1,15 +1,19 @@
 """OpenAI Responses requests: the request body -> Conversation, plus the settings echoed back.
 
-The server is stateless: `previous_response_id` and `conversation` are refused, and reasoning
-items, function calls and their outputs must come back inside `input`. Reasoning can travel
-encrypted (`include: ["reasoning.encrypted_content"]`, responses_reasoning.py); tools are
-declared as responses_tools.py describes (functions, namespaces, apply_patch, hosted tools).
+The codec itself is stateless. A server with a response store parses with `stored=True` and
+passes the items of the earlier turns (`previous_response_id`, resolved by the server) as
+`history`; without one, `previous_response_id` and `background` are refused, and reasoning
+items, function calls and their outputs must come back inside `input`. `conversation` (the
+Conversations API) is always refused. Reasoning can travel encrypted (`include:
+["reasoning.encrypted_content"]`, responses_reasoning.py); tools are declared as
+responses_tools.py describes (functions, namespaces, apply_patch, hosted tools).
 `prompt_cache_key` is kept on the Conversation as a routing hint.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -164,26 +168,39 @@ class ResponsesOptions:
 # ---------------------------------------------------------------- request -> Conversation
 
 
-def parse_responses_request(body: Any) -> ResponsesRequest:
+def parse_responses_request(body: Any, *, stored: bool = False) -> ResponsesRequest:
+    """Validate a body. `stored`: the server keeps responses, so `previous_response_id` and
+    `background` are accepted (and `background` needs `store`)."""
     request = validate(ResponsesRequest, body)
-    _refuse_state(request)
+    _refuse_state(request, stored)
     return request
 
 
 def responses_to_conversation(body: Any, options: ResponsesOptions | None = None) -> Conversation:
-    """Validate a raw Responses body and turn it into the Conversation IR."""
+    """Validate a raw Responses body (a stateless one) and turn it into the Conversation IR."""
     return request_to_conversation(parse_responses_request(body), options)
 
 
 def request_to_conversation(
-    request: ResponsesRequest, options: ResponsesOptions | None = None
+    request: ResponsesRequest,
+    options: ResponsesOptions | None = None,
+    history: Sequence[dict[str, Any]] = (),
 ) -> Conversation:
+    """The Conversation of a request. `history`: the items of the earlier turns of a
+    `previous_response_id` conversation (their inputs and outputs, oldest first), read before
+    `input`; the earlier turns' instructions are not among them (the API does not carry them
+    over), the request's own are the system message."""
     options = options or ResponsesOptions()
     tools = declared_tools(request.tools or [], options.hosted_tools).tools
     messages: list[Message] = []
     if request.instructions:
         messages.append(Message(role="system", content=[TextPart(request.instructions)]))
-    messages.extend(_input_messages(request.input, options.reasoning))
+    items: list[tuple[str, Any]] = [("previous_response_id", item) for item in history]
+    if isinstance(request.input, str):
+        items.append(("input", {"role": "user", "content": request.input}))
+    else:
+        items.extend((f"input[{i}]", item) for i, item in enumerate(request.input))
+    messages.extend(_input_messages(items, options.reasoning))
     max_tokens = request.max_output_tokens
     check_min_tokens(request.min_tokens, max_tokens)
     logprobs = request.top_logprobs is not None or LOGPROBS_INCLUDE in (request.include or [])
@@ -215,11 +232,25 @@ def wants_encrypted_reasoning(request: ResponsesRequest) -> bool:
     return ENCRYPTED_REASONING_INCLUDE in (request.include or [])
 
 
-def _refuse_state(request: ResponsesRequest) -> None:
-    stateless = "this server is stateless: send the whole conversation in `input`"
-    require(request.previous_response_id is None, f"is not supported; {stateless}", "previous_response_id")
-    require(request.conversation is None, f"is not supported; {stateless}", "conversation")
-    require(not request.background, "background responses are not supported", "background")
+def _refuse_state(request: ResponsesRequest, stored: bool) -> None:
+    stateless = "this server keeps no responses: send the whole conversation in `input`"
+    if stored:
+        require(
+            not (request.background and request.store is False),
+            "background responses are stored: they need `store: true` (the default)",
+            "background",
+        )
+    else:
+        require(
+            request.previous_response_id is None, f"is not supported; {stateless}", "previous_response_id"
+        )
+        require(not request.background, "background responses are not supported", "background")
+    require(
+        request.conversation is None,
+        "the Conversations API is not supported; continue with `previous_response_id`, or send the whole "
+        "conversation in `input`",
+        "conversation",
+    )
     require(request.prompt is None, "stored prompts are not supported", "prompt")
 
 
@@ -275,15 +306,12 @@ def _parts(content: str | list[dict[str, Any]], role: str, path: str) -> list[Co
     return parts
 
 
-def _input_messages(value: str | list[dict[str, Any]], sealer: ReasoningSealer | None) -> list[Message]:
-    """Flat input items -> turns: consecutive reasoning / assistant text / function calls form one
-    assistant turn (reasoning first, then text, then calls), as the model produced them."""
-    if isinstance(value, str):
-        return [Message(role="user", content=[TextPart(value)])]
+def _input_messages(items: list[tuple[str, Any]], sealer: ReasoningSealer | None) -> list[Message]:
+    """Flat (path, item) pairs -> turns: consecutive reasoning / assistant text / function calls
+    form one assistant turn (reasoning first, then text, then calls), as the model produced them."""
     messages: list[Message] = []
     ledger = ToolCallLedger()
-    for i, raw in enumerate(value):
-        path = f"input[{i}]"
+    for path, raw in items:
         if not isinstance(raw, dict):
             raise RecipeError(f"{path}: expected a JSON object", param=path)
         kind = raw.get("type", "message")
@@ -349,8 +377,9 @@ def _assistant_turn(messages: list[Message], kind: Literal["reasoning", "text", 
     return turn
 
 
-def response_echo(request: ResponsesRequest) -> dict[str, Any]:
-    """The request settings a `response` object repeats back to the client (tools as declared)."""
+def response_echo(request: ResponsesRequest, *, stored: bool = False) -> dict[str, Any]:
+    """The request settings a `response` object repeats back to the client (tools as declared).
+    `stored`: the server keeps this response."""
     tool_choice: Any = request.tool_choice if request.tool_choice is not None else "auto"
     text_format = request.text.format if request.text and request.text.format else None
     return {
@@ -358,12 +387,13 @@ def response_echo(request: ResponsesRequest) -> dict[str, Any]:
         "max_output_tokens": request.max_output_tokens,
         "metadata": request.metadata or {},
         "parallel_tool_calls": request.parallel_tool_calls is not False,
-        "previous_response_id": None,
+        "previous_response_id": request.previous_response_id,
         "reasoning": {
             "effort": request.reasoning.effort if request.reasoning else None,
             "summary": request.reasoning.summary if request.reasoning else None,
         },
-        "store": False,
+        "store": stored,
+        "background": bool(request.background),
         "temperature": request.temperature,
         "text": {
             "format": text_format.model_dump(by_alias=True, exclude_none=True)

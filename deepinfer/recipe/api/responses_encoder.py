@@ -43,6 +43,7 @@ def default_echo() -> dict[str, Any]:
         "previous_response_id": None,
         "reasoning": {"effort": None, "summary": None},
         "store": False,
+        "background": False,
         "temperature": None,
         "text": {"format": {"type": "text"}},
         "tool_choice": "auto",
@@ -90,7 +91,11 @@ class ResponsesEncoder:
     `tools` (the request's): calls of a namespaced function become `function_call` items with
     `namespace` and the function's own `name`; calls of a custom tool become `custom_tool_call`
     items holding its text `input`. `seal_reasoning`: reasoning items carry their text encrypted
-    in `encrypted_content` (the client asked for it with `include`).
+    in `encrypted_content` (the client asked for it with `include`). `queued` (a background
+    response): the stream opens with `response.created` and `response.queued`, and
+    `response.in_progress` follows when the engine starts producing (`running()`).
+
+    After `close()` or `cancel()`, `result` is the `response` object of the closing event.
     """
 
     def __init__(
@@ -103,8 +108,12 @@ class ResponsesEncoder:
         stream: bool = True,
         tools: Sequence[Tool] = (),
         seal_reasoning: Callable[[str], str] | None = None,
+        queued: bool = False,
     ) -> None:
         self.response_id = response_id
+        self._queued = queued
+        self._running = not queued
+        self.result: dict[str, Any] | None = None
         self._tools = {t.name: t for t in tools}
         self._seal = seal_reasoning
         self.model = model
@@ -135,7 +144,9 @@ class ResponsesEncoder:
         frames, self._frames = self._frames, []
         return frames
 
-    def _snapshot(self, status: str) -> dict[str, Any]:
+    def snapshot(self, status: str) -> dict[str, Any]:
+        """The `response` object now, with `status` (no output before the run ends)."""
+        running = status in ("queued", "in_progress")
         return {
             "id": self.response_id,
             "object": "response",
@@ -144,8 +155,8 @@ class ResponsesEncoder:
             "status": status,
             "error": None,
             "incomplete_details": None,
-            "output": copy.deepcopy(self._output) if status != "in_progress" else [],
-            "usage": _usage_json(self._usage) if self._usage and status != "in_progress" else None,
+            "output": [] if running else copy.deepcopy(self._output),
+            "usage": _usage_json(self._usage) if self._usage and not running else None,
             **self._echo,
         }
 
@@ -220,17 +231,30 @@ class ResponsesEncoder:
     # -- public
 
     def start(self) -> list[str]:
+        """The opening events, sent before the engine produced anything."""
         self._ensure_started()
         return self._take()
+
+    def running(self) -> list[str]:
+        """The engine produced its first output: a queued response is now in progress."""
+        self._ensure_running()
+        return self._take()
+
+    def _ensure_running(self) -> None:
+        self._ensure_started()
+        if not self._running:
+            self._running = True
+            self._emit("response.in_progress", response=self.snapshot("in_progress"))
 
     def _ensure_started(self) -> None:
         if not self._started:
             self._started = True
-            self._emit("response.created", response=self._snapshot("in_progress"))
-            self._emit("response.in_progress", response=self._snapshot("in_progress"))
+            status = "queued" if self._queued else "in_progress"
+            self._emit("response.created", response=self.snapshot(status))
+            self._emit(f"response.{status}", response=self.snapshot(status))
 
     def feed(self, event: Event) -> list[str]:
-        self._ensure_started()
+        self._ensure_running()
         if self._finish is not None and not isinstance(event, Usage):
             return self._take()
         if isinstance(event, ReasoningDelta) and event.text:
@@ -297,22 +321,34 @@ class ResponsesEncoder:
         self._close_open("incomplete")
         finish = self._finish
         if finish is None or finish.reason in FAILED:
-            failed = self._snapshot("failed")
-            failed["error"] = {"code": "server_error", "message": failure_message(finish)}
-            self._emit("response.failed", response=failed)
-        elif finish.reason == "length":
-            self._emit("response.incomplete", response=self._final())
+            self.result = self.snapshot("failed")
+            self.result["error"] = {"code": "server_error", "message": failure_message(finish)}
+            self._emit("response.failed", response=self.result)
         else:
-            self._emit("response.completed", response=self._final())
+            self.result = self._final()
+            kind = "response.incomplete" if finish.reason == "length" else "response.completed"
+            self._emit(kind, response=self.result)
+        return self._take()
+
+    def cancel(self) -> list[str]:
+        """End a cancelled response: the open item is left incomplete, and `response.failed`
+        carries the response with status `cancelled` (the API has no event of its own for it)."""
+        self._ensure_started()
+        if self._closed:
+            return []
+        self._closed = True
+        self._close_open("incomplete")
+        self.result = self.snapshot("cancelled")
+        self._emit("response.failed", response=self.result)
         return self._take()
 
     def _final(self) -> dict[str, Any]:
         assert self._finish is not None
         if self._finish.reason == "length":
-            body = self._snapshot("incomplete")
+            body = self.snapshot("incomplete")
             body["incomplete_details"] = {"reason": "max_output_tokens"}
             return body
-        return self._snapshot("completed")
+        return self.snapshot("completed")
 
     def body(self) -> dict[str, Any]:
         """The non-streamed `response` object; raises GenerationError when generation failed."""
