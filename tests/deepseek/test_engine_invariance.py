@@ -57,7 +57,7 @@ def test_chunked_prefill_equals_one_at_a_time(v3_llm, prompts, alone):
     )
     steps: list[tuple[list[int], list[int]]] = []  # (query_lens, seq_lens) of every forward
     hook = loaded.model.register_forward_pre_hook(
-        lambda _, args: steps.append((list(args[3].query_lens), list(args[3].seq_lens_list)))
+        lambda _, args: steps.append((list(args[3].query_lens), list(args[3].groups[0].seq_lens_list)))
     )
     try:
         assert _run(llm, prompts) == alone

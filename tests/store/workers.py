@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 
+from deepinfer.config import StoreConfig
 from deepinfer.store import FileBackend, KVStoreConfig, RedisBackend, build_kv_store, encode_object
 
 NAMESPACE = b"model-fp|salt"
@@ -21,7 +22,7 @@ _CAP_DAC_OVERRIDE = 1
 
 def _config(url: str) -> KVStoreConfig:
     # The public CLI path, with a lookup deadline generous enough for a busy 2-core CI box.
-    return dataclasses.replace(KVStoreConfig.from_cli(kv_store=url, kv_chunk_blocks=2), lookup_timeout_s=5.0)
+    return dataclasses.replace(StoreConfig(kv_store=url, kv_chunk_blocks=2).settings(), lookup_timeout_s=5.0)
 
 
 def key_of(i: int) -> bytes:
