@@ -48,16 +48,16 @@ def _closed(llm: LLM, node1: subprocess.Popen[str]) -> None:
     assert code == 0, node1.stdout.read() if node1.stdout else ""
 
 
-def test_tensor_parallel_over_two_nodes(default_llm):
+def test_tensor_parallel_over_two_nodes(dense_llm):
     options = {"tensor_parallel_size": 2, "num_threads": 1, "kv_cache_memory": 64 << 20}
     flags = ["--tensor-parallel-size", "2", "--num-threads", "1", "--kv-cache-memory", "64MiB"]
     llm, node1 = _two_nodes(None, options, flags)
     try:
         assert not llm.engine.core.parallel.topology.local_channel
-        expected = [o.outputs[0].token_ids for o in default_llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+        expected = [o.outputs[0].token_ids for o in dense_llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)] == expected
-        ids = default_llm.get_tokenizer().encode(PROMPTS[2])
-        assert (llm.engine.core.score(ids) - default_llm.engine.core.score(ids)).abs().max().item() < 1e-4
+        ids = dense_llm.get_tokenizer().encode(PROMPTS[2])
+        assert (llm.engine.core.score(ids) - dense_llm.engine.core.score(ids)).abs().max().item() < 1e-4
     finally:
         _closed(llm, node1)
 

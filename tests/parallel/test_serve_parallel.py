@@ -29,14 +29,14 @@ def tp_server():
     server.kill()
 
 
-def test_tensor_parallel_server_completes_like_one_process(tp_server, default_llm):
+def test_tensor_parallel_server_completes_like_one_process(tp_server, dense_llm):
     body = {"model": "SmolLM2-135M-Instruct", "prompt": PROMPT, "max_tokens": 16, "temperature": 0}
     reply = httpx.post(tp_server.url + "/v1/completions", json={**body, "ignore_eos": True}, timeout=120)
     assert reply.status_code == 200, reply.text
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     assert (
         reply.json()["choices"][0]["text"]
-        == default_llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].text
+        == dense_llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].text
     )
 
 
@@ -94,7 +94,7 @@ def test_data_parallel_metrics_per_rank_and_sigterm_stops_every_rank(dp_server, 
     )
 
 
-def test_ranks_started_by_torchrun(default_llm):
+def test_ranks_started_by_torchrun(dense_llm):
     """torchrun starts both ranks (RANK, WORLD_SIZE, MASTER_* and its own rendezvous store in the
     environment): rank 0 serves HTTP, rank 1 is a worker; SIGTERM to torchrun stops both."""
     server = ServerProcess("--tensor-parallel-size", "2", "--num-threads", "1")
@@ -112,7 +112,7 @@ def test_ranks_started_by_torchrun(default_llm):
         body = {"model": "SmolLM2-135M-Instruct", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
         reply = httpx.post(server.url + "/v1/completions", json={**body, "ignore_eos": True}, timeout=120)
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-        expected = default_llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].text
+        expected = dense_llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].text
         assert reply.json()["choices"][0]["text"] == expected
         assert server.process is not None
         server.process.send_signal(signal.SIGTERM)

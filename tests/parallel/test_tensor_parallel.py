@@ -47,17 +47,17 @@ def test_shards_split_heads_unevenly(tp2):
     assert model.embed_tokens.weight.shape[0] == 49152 // 2
 
 
-def test_logits_match_one_process(tp2, default_llm):
-    tokenizer = default_llm.get_tokenizer()
+def test_logits_match_one_process(tp2, dense_llm):
+    tokenizer = dense_llm.get_tokenizer()
     for prompt in PROMPTS:
         ids = tokenizer.encode(prompt)
-        ours, theirs = tp2.engine.core.score(ids), default_llm.engine.core.score(ids)
+        ours, theirs = tp2.engine.core.score(ids), dense_llm.engine.core.score(ids)
         assert ours.shape == theirs.shape
         assert (ours - theirs).abs().max().item() < 1e-4
 
 
-def test_greedy_batched_and_chunked_matches_one_process(tp2, default_llm):
-    expected = [o.outputs[0].token_ids for o in default_llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+def test_greedy_batched_and_chunked_matches_one_process(tp2, dense_llm):
+    expected = [o.outputs[0].token_ids for o in dense_llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
     batched = [o.outputs[0].token_ids for o in tp2.generate(PROMPTS, PARAMS, use_tqdm=False)]
     alone = [tp2.generate([p], PARAMS, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS[2:]]
     assert batched == expected
