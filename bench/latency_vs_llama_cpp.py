@@ -15,15 +15,19 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
 from deepinfer.bench.offline import random_prompts
 from deepinfer.bench.report import markdown_table, provenance
-from deepinfer.bench.server_process import running_server
 from deepinfer.model.loader.source import default_model_path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's bench/
+from bench.server_process import running_server
 
 OURS = {
     "deepinfer gguf": {},

@@ -24,8 +24,10 @@ from pathlib import Path
 import httpx
 
 from deepinfer.bench.report import utc_now_iso
-from deepinfer.bench.server_process import running_server
 from deepinfer.model.loader.source import default_model_path, file_digest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's bench/
+from bench.server_process import running_server
 
 FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "engine" / "data" / "llama_cpp_greedy.json"
 NEW_TOKENS = 32
