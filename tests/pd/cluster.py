@@ -3,20 +3,14 @@ serve`, small KV budgets, one thread each), a `deepinfer router` in front, start
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import httpx
 
-from tests.server.server_process import ServerProcess, pid_alive, wait_until
+from tests.server.server_process import AnnouncedProcess, ServerProcess, pid_alive, wait_until
 
 MODEL = "SmolLM2-135M-Instruct"
 SMALL = ("--kv-cache-memory", "64MiB", "--num-threads", "1", "--max-num-batched-tokens", "512")
@@ -27,73 +21,20 @@ def replica(*args: str) -> ServerProcess:
     return ServerProcess(*SMALL, "--kv-events-endpoint", "tcp://127.0.0.1:0", *args)
 
 
-class RouterProcess:
+class RouterProcess(AnnouncedProcess):
     def __init__(self, *args: str, startup_timeout_s: float = 120.0) -> None:
-        self.command = [
-            sys.executable,
-            "-m",
-            "deepinfer.cli",
-            "router",
-            "--port",
-            "0",
-            "--log-level",
-            "warning",
-            "--health-interval",
-            "0.5",
-            *args,
-        ]
-        self.startup_timeout_s = startup_timeout_s
-        self.lines: list[str] = []
-        self.url = ""
-        self._announced = threading.Event()
-        self.process: subprocess.Popen[str] | None = None
+        command = ["router", "--port", "0", "--log-level", "warning", "--health-interval", "0.5", *args]
+        super().__init__(command, _ROUTER, startup_timeout_s)
 
     def start(self) -> RouterProcess:
-        self.process = subprocess.Popen(
-            self.command,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            cwd=Path(__file__).resolve().parents[2],
-            start_new_session=True,
-        )
-        threading.Thread(target=self._read, daemon=True).start()
-        if not self._announced.wait(self.startup_timeout_s):
-            self.kill()
-            raise RuntimeError("the router did not start:\n" + "\n".join(self.lines[-40:]))
+        super().start()
         return self
-
-    def _read(self) -> None:
-        assert self.process is not None and self.process.stdout is not None
-        for line in self.process.stdout:
-            self.lines.append(line.rstrip("\n"))
-            match = _ROUTER.search(line)
-            if match and not self._announced.is_set():
-                self.url = match.group(1)
-                self._announced.set()
 
     def health(self) -> dict[str, Any]:
         return httpx.get(self.url + "/health", timeout=10).json()
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
         assert wait_until(lambda: self.health()["status"] == "ok", timeout_s), self.health()
-
-    def stop(self, timeout_s: float = 60.0) -> int:
-        assert self.process is not None
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            return self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise RuntimeError("the router did not stop on SIGTERM") from None
-
-    def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
 
 
 def start_all(servers: list[ServerProcess]) -> None:

@@ -19,29 +19,25 @@ SMALL_KV = "268435456"  # 256 MiB: a few hundred blocks, plenty for short test r
 _ANNOUNCE = re.compile(r"DeepInfer is serving .* at (http://\S+) .*engine pid (\d+)")
 
 
-class ServerProcess:
-    def __init__(self, *args: str, startup_timeout_s: float = 300.0) -> None:
-        self.command = [
-            sys.executable,
-            "-m",
-            "deepinfer.cli",
-            "serve",
-            "--port",
-            "0",
-            "--kv-cache-memory",
-            SMALL_KV,
-            "--log-level",
-            "warning",
-            *args,
-        ]
+class AnnouncedProcess:
+    """A `deepinfer` subcommand in a subprocess of its own session, ready once a line of its
+    output matches `announce`; its log kept for failure messages, SIGTERM to stop."""
+
+    def __init__(self, command: list[str], announce: re.Pattern[str], startup_timeout_s: float) -> None:
+        self.name = command[0]  # the subcommand, for messages
+        self.command = [sys.executable, "-m", "deepinfer.cli", *command]
+        self.announce = announce
         self.startup_timeout_s = startup_timeout_s
         self.lines: list[str] = []
         self.url = ""
-        self.engine_pid = 0
         self._announced = threading.Event()
         self.process: subprocess.Popen[str] | None = None
 
-    def start(self) -> ServerProcess:
+    def announced(self, match: re.Match[str]) -> None:
+        """Read what the announcing line says (the URL is its first group)."""
+        self.url = match.group(1)
+
+    def start(self) -> AnnouncedProcess:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.process = subprocess.Popen(
             self.command,
@@ -58,24 +54,20 @@ class ServerProcess:
         while not self._announced.wait(0.2):
             if self.process.poll() is not None or time.monotonic() > deadline:
                 self.kill()
-                raise RuntimeError("the server did not start:\n" + self.log_tail())
+                raise RuntimeError(f"`{self.name}` did not start:\n" + self.log_tail())
         return self
 
     def _read_output(self) -> None:
         assert self.process is not None and self.process.stdout is not None
         for line in self.process.stdout:
             self.lines.append(line.rstrip("\n"))
-            match = _ANNOUNCE.search(line)
+            match = self.announce.search(line)
             if match and not self._announced.is_set():
-                self.url, self.engine_pid = match.group(1), int(match.group(2))
+                self.announced(match)
                 self._announced.set()
 
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.lines[-lines:])
-
-    def client(self, api_key: str | None = None, timeout: float = 120.0) -> httpx.Client:
-        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-        return httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
 
     def stop(self, timeout_s: float = 60.0) -> int:
         """SIGTERM, then wait; returns the exit code (kills and raises on a hang)."""
@@ -86,12 +78,30 @@ class ServerProcess:
             return self.process.wait(timeout_s)
         except subprocess.TimeoutExpired:
             self.kill()
-            raise RuntimeError("the server did not stop on SIGTERM:\n" + self.log_tail()) from None
+            raise RuntimeError(f"`{self.name}` did not stop on SIGTERM:\n" + self.log_tail()) from None
 
     def kill(self) -> None:
         if self.process is not None and self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
+
+
+class ServerProcess(AnnouncedProcess):
+    def __init__(self, *args: str, startup_timeout_s: float = 300.0) -> None:
+        command = ["serve", "--port", "0", "--kv-cache-memory", SMALL_KV, "--log-level", "warning", *args]
+        super().__init__(command, _ANNOUNCE, startup_timeout_s)
+        self.engine_pid = 0
+
+    def announced(self, match: re.Match[str]) -> None:
+        self.url, self.engine_pid = match.group(1), int(match.group(2))
+
+    def start(self) -> ServerProcess:
+        super().start()
+        return self
+
+    def client(self, api_key: str | None = None, timeout: float = 120.0) -> httpx.Client:
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
 
 
 def pid_alive(pid: int) -> bool:
