@@ -7,20 +7,9 @@ import pytest
 
 from deepinfer.response_store import RedisResponseStore, ResponseStore, SqliteResponseStore
 from deepinfer.store import ManualClock, RetentionPolicy
-from tests.store.redis_server import RedisServer
+from tests.store.redis_server import RedisServer, redis_server  # noqa: F401 (a fixture)
 
 RETENTION = RetentionPolicy({"chat": 3600.0, "agent": 60.0})
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    try:
-        server = RedisServer(tmp_path / "redis")
-    except RuntimeError as exc:
-        pytest.fail(str(exc))
-    server.start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture

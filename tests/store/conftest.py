@@ -1,25 +1,13 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from deepinfer.store import FileBackend, ManualClock, RedisBackend, TieredKVStore
-from tests.store.redis_server import RedisServer
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    try:
-        server = RedisServer(tmp_path / "redis")
-    except RuntimeError as exc:
-        pytest.fail(str(exc))
-    server.start()
-    yield server
-    server.stop()
+from tests.store.redis_server import RedisServer, redis_server  # noqa: F401 (a fixture)
 
 
 @pytest.fixture

@@ -6,8 +6,10 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import redis
 
 INSTALL_HINT = (
@@ -92,3 +94,15 @@ class RedisServer:
                 self.process.kill()
                 self.process.wait()
             self.process = None
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A real redis-server of this test's own, stopped after it (a missing binary fails the test)."""
+    try:
+        server = RedisServer(tmp_path / "redis")
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
+    server.start()
+    yield server
+    server.stop()
