@@ -121,6 +121,7 @@ class TinyV41:
     values: dict[str, torch.Tensor] = field(default_factory=dict)
     # The stored quantized tensors: weight name -> (data, UE8M0 scale bytes as uint8).
     quantized: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    stored: dict[str, torch.Tensor] = field(default_factory=dict)  # everything written, by name
 
 
 def _sources(ids: list[int], num_layers: int) -> list[int]:
@@ -282,7 +283,7 @@ def _fp4(shape: tuple[int, ...], gen: torch.Generator) -> tuple[torch.Tensor, to
 def build_v41(path: Path, config: dict[str, Any], seed: int = 0) -> TinyV41:
     gen = torch.Generator().manual_seed(seed)
     tiny = TinyV41(path=path, config=config)
-    stored: dict[str, torch.Tensor] = {}
+    stored = tiny.stored
     for name, (shape, storage) in tensor_shapes(config).items():
         if storage in ("fp8", "engram"):
             codes, scale_bytes, value = _fp8(shape, (BLOCK, BLOCK) if storage == "fp8" else (1, BLOCK), gen)
