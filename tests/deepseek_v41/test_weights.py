@@ -15,9 +15,8 @@ import torch
 
 from deepinfer.model.deepseek_v41_config import DeepseekV41Arch
 from deepinfer.model.deepseek_v41_weights import load_v41_weights
+from tests.deepseek_v41.reference import ENGINE_SDIST, TILE_KERNELS_WHEEL, reference_file
 from tests.deepseek_v41.tiny_v41 import E2M1, TinyV41, build_v41, tiny_config, write_checkpoint
-
-REFERENCE = Path(__file__).resolve().parents[3] / "shared" / "reference"
 
 
 @pytest.fixture(scope="module")
@@ -127,14 +126,10 @@ def _reference_function(source: Path, name: str) -> Callable:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict[str, Callable]:
     """DeepSeek's UE8M0 decoder (engine's HF loader) and e2m1 unpacker (TileKernels)."""
-    if not REFERENCE.is_dir():
-        pytest.fail(
-            f"the reference sources are expected in {REFERENCE} (../shared/reference from the repo root)"
-        )
     root = tmp_path_factory.mktemp("v41_reference")
-    with tarfile.open(REFERENCE / "deepinfer-0.1.0.tar.gz") as tar:
+    with tarfile.open(reference_file(ENGINE_SDIST)) as tar:
         tar.extract("deepinfer-0.1.0/deepinfer/hugging_face/weights.py", root, filter="data")
-    with zipfile.ZipFile(REFERENCE / "tile_kernels-2.1.0-py3-none-any.whl") as wheel:
+    with zipfile.ZipFile(reference_file(TILE_KERNELS_WHEEL)) as wheel:
         wheel.extract("tile_kernels/quant/common.py", root)
     return {
         "ue8m0": _reference_function(
