@@ -1,4 +1,5 @@
-"""Where DeepSeek's reference sources are: ../shared/reference from the repository root."""
+"""Where DeepSeek's reference sources are: ../shared/reference from the repository root, or the
+shared folder of the workplace for a checkout elsewhere (a clean clone under /tmp)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from pathlib import Path
 import pytest
 
 REFERENCE = Path(__file__).resolve().parents[3] / "shared" / "reference"
+if not REFERENCE.exists():
+    REFERENCE = Path("/work/shared/reference")
 ENGINE_SDIST = "deepinfer-0.1.0.tar.gz"
 TILE_KERNELS_WHEEL = "tile_kernels-2.1.0-py3-none-any.whl"
 
