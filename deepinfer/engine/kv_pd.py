@@ -244,8 +244,8 @@ class DecodeReceiver:
                 self.num_failed += 1
                 pull.kv = None
                 if self.config.kv_transfer_failure == "fail":
-                    failures.append(
-                        (pull.seq, f"the prompt's KV from the prefill engine does not fit: {error}")
+                    failures[pull.seq.request_id] = (
+                        f"the prompt's KV from the prefill engine does not fit: {error}"
                     )
             if pull.kv is None:
                 pull.seq.num_pending -= 1
