@@ -3,7 +3,8 @@ round robin against cache-aware, on 2 and 3 replicas of the default model, witho
 shared KV store; and one replica holding everything, the hit rate cache-aware routing aims at.
 
 The workload is `bench serve`'s agent dataset: sessions resending one shared system prompt and a
-growing history, each turn sent when the session's previous one finished, all sessions at once.
+growing history, each turn sent when the session's previous one finished; all sessions start at
+once, or at Poisson times with `--session-rate` (then their turns no longer arrive together).
 Every configuration is one run on fresh caches (prefix caches reset, the store emptied). Replicas
 run one thread each; the router, the load generator and the replicas share the machine.
 
@@ -21,6 +22,7 @@ it by 2x: `--kv-cache-memory 384MiB` shows that case.
 from __future__ import annotations
 
 import argparse
+import math
 import shutil
 import tempfile
 from pathlib import Path
@@ -73,6 +75,7 @@ def _one_run(args: argparse.Namespace, name: str, replicas: list[Child], policy:
             agent_user_len=args.user_len,
             output_len=args.output_len,
             max_concurrency=args.sessions,
+            request_rate=args.session_rate,
             seed=args.seed,
             show_progress=False,
         )
@@ -159,6 +162,12 @@ def vars_of(args: argparse.Namespace) -> dict[str, Any]:
 def add_parser(commands: Any) -> argparse.ArgumentParser:
     p = commands.add_parser("router", help="agent sessions through the router: hit rate and TTFT by policy")
     p.add_argument("--sessions", type=int, default=6, help="agent sessions, all in flight at once")
+    p.add_argument(
+        "--session-rate",
+        type=float,
+        default=math.inf,
+        help="sessions started per second (Poisson); default: all at once, so their turns arrive together",
+    )
     p.add_argument("--turns", type=int, default=5, help="turns per session")
     p.add_argument(
         "--system-len",
