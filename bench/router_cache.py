@@ -1,5 +1,5 @@
 """`deepinfer bench router`: prefix-cache hit rate and TTFT of agent sessions through the router,
-round robin against cache-aware, on 2 and 3 replicas of the default model, without and with a
+round robin against cache-aware and least-work, on 2 and 3 replicas of the default model, without and with a
 shared KV store; and one replica holding everything, the hit rate cache-aware routing aims at.
 
 The workload is `bench serve`'s agent dataset: sessions resending one shared system prompt and a
@@ -108,14 +108,14 @@ def run(args: argparse.Namespace) -> int:
     with running([single, *plain]):
         runs.append(_one_run(args, "single replica", [single], "cache_aware"))
         for n in (2, 3):
-            for policy in ("round_robin", "cache_aware"):
+            for policy in ("round_robin", "cache_aware", "least_work"):
                 runs.append(_one_run(args, f"{n} replicas, {policy}", plain[:n], policy))
     store = Path(tempfile.mkdtemp(prefix="deepinfer-bench-store-"))
     shared = ("--kv-store", str(store), "--kv-chunk-blocks", str(args.chunk_blocks))
     with_store = [replica(f"stored{i}", *shared, kv_cache_memory=args.kv_cache_memory) for i in range(3)]
     with running(with_store):
         for n in (2, 3):
-            for policy in ("round_robin", "cache_aware"):
+            for policy in ("round_robin", "cache_aware", "least_work"):
                 _empty(store)
                 runs.append(_one_run(args, f"{n} replicas + shared store, {policy}", with_store[:n], policy))
     shutil.rmtree(store, ignore_errors=True)

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 from deepinfer.config.fields import ConfigError, check_choice, check_positive, normalize_sizes, option
 from deepinfer.config.server import LOG_LEVELS
 
-POLICIES = ("round_robin", "least_load", "cache_aware")
+POLICIES = ("round_robin", "least_load", "cache_aware", "least_work")
 
 
 def _check_urls(name: str, urls: Sequence[str]) -> tuple[str, ...]:
@@ -45,10 +45,16 @@ class RouterConfig:
         repeat=True,
         help="a `deepinfer serve --role decode` replica, by URL; repeat for several (with --prefill)",
     )
-    policy: Literal["round_robin", "least_load", "cache_aware"] = option(
+    policy: Literal["round_robin", "least_load", "cache_aware", "least_work"] = option(
         "cache_aware",
         help="round_robin; least_load (fewest requests running and waiting); cache_aware (the replica "
-        "holding the longest prefix of the prompt, by tier, unless the load is unbalanced)",
+        "holding the longest prefix of the prompt, by tier, unless the load is unbalanced); least_work "
+        "(the fewest prompt blocks left to compute plus request_cost_blocks per request already there)",
+    )
+    request_cost_blocks: float = option(
+        16.0,
+        help="least_work: what one request running or waiting on a replica costs a new one, in prompt "
+        "blocks to compute",
     )
     cache_threshold: float = option(
         0.3, help="cache_aware: the least share of the prompt a replica must hold to be chosen for it"
@@ -118,6 +124,7 @@ class RouterConfig:
             check_positive(name, getattr(self, name), allow_none=False)
         check_positive("balance_abs_threshold", self.balance_abs_threshold, allow_none=False)
         check_positive("balance_rel_threshold", self.balance_rel_threshold, allow_none=False)
+        check_positive("request_cost_blocks", self.request_cost_blocks, allow_none=False)
         check_positive("unhealthy_after", self.unhealthy_after, allow_none=False)
         check_positive("breaker_failures", self.breaker_failures, allow_none=False)
         check_positive("max_body_bytes", self.max_body_bytes, allow_none=False)

@@ -80,7 +80,7 @@ class RouterMetrics:
         )
         self.decisions = Counter(
             PREFIX + "routing_decisions",
-            "replicas chosen, by pool (both, prefill, decode) and reason (round_robin, load, balance, cache, affinity)",
+            "replicas chosen, by pool (both, prefill, decode) and reason (round_robin, load, balance, cache, affinity, work)",
             ["pool", "replica", "reason"],
             registry=self.registry,
         )

@@ -1,10 +1,17 @@
-"""Which replica gets a request: round robin, least load, or cache-aware.
+"""Which replica gets a request: round robin, least load, cache-aware, or least work.
 
 Cache-aware (after SGLang's router, with tier credits and a shared store): when the load is
 unbalanced (the busiest replica has `balance_abs_threshold` more requests than the least busy
 and `balance_rel_threshold` times its load), the least loaded replica; otherwise the replica
 whose caches hold the most of the prompt (device blocks count 1, host and store blocks their
 credit), if that is at least `cache_threshold` of the prompt; otherwise the least loaded one.
+
+Least work: the replica where the request's first token is estimated to come soonest, the prompt
+blocks it would compute there (the prompt less the replica's credit) plus `request_cost_blocks`
+for each request already running or waiting there. Unlike cache-aware it moves a new session off
+the replica holding a shared system prompt once that replica is busy enough to cost more than
+computing the prompt elsewhere, while a session whose history is cached stays put.
+
 Ties go to the replica that served the same session last (prompt_cache_key, metadata.user_id,
 x-session-id), then to the least loaded, then to the first listed.
 """
@@ -42,7 +49,7 @@ class Candidate:
 @dataclass(slots=True)
 class Decision:
     replica: Routable
-    reason: str  # round_robin | load | balance | cache | affinity
+    reason: str  # round_robin | load | balance | cache | affinity | work
     credit: float
     total_blocks: int
 
@@ -63,6 +70,8 @@ class Policy:
         elif policy == "least_load":
             chosen = self._least_loaded(candidates, session)
             decision = Decision(chosen.replica, "load", chosen.credit, chosen.total_blocks)
+        elif policy == "least_work":
+            decision = self._least_work(candidates, session)
         else:
             decision = self._cache_aware(candidates, session)
         if session is not None:
@@ -95,3 +104,14 @@ class Policy:
         last = self._sessions.get(session) if session is not None else None
         reason = "affinity" if last == chosen.replica.name and len(candidates) > 1 else "load"
         return Decision(chosen.replica, reason, chosen.credit, chosen.total_blocks)
+
+    def _least_work(self, candidates: list[Candidate], session: str | None) -> Decision:
+        cost = self.config.request_cost_blocks
+        last = self._sessions.get(session) if session is not None else None
+
+        def work(c: Candidate) -> tuple[float, bool, int]:
+            blocks_left = max(c.total_blocks - c.credit, 0.0)
+            return (round(blocks_left + cost * c.replica.load, 6), c.replica.name != last, c.replica.load)
+
+        chosen = min(candidates, key=work)
+        return Decision(chosen.replica, "work", chosen.credit, chosen.total_blocks)

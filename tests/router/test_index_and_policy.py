@@ -107,6 +107,24 @@ def test_round_robin_and_least_load() -> None:
     assert least.choose(candidates([9.0, 0.0], [5, 2]), None).replica.name == "r1"
 
 
+def test_least_work_weighs_queued_requests_against_the_blocks_a_hit_saves() -> None:
+    policy = Policy(config(policy="least_work", request_cost_blocks=4))
+    # A new session: the shared system prompt (22 of 28 blocks) is cached on r0 only. Idle, r0 wins
+    # (6 blocks to compute against 28); with 6 requests there (6 + 24 > 28), the idle r1 does.
+    decision = policy.choose(candidates([22.0, 0.0], [0, 0], total=28), None)
+    assert (decision.replica.name, decision.reason) == ("r0", "work")
+    assert policy.choose(candidates([22.0, 0.0], [5, 0], total=28), None).replica.name == "r0"
+    assert policy.choose(candidates([22.0, 0.0], [6, 0], total=28), None).replica.name == "r1"
+    # A session whose 50-block history is cached stays despite a busier replica.
+    assert policy.choose(candidates([47.0, 0.0], [8, 0], total=50), None).replica.name == "r0"
+    # Equal work (6 + 4 on r0, 10 + 0 on r1): the session's last replica, else the least loaded.
+    assert policy.choose(candidates([9.0, 0.0], [0, 0], total=10), "s").replica.name == "r0"
+    assert policy.choose(candidates([4.0, 0.0], [1, 0], total=10), "s").replica.name == "r0"
+    assert policy.choose(candidates([4.0, 0.0], [1, 0], total=10), None).replica.name == "r1"
+    with pytest.raises(ConfigError, match="request_cost_blocks"):
+        config(policy="least_work", request_cost_blocks=0)
+
+
 def test_router_hashes_match_the_engine_hashes() -> None:
     from deepinfer.engine.kv_cache.prefix import extend_block_hashes, namespace_root
 
