@@ -1,7 +1,8 @@
 """`deepinfer bench parallel`: one process against two ranks on the same machine, same run.
 
 - The default model: tensor parallelism over 2 ranks of 1 thread each (gloo on loopback) against
-  one process with 2 threads. Throughput (N random prompts at once) and batch-1 latency (time to
+  one process with 2 threads, both in fp32 (TP dequantizes the GGUF), and the one process on the
+  gguf kernels, the default. Throughput (N random prompts at once) and batch-1 latency (time to
   first token, then time per output token).
 - A tiny DeepSeek-V3 MoE (8 experts, built here from random weights in the official format):
   attention data parallelism with the experts sharded over 2 ranks (EP=2) against one process.
@@ -141,12 +142,15 @@ def run(args: argparse.Namespace) -> int:
     from deepinfer import LLM
 
     results: list[dict[str, Any]] = []
-    dense = {
-        "tp1 (1 process, 2 threads)": {"num_threads": 2},
-        "tp2 (2 ranks x 1 thread)": {"tensor_parallel_size": 2, "num_threads": 1},
+    # Tensor parallelism runs the GGUF dequantized (fp32), so the like-for-like single process is
+    # fp32 too; the single process on the gguf kernels (the default) is shown beside them.
+    default_model = {
+        "tp1 fp32 (1 process, 2 threads)": {"num_threads": 2, "quantization": "none"},
+        "tp2 fp32 (2 ranks x 1 thread)": {"tensor_parallel_size": 2, "num_threads": 1},
+        "tp1 gguf (1 process, 2 threads)": {"num_threads": 2, "quantization": "gguf"},
     }
     prompts = latency_prompt = None
-    for name, options in dense.items():
+    for name, options in default_model.items():
         llm = LLM(args.model, kv_cache_memory=args.kv_cache_memory, **options)
         if prompts is None:
             tokenizer = llm.get_tokenizer()

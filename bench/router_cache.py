@@ -3,14 +3,26 @@ round robin against cache-aware, on 2 and 3 replicas of the default model, witho
 shared KV store; and one replica holding everything, the hit rate cache-aware routing aims at.
 
 The workload is `bench serve`'s agent dataset: sessions resending one shared system prompt and a
-growing history, each turn sent when the session's previous one finished, all sessions at once.
+growing history, each turn sent when the session's previous one finished; all sessions start at
+once, or at Poisson times with `--session-rate` (then their turns no longer arrive together).
 Every configuration is one run on fresh caches (prefix caches reset, the store emptied). Replicas
 run one thread each; the router, the load generator and the replicas share the machine.
+
+The default workload is sized to finish in a few minutes on two cores: 6 sessions of 5 turns, a
+~350-token system prompt, ~100 new tokens of history per turn (last prompts ~870 tokens), 16-token
+answers. Each of the 2 or 3 replicas has a KV cache of 182 blocks (128 MiB): enough for the
+system prompt and the histories of the sessions one replica gets when sessions stay where their
+prefix is (3 or 2), not for all six (~250 blocks), which round robin makes every replica hold;
+the single replica has room for everything (384 MiB, 546 blocks), the hit rate to aim at. With
+caches that hold every session on every replica, round robin on 2 replicas misses only the last
+~2 turns of a history (a turn lands where the one before the last went), and no routing can beat
+it by 2x: `--kv-cache-memory 384MiB` shows that case.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import shutil
 import tempfile
 from pathlib import Path
@@ -35,15 +47,18 @@ def _router_metrics(url: str) -> dict[str, Any]:
     from prometheus_client.parser import text_string_to_metric_families
 
     decisions: dict[str, float] = {}
+    per_replica: dict[str, float] = {}
     estimate = 0.0
     for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
         for sample in family.samples:
             if sample.name == "deepinfer_router_routing_decisions_total":
                 reason = sample.labels["reason"]
                 decisions[reason] = decisions.get(reason, 0.0) + sample.value
+                replica = sample.labels["replica"]
+                per_replica[replica] = per_replica.get(replica, 0.0) + sample.value
             elif sample.name == "deepinfer_router_hit_rate_estimate":
                 estimate = sample.value
-    return {"decisions": decisions, "hit_rate_estimate": estimate}
+    return {"decisions": decisions, "requests_per_replica": per_replica, "hit_rate_estimate": estimate}
 
 
 def _one_run(args: argparse.Namespace, name: str, replicas: list[Child], policy: str) -> dict[str, Any]:
@@ -60,13 +75,18 @@ def _one_run(args: argparse.Namespace, name: str, replicas: list[Child], policy:
             agent_user_len=args.user_len,
             output_len=args.output_len,
             max_concurrency=args.sessions,
+            request_rate=args.session_rate,
             seed=args.seed,
             show_progress=False,
         )
         result = run_serve(options)
         routed = _router_metrics(front.url)
+    split = routed["requests_per_replica"]
+    routed["split"] = "/".join(f"{split.get(r.url, 0.0):.0f}" for r in replicas)
     summary = result["runs"][0]["summary"]
+    blocks = [httpx.get(r.url + "/v1/engine_info", timeout=30).json().get("num_blocks") for r in replicas]
     return {
+        "kv_blocks_per_replica": blocks,
         "name": name,
         "replicas": len(replicas),
         "policy": policy,
@@ -84,8 +104,9 @@ def _one_run(args: argparse.Namespace, name: str, replicas: list[Child], policy:
 def run(args: argparse.Namespace) -> int:
     runs: list[dict[str, Any]] = []
     plain = [replica(f"replica{i}", kv_cache_memory=args.kv_cache_memory) for i in range(3)]
-    with running(plain):
-        runs.append(_one_run(args, "single replica", plain[:1], "cache_aware"))
+    single = replica("single", kv_cache_memory=args.single_kv_cache_memory)
+    with running([single, *plain]):
+        runs.append(_one_run(args, "single replica", [single], "cache_aware"))
         for n in (2, 3):
             for policy in ("round_robin", "cache_aware"):
                 runs.append(_one_run(args, f"{n} replicas, {policy}", plain[:n], policy))
@@ -105,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
             f"{r['completed']}/{r['failed']}",
             f"{r['hit_rate']:.1%}" if r["hit_rate"] is not None else "n/a",
             f"{r['router']['hit_rate_estimate']:.1%}",
+            r["router"]["split"],
             f"{r['ttft_p50_ms']:.0f}",
             f"{r['ttft_p99_ms']:.0f}",
             f"{r['duration_s']:.0f}",
@@ -118,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
                 "ok/failed",
                 "hit rate",
                 "router's estimate",
+                "requests per replica",
                 "TTFT p50 ms",
                 "TTFT p99 ms",
                 "run s",
@@ -138,14 +161,28 @@ def vars_of(args: argparse.Namespace) -> dict[str, Any]:
 
 def add_parser(commands: Any) -> argparse.ArgumentParser:
     p = commands.add_parser("router", help="agent sessions through the router: hit rate and TTFT by policy")
-    p.add_argument("--sessions", type=int, default=8, help="agent sessions, all in flight at once")
-    p.add_argument("--turns", type=int, default=6, help="turns per session")
-    p.add_argument("--system-len", type=int, default=256, help="words of the shared system prompt")
-    p.add_argument("--user-len", type=int, default=128, help="words per user turn")
+    p.add_argument("--sessions", type=int, default=6, help="agent sessions, all in flight at once")
     p.add_argument(
-        "--output-len", type=int, default=32, help="tokens per answer (and per synthetic history turn)"
+        "--session-rate",
+        type=float,
+        default=math.inf,
+        help="sessions started per second (Poisson); default: all at once, so their turns arrive together",
     )
-    p.add_argument("--kv-cache-memory", default="384MiB", help="per replica")
+    p.add_argument("--turns", type=int, default=5, help="turns per session")
+    p.add_argument(
+        "--system-len",
+        type=int,
+        default=128,
+        help="words of the shared system prompt (its tool list alone is ~180 words, the floor)",
+    )
+    p.add_argument("--user-len", type=int, default=64, help="words per user turn")
+    p.add_argument(
+        "--output-len", type=int, default=16, help="tokens per answer (and per synthetic history turn)"
+    )
+    p.add_argument("--kv-cache-memory", default="128MiB", help="per replica of the 2- and 3-replica runs")
+    p.add_argument(
+        "--single-kv-cache-memory", default="384MiB", help="the single replica's (room for every session)"
+    )
     p.add_argument("--chunk-blocks", type=int, default=4, help="blocks per stored chunk (shared store runs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-json", help="write the full result here")

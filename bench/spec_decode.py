@@ -6,7 +6,8 @@ Two parts, each a set of engines sharing one copy of the weights:
   case prompt lookup is made for), without speculation and with n-gram speculation (fixed k and
   the dynamic length policy);
 - mixed: repetitive and free-form requests interleaved, submitted together at each batch size,
-  without speculation, with a fixed verification length k and with the dynamic policy.
+  without speculation, with a fixed verification length k, with the dynamic policy, and (for
+  --method draft) with the confidence policy.
 
 Configurations take turns (each runs --repeats times, in rotating order, and its fastest run
 counts). Every run reports output tokens/s, per-position acceptance, mean accepted length and the
@@ -298,6 +299,17 @@ def run(args: argparse.Namespace) -> int:
                 ),
             ],
         )
+    # The confidence policy needs drafts with confidences (not n-gram's).
+    confidence = (
+        []
+        if args.method == "ngram"
+        else [
+            (
+                f"{args.method} confidence k<={args.dynamic_max_k}",
+                _spec_options(args.method, "confidence", args.dynamic_max_k, args.speculative_model),
+            )
+        ]
+    )
     if "mixed" in parts:
         params = SamplingParams(temperature=0.0, max_tokens=args.mixed_output_len, ignore_eos=True)
         for batch in args.batch_sizes:
@@ -317,6 +329,7 @@ def run(args: argparse.Namespace) -> int:
                         f"{args.method} dynamic k<={args.dynamic_max_k}",
                         _spec_options(args.method, "dynamic", args.dynamic_max_k, args.speculative_model),
                     ),
+                    *confidence,
                 ],
             )
     table = markdown_table(HEADERS, rows)

@@ -66,6 +66,28 @@ def summarize(values: Iterable[float]) -> Summary | None:
     )
 
 
+def time_weighted_percentile(gaps: Sequence[float], q: float) -> float:
+    """The gap below which q% of the total waiting time lies: each gap weighs its own length.
+
+    Inter-token gaps seen per gap let a stream stalled for 50 s count once among thousands of
+    short gaps of streams that kept running; weighted by time, the stall counts for the 50 s a
+    user waited. Pure data: the smallest gap g such that the gaps no longer than g add up to at
+    least q% of the sum.
+    """
+    if not gaps:
+        raise ValueError("percentile of an empty sequence")
+    if not 0.0 <= q <= 100.0:
+        raise ValueError(f"percentile q must be within [0, 100], got {q}")
+    ordered = sorted(gaps)
+    target = sum(ordered) * q / 100.0
+    waited = 0.0
+    for gap in ordered:
+        waited += gap
+        if waited >= target:
+            return gap
+    return ordered[-1]
+
+
 def time_per_output_token(e2e_s: float, ttft_s: float, output_tokens: int) -> float | None:
     """TPOT = (e2e − ttft) / (output_tokens − 1): the mean gap between tokens after the first.
 

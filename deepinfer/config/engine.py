@@ -76,6 +76,10 @@ class SchedulerConfig:
 
 
 SPECULATIVE_METHODS = ("ngram", "draft", "mtp")
+SPECULATIVE_LENGTHS = ("fixed", "dynamic", "confidence")
+# Proposers whose drafts carry a confidence (their `has_confidence`): the draft model's and MTP's
+# own probability of the token they propose. Prompt lookup has none.
+CONFIDENCE_METHODS = ("draft", "mtp")
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,10 +89,11 @@ class SpeculativeConfig:
         help="speculative decoding: ngram (prompt lookup), draft (a draft model) or mtp (DeepSeek MTP)",
     )
     num_speculative_tokens: int = option(5, help="most draft tokens verified per step")
-    speculative_length: Literal["fixed", "dynamic"] = option(
+    speculative_length: Literal["fixed", "dynamic", "confidence"] = option(
         "dynamic",
         help="dynamic: per-step length from expected acceptance and the profiled step cost; "
-        "fixed: always the most",
+        "confidence (draft, mtp): lengths chosen after drafting from the drafts' confidences "
+        "and the profiled step cost; fixed: always the most",
     )
     speculative_model: str | None = option(
         None, help="draft model for --speculative-method draft (default: the target model itself)"
@@ -102,7 +107,17 @@ class SpeculativeConfig:
         n = self.num_speculative_tokens
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ConfigError("num_speculative_tokens", f"must be an integer >= 1, got {n!r}")
-        check_choice("speculative_length", self.speculative_length, ("fixed", "dynamic"))
+        check_choice("speculative_length", self.speculative_length, SPECULATIVE_LENGTHS)
+        if (
+            self.speculative_length == "confidence"
+            and self.speculative_method is not None
+            and self.speculative_method not in CONFIDENCE_METHODS
+        ):
+            raise ConfigError(
+                "speculative_length",
+                f"'confidence' needs a proposer whose drafts carry a confidence ({', '.join(CONFIDENCE_METHODS)}); "
+                f"speculative_method={self.speculative_method!r} gives none (use 'dynamic' or 'fixed')",
+            )
         if self.speculative_model is not None and self.speculative_method != "draft":
             raise ConfigError(
                 "speculative_model",

@@ -15,7 +15,13 @@ With an event log, what it saves is reported as Stored events of the host tier (
 shared store (STORE), and what the host tier drops as Removed ones: a router credits a chunk in
 the shared store to every engine that reads that store.
 
-One KVConnector implementation (kv_connector.py). Models with one cache group only, for now.
+Chunks hold every cache group of the model (kv_chunks.py says what is kept per chunk and why:
+all of a full or compressed group's blocks, a sliding group's last window), so DeepSeek-V4's
+hybrid cache goes to the host tier and the store like a single-group model's. Chunks live in a
+namespace that folds in the cache-group layout and the chunk format: a chunk of other groups
+never matches.
+
+One KVConnector implementation (kv_connector.py).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import numpy as np
 
 from deepinfer.engine.kv_cache.events import HOST, STORE, KVEventLog
 from deepinfer.engine.kv_cache.manager import KVCacheManager
+from deepinfer.engine.kv_chunks import ChunkLayout, GroupPart
 from deepinfer.engine.outputs import KVHandoff
 from deepinfer.sequence import Sequence
 from deepinfer.store import DEFAULT_TRAFFIC_CLASS, TieredKVStore
@@ -38,8 +45,8 @@ log = logging.getLogger(__name__)
 
 
 class BlockTransfer(Protocol):
-    """The caches' side: one group's KV of whole blocks to and from host arrays
-    [tensors, tokens, *slot]."""
+    """The caches' side: one group's KV of whole blocks to and from host bytes
+    [blocks, block_bytes] (uint8)."""
 
     def read_blocks(self, group: int, block_ids: list[int]) -> np.ndarray: ...
 
@@ -88,20 +95,22 @@ class KVOffloader:
         transfer: BlockTransfer,
         events: TierEvents | None = None,
     ) -> None:
-        if len(kv.groups) != 1:
-            raise ValueError(
-                "kv_store: the KV store holds models with one cache group; this model has "
-                f"{len(kv.groups)} ({', '.join(g.layout.group.kind for g in kv.groups)})"
-            )
         self.store = store
         self.kv = kv
-        self.pool = kv.groups[0].pool
         self.transfer = transfer
         self.events = events
         self.chunk_blocks = store.blocks_per_chunk
+        self.chunks = ChunkLayout(kv.groups, kv.block_size, self.chunk_blocks)
+        self._namespaces: dict[bytes, bytes] = {}
         self._pending: list[_PendingLoad] = []
         self.loaded_chunks = 0
         self.saved_chunks = 0
+
+    def _namespace(self, seq: Sequence) -> bytes:
+        namespace = self._namespaces.get(seq.prefix_root)
+        if namespace is None:
+            namespace = self._namespaces[seq.prefix_root] = self.chunks.store_namespace(seq.prefix_root)
+        return namespace
 
     def prefetch(self, seq: Sequence) -> None:
         """Start loading the stored chunks beyond the device hits; the sequence waits for them."""
@@ -112,12 +121,13 @@ class KVOffloader:
         seq.num_stored_chunks = first
         if first >= len(keys):
             return
-        found = self.store.lookup(keys[first:], seq.prefix_root)
+        namespace = self._namespace(seq)
+        found = self.store.lookup(keys[first:], namespace)
         if found == 0:
             return
         seq.num_pending += 1
         self._pending.append(
-            _PendingLoad(seq, first, self.store.load(keys[first : first + found], seq.prefix_root))
+            _PendingLoad(seq, first, self.store.load(keys[first : first + found], namespace))
         )
 
     def poll(self) -> dict[str, str]:
@@ -133,25 +143,54 @@ class KVOffloader:
                 continue  # aborted while loading
             try:
                 arrays = pending.future.result()
+                self._install(pending.seq, pending.first_chunk, arrays)
             except Exception:  # the store degrades to misses; the engine recomputes
                 log.exception("loading KV from the store failed; recomputing")
-                continue
-            self._install(pending.seq, pending.first_chunk, arrays)
         self._pending = still
         return {}
 
     def _install(self, seq: Sequence, first_chunk: int, arrays: list[np.ndarray]) -> None:
-        pool, c = self.pool, self.chunk_blocks
-        for i, kv in enumerate(arrays):
-            if pool.num_free < c:
-                break  # never evict running work to make room for a prefetch
+        """Write each loaded chunk into free blocks of every group and index them; stops at the
+        first chunk that does not fit (never evicting running work for a prefetch) or does not
+        have the layout's size."""
+        for i, payload in enumerate(arrays):
             chunk = first_chunk + i
-            hashes = seq.block_hashes[chunk * c : (chunk + 1) * c]
-            blocks = [pool.allocate() for _ in hashes]
-            self.transfer.write_blocks(0, blocks, kv)
-            self.kv.install_blocks(seq, chunk * c, blocks)
+            parts = self.chunks.parts(chunk)
+            data = payload.reshape(-1).view(np.uint8)
+            if data.size != sum(p.num_bytes for p in parts):
+                log.warning("a stored KV chunk of %d bytes does not fit this layout; recomputing", data.size)
+                return
+            todo = [(p, self._missing(seq, p)) for p in parts]
+            if any(len(missing) > self.kv.groups[p.group].pool.num_free for p, missing in todo):
+                return
+            offset = 0
+            for part, missing in todo:
+                rows = data[offset : offset + part.num_bytes].reshape(
+                    len(part.block_indices), part.block_bytes
+                )
+                offset += part.num_bytes
+                if missing:
+                    self._write(seq, part, missing, rows)
             seq.num_stored_chunks = chunk + 1
             self.loaded_chunks += 1
+
+    def _missing(self, seq: Sequence, part: GroupPart) -> list[int]:
+        """The part's blocks the device does not hold already."""
+        group = self.kv.groups[part.group]
+        return [
+            i for i in part.block_indices if group.pool.lookup(group.block_key(seq.block_hashes, i)) is None
+        ]
+
+    def _write(self, seq: Sequence, part: GroupPart, missing: list[int], rows: np.ndarray) -> None:
+        pool = self.kv.groups[part.group].pool
+        blocks = [pool.allocate() for _ in missing]
+        first = part.block_indices.start
+        try:
+            self.transfer.write_blocks(part.group, blocks, rows[[i - first for i in missing]])
+        except Exception:
+            pool.release(blocks)
+            raise
+        self.kv.install_blocks(seq, part.group, missing, blocks)
 
     def save_completed(self, seqs: Iterable[Sequence]) -> dict[str, str]:
         failures = {}
@@ -166,17 +205,20 @@ class KVOffloader:
     def _save(self, seq: Sequence) -> None:
         """Queue every chunk of `seq` whose blocks are all indexed and that is not stored yet."""
         c = self.chunk_blocks
-        for chunk in range(seq.num_stored_chunks, len(seq.block_hashes) // c):
-            hashes = seq.block_hashes[chunk * c : (chunk + 1) * c]
-            blocks = [self.pool.lookup(h) for h in hashes]
-            if None in blocks:
+        hashes = seq.block_hashes
+        for chunk in range(seq.num_stored_chunks, len(hashes) // c):
+            parts = self.chunks.parts(chunk)
+            blocks = [self._indexed(seq, part) for part in parts]
+            if any(None in ids for ids in blocks):
                 return  # not computed yet (or evicted): later chunks cannot be complete either
-            kv = self.transfer.read_blocks(0, blocks)
+            payload = np.concatenate(
+                [self.transfer.read_blocks(p.group, ids).reshape(-1) for p, ids in zip(parts, blocks)]
+            )
             traffic_class = seq.request.traffic_class or DEFAULT_TRAFFIC_CLASS
             accepted = self.store.save(
-                hashes[-1],
-                seq.prefix_root,
-                kv,
+                hashes[(chunk + 1) * c - 1],
+                self._namespace(seq),
+                payload,
                 num_tokens=c * self.kv.block_size,
                 traffic_class=traffic_class,
             )
@@ -184,6 +226,10 @@ class KVOffloader:
                 self.events.saved(seq, chunk * c, c, self.kv.block_size, self.store)
             self.saved_chunks += 1
             seq.num_stored_chunks = chunk + 1
+
+    def _indexed(self, seq: Sequence, part: GroupPart) -> list[int | None]:
+        group = self.kv.groups[part.group]
+        return [group.pool.lookup(group.block_key(seq.block_hashes, i)) for i in part.block_indices]
 
     def take_handoffs(self) -> list[KVHandoff]:
         return []

@@ -16,7 +16,8 @@ writes them into free blocks and indexes them, so admission sees ordinary hits a
 only the rest. A pull that fails (the prefiller died, the lease ended, it took longer than
 kv_transfer_timeout) is recomputed or fails the request, per kv_transfer_failure. Large
 transfers are installed a bounded number of blocks per step, so a 4k-token prompt landing never
-stalls the running decodes for long. Models with one cache group only, like the store.
+stalls the running decodes for long. The direct path moves models with one cache group only; the
+store path moves any (its chunks hold every group, kv_chunks.py).
 """
 
 from __future__ import annotations
@@ -43,10 +44,13 @@ INSTALL_BLOCKS_PER_STEP = 64  # 1024 tokens of 16: a few tens of ms of copying f
 
 
 def _single_group(kv: KVCacheManager, role: str) -> None:
+    """The direct transfer moves the blocks of one cache group; a hybrid cache goes through the
+    store (kv_transfer='store'), whose chunks hold every group."""
     if len(kv.groups) != 1:
         raise ValueError(
-            f"role={role}: KV handoff supports models with one cache group; this model has "
-            f"{len(kv.groups)} ({', '.join(g.layout.group.kind for g in kv.groups)})"
+            f"role={role} with kv_transfer='direct': the direct KV handoff moves models with one "
+            f"cache group; this model has {len(kv.groups)} "
+            f"({', '.join(g.layout.group.kind for g in kv.groups)}): use kv_transfer='store'"
         )
 
 
@@ -72,7 +76,8 @@ class PrefillHandoff:
         config: DisaggregationConfig,
         store: TieredKVStore | None,
     ) -> None:
-        _single_group(kv, "prefill")
+        if config.kv_transfer == "direct":
+            _single_group(kv, "prefill")
         self.kv = kv
         self.pool = kv.groups[0].pool
         self.config = config
@@ -198,7 +203,6 @@ class DecodeReceiver:
         self.caches = caches
         self.config = config
         self.puller = KVPuller(config.kv_transfer_timeout)
-        self.entries_per_block = kv.groups[0].layout.entries_per_block
         self._pulls: list[_Pull] = []
         self.num_pulls = 0
         self.num_failed = 0
@@ -244,8 +248,8 @@ class DecodeReceiver:
                 self.num_failed += 1
                 pull.kv = None
                 if self.config.kv_transfer_failure == "fail":
-                    failures.append(
-                        (pull.seq, f"the prompt's KV from the prefill engine does not fit: {error}")
+                    failures[pull.seq.request_id] = (
+                        f"the prompt's KV from the prefill engine does not fit: {error}"
                     )
             if pull.kv is None:
                 pull.seq.num_pending -= 1
@@ -269,18 +273,18 @@ class DecodeReceiver:
         """Install up to `budget` blocks of a landed pull; returns how many. `pull.kv` becomes None
         when it is done (all installed, or no free blocks left: the rest is recomputed)."""
         assert pull.kv is not None
-        epb = self.entries_per_block
-        total = pull.kv.shape[1] // epb
+        total = pull.kv.shape[0]
         count = min(total - pull.installed, budget, self.pool.num_free)
         if count > 0:
             start = pull.installed
             blocks = [self.pool.allocate() for _ in range(count)]
             try:
-                self.caches.write_blocks(0, blocks, pull.kv[:, start * epb : (start + count) * epb])
+                self.caches.write_blocks(0, blocks, pull.kv[start : start + count])
             except Exception:
                 self.pool.release(blocks)
                 raise
-            self.kv.install_blocks(pull.seq, pull.first_block + start, blocks)
+            first = pull.first_block + start
+            self.kv.install_blocks(pull.seq, 0, list(range(first, first + count)), blocks)
             pull.installed += count
             self.blocks_received += count
         if pull.installed >= total or self.pool.num_free == 0:

@@ -15,7 +15,7 @@ that have it, but needs its own metadata service for a TCP-only loopback setup l
 
 Frames: 4-byte big-endian length, then msgpack. Decoder -> prefiller: PullRequest. Prefiller ->
 decoder: PullReply, then (status ok, num_blocks > 0) the KV as raw bytes of `dtype` in `shape`
-([tensors, tokens, *slot]: the first cache group's tensors, whole blocks).
+([blocks, block_bytes] uint8: the first cache group's whole blocks, KVCaches.read_blocks).
 """
 
 from __future__ import annotations
@@ -288,8 +288,8 @@ class KVPuller:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kv-transfer-pull")
 
     def pull(self, source: KVSource, block_hashes: list[bytes]) -> Future[np.ndarray | None]:
-        """The KV of the longest leading run of `block_hashes` the prefiller holds ([tensors,
-        tokens, *slot]; None for no blocks). Fails with TransferError or TimeoutError."""
+        """The KV of the longest leading run of `block_hashes` the prefiller holds ([blocks,
+        block_bytes]; None for no blocks). Fails with TransferError or TimeoutError."""
         return self._pool.submit(self._pull, source, list(block_hashes))
 
     def _pull(self, source: KVSource, block_hashes: list[bytes]) -> np.ndarray | None:

@@ -9,6 +9,7 @@ import torch
 from deepinfer.attention.backend import AttentionBackend
 from deepinfer.attention.metadata import ForwardMetadata
 from deepinfer.cache_layout import CacheGroup, CacheTensor
+from deepinfer.config import ParallelConfig
 from deepinfer.kernels.gguf_blocks import PackedMatrix
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.parallel import ModelParallel
@@ -34,6 +35,11 @@ class CausalLM(torch.nn.Module):
     def from_config(cls, config: ModelConfig, parallel: ModelParallel | None = None) -> CausalLM:
         """The model (or, with `parallel`, this rank's shard of it) with uninitialised weights."""
         raise NotImplementedError
+
+    @classmethod
+    def check_parallel(cls, config: ModelConfig, parallel: ParallelConfig) -> None:
+        """Refuse, with a ConfigError naming the option, a split over ranks this model does not
+        support. Rank 0 calls it before any other rank starts; everything passes by default."""
 
     def attention_shape(self) -> tuple[int, int, int]:
         """(query heads, KV heads, head dim) this rank's attention runs with."""

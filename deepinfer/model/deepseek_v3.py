@@ -35,13 +35,13 @@ from deepinfer.attention.mla import MLAStepMetadata, mla_attention
 from deepinfer.cache_layout import CacheGroup
 from deepinfer.model.base import CausalLM, cache_tensor
 from deepinfer.model.config import ModelConfig
-from deepinfer.model.layers.expert_parallel import ExpertParallelExperts
 from deepinfer.model.layers.fp8 import dequantize_checkpoint, weight_block_size
 from deepinfer.model.layers.mlp import GatedMLP
 from deepinfer.model.layers.moe import DeepseekMoE, RouterConfig
 from deepinfer.model.layers.norm import RMSNorm
 from deepinfer.model.layers.parallel_linear import Segment, VocabParallelEmbedding, vocab_segments
 from deepinfer.model.layers.rotary import RotaryEmbedding, yarn_get_mscale
+from deepinfer.model.loader.shards import ShardMap
 from deepinfer.model.parallel import SINGLE, ModelParallel, TensorParallel
 from deepinfer.model.registry import register_model
 
@@ -475,17 +475,8 @@ class _WeightLoader:
         self.arch = model.arch
         self.params = dict(model.named_parameters())
         self.filled = dict.fromkeys(self.params, 0)  # elements written per parameter
-        # Tensor-parallel splits (whole segments in one process) and expert-parallel experts, by parameter.
-        self.splits: dict[str, tuple[int, list[Segment]]] = {}
-        self.expert_slots: dict[str, ExpertParallelExperts] = {}
-        for module_name, module in model.named_modules():
-            prefix = f"{module_name}." if module_name else ""
-            for param_name, split in getattr(module, "splits", {}).items():
-                self.splits[prefix + param_name] = split
-            if isinstance(module, VocabParallelEmbedding):
-                self.splits[prefix + "weight"] = (0, [module.rows])
-            if isinstance(module, ExpertParallelExperts):
-                self.expert_slots[prefix + "w13"] = self.expert_slots[prefix + "w2"] = module
+        # Tensor-parallel splits (whole segments in one process) and expert-parallel experts.
+        self.shards = ShardMap(model)
         self.seen: set[str] = set()
         self.skipped_indexer = False
 
@@ -501,7 +492,7 @@ class _WeightLoader:
         if transform is not None:
             tensor = transform(tensor)
         try:
-            parts = self._parts(param_name, index, tensor)
+            parts = self.shards.parts(param_name, index, tensor)
         except ValueError as exc:  # a tensor-parallel split of the wrong size
             raise ValueError(
                 f"weight {name!r} has shape {tuple(tensor.shape)}, which does not fit {param_name} ({exc}; "
@@ -519,27 +510,6 @@ class _WeightLoader:
             else:
                 region.copy_(part)
             self.filled[param_name] += part.numel()
-
-    def _parts(self, param_name: str, index: Any, tensor: torch.Tensor) -> list[tuple[Any, torch.Tensor]]:
-        """Where a checkpoint tensor goes in this rank's parameter, given its place `index` in the
-        whole parameter (None, rows of a fused segment, an expert, or an expert's rows): the local
-        slots of that expert under expert parallelism, this rank's part of its segment under
-        tensor parallelism."""
-        expert, rows = (
-            (index, None) if isinstance(index, int) else index if isinstance(index, tuple) else (None, index)
-        )
-        if param_name in self.expert_slots:
-            slots = self.expert_slots[param_name].local_slots(expert)
-            return [((slot, rows) if rows is not None else slot, tensor) for slot in slots]
-        split = self.splits.get(param_name)
-        if split is None:
-            return [(index, tensor)]
-        dim, segments = split
-        starts = [sum(s.size for s in segments[:k]) for k in range(len(segments))]
-        k = 0 if rows is None else starts.index(rows.start)
-        offset = sum(s.local for s in segments[:k])
-        local = (slice(None),) * dim + (slice(offset, offset + segments[k].local),)
-        return [(((expert,) if expert is not None else ()) + local, segments[k].take(tensor, dim))]
 
     def _route(self, name: str) -> _Target | None:
         arch = self.arch
@@ -608,7 +578,7 @@ class _WeightLoader:
             fused = f"{prefix}{module}.gate_up_proj"
             if fused not in self.params:
                 raise KeyError(f"unexpected weight {name!r}")
-            half = self.splits[fused][1][0].size
+            half = self.shards.splits[fused][1][0].size
             offset = _FUSED_HALVES[proj] * half
             return fused, slice(offset, offset + half), None
         return self._generic(name, prefix + rest)

@@ -14,10 +14,18 @@ become cache groups (`cache_groups`, `group_declarations`): one sliding group pe
 lookback (window = lookback + 1) and one compressed group per compress rate, read and written
 through attention/v4_paged.py's PagedV4Cache. `forward_cached` runs a step over any V4Cache;
 `forward` is it over the engine's groups.
+
+Over several ranks (ModelParallel): attention splits its query heads by output group
+(layers/v4_attention.py, which says what stays replicated), the MoE block splits or shards its
+experts as DeepSeek-V3's does (layers/v4_moe.py), the embedding and head split the vocabulary; the
+mHC mixing, the norms and the hash routing tables are replicated (they act on the whole residual
+streams every rank carries). The kept state is the same on every rank of a tensor-parallel group.
+MTP is not loaded: speculative decoding is not run over several ranks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable
 
@@ -29,15 +37,18 @@ from deepinfer.attention.metadata import ForwardMetadata
 from deepinfer.attention.v4_cache import CacheDecl, CacheKind, StepLayout, V4Cache
 from deepinfer.attention.v4_paged import PagedTensor, PagedV4Cache, step_layout
 from deepinfer.cache_layout import CacheGroup
+from deepinfer.config import ConfigError, ParallelConfig
 from deepinfer.model.base import CausalLM, cache_tensor
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.deepseek_v4_config import CSA, DeepseekV4Arch
 from deepinfer.model.deepseek_v4_weights import load_v4_weights
 from deepinfer.model.layers.mhc import HyperConnection, HyperHead
+from deepinfer.model.layers.parallel_linear import Segment, VocabParallelEmbedding, vocab_segments
 from deepinfer.model.layers.v4_attention import V4Attention
 from deepinfer.model.layers.v4_moe import V4MoE
 from deepinfer.model.layers.v4_norm import Fp32RMSNorm
 from deepinfer.model.layers.v4_rotary import TrailingRope
+from deepinfer.model.parallel import ModelParallel
 from deepinfer.model.registry import register_model
 
 log = logging.getLogger(__name__)
@@ -117,12 +128,18 @@ def paged_tensors(
 
 class V4Block(torch.nn.Module):
     def __init__(
-        self, arch: DeepseekV4Arch, layer: int, main_rope: TrailingRope, compress_rope: TrailingRope
+        self,
+        arch: DeepseekV4Arch,
+        layer: int,
+        main_rope: TrailingRope,
+        compress_rope: TrailingRope,
+        parallel: ModelParallel | None = None,
     ) -> None:
         super().__init__()
+        parallel = parallel or ModelParallel()
         eps = arch.rms_norm_eps
         self.attn_norm = Fp32RMSNorm(arch.hidden_size, eps)
-        self.attn = V4Attention(arch, layer, main_rope, compress_rope)
+        self.attn = V4Attention(arch, layer, main_rope, compress_rope, parallel.tp)
         self.ffn_norm = Fp32RMSNorm(arch.hidden_size, eps)
         self.ffn = V4MoE(
             arch.hidden_size,
@@ -133,6 +150,8 @@ class V4Block(torch.nn.Module):
             arch.routed_scaling_factor,
             arch.swiglu_limit,
             arch.vocab_size if arch.is_hash_layer(layer) else None,
+            parallel.tp,
+            parallel.ep,
         )
         self.hc_attn = HyperConnection(
             arch.hidden_size, arch.hc_mult, arch.hc_sinkhorn_iters, arch.hc_eps, eps
@@ -178,27 +197,45 @@ class MTPModule(torch.nn.Module):
 class DeepseekV4ForCausalLM(CausalLM):
     uses_attention_backend = False
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, parallel: ModelParallel | None = None) -> None:
         super().__init__()
         self.config = cfg
+        parallel = parallel or ModelParallel()
         self.arch = arch = DeepseekV4Arch.from_model_config(cfg)
+        if not parallel.is_single and arch.num_mtp_layers:
+            self.arch = arch = dataclasses.replace(arch, num_mtp_layers=0)  # MTP weights not loaded
+        self.tp = parallel.tp
         main_rope = TrailingRope(arch.rope_head_dim, arch.main_rope)
         compress_rope = TrailingRope(arch.rope_head_dim, arch.compress_rope)
-        self.embed = torch.nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.embed.requires_grad_(False)
+        self.embed = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, parallel.tp)
         self.layers = torch.nn.ModuleList(
-            V4Block(arch, i, main_rope, compress_rope) for i in range(arch.num_layers)
+            V4Block(arch, i, main_rope, compress_rope, parallel) for i in range(arch.num_layers)
         )
         self.hc_head = HyperHead(arch.hidden_size, arch.hc_mult, arch.hc_eps, arch.rms_norm_eps)
         self.norm = Fp32RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.head = None if arch.tie_word_embeddings else _param(arch.vocab_size, arch.hidden_size)
+        vocab_rows, self.vocab_sizes = vocab_segments(arch.vocab_size, parallel.tp)
+        self.head = None if arch.tie_word_embeddings else _param(vocab_rows.local, arch.hidden_size)
+        self.splits: dict[str, tuple[int, list[Segment]]] = {"head": (0, [vocab_rows])}
         self.mtp = torch.nn.ModuleList(
             MTPModule(arch, arch.num_layers + d, main_rope, compress_rope) for d in range(arch.num_mtp_layers)
         )
 
     @classmethod
-    def from_config(cls, config: ModelConfig) -> DeepseekV4ForCausalLM:
-        return cls(config)
+    def from_config(cls, config: ModelConfig, parallel: ModelParallel | None = None) -> DeepseekV4ForCausalLM:
+        return cls(config, parallel)
+
+    @classmethod
+    def check_parallel(cls, config: ModelConfig, parallel: ParallelConfig) -> None:
+        arch = DeepseekV4Arch.from_model_config(config)
+        if parallel.tensor_parallel_size > arch.o_groups:
+            raise ConfigError(
+                "tensor_parallel_size",
+                f"{parallel.tensor_parallel_size} ranks exceed this DeepSeek-V4's o_groups={arch.o_groups}: "
+                "attention splits its query heads by output group, and every rank needs one",
+            )
+
+    def expert_layers(self) -> list[torch.nn.Module]:
+        return [layer.ffn.experts for layer in self.layers if layer.ffn.ep is not None]
 
     # -- what the engine allocates -------------------------------------------------------------
 
@@ -234,12 +271,12 @@ class DeepseekV4ForCausalLM(CausalLM):
         layout: StepLayout,
         cache: V4Cache,
     ) -> torch.Tensor:  # final streams [T, hc_mult, hidden]
-        expected = torch.cat(
-            [
-                torch.arange(s, s + n, device=positions.device)
-                for s, n in zip(layout.starts, layout.query_lens)
-            ]
-        )
+        runs = [
+            torch.arange(s, s + n, device=positions.device) for s, n in zip(layout.starts, layout.query_lens)
+        ]
+        # No sequences: the empty step of a data-parallel rank without work (it still meets the
+        # other ranks in the MoE layers' all-to-alls).
+        expected = torch.cat(runs) if runs else positions[:0]
         if not torch.equal(positions, expected):
             raise ValueError("positions must run consecutively from each sequence's start in the step layout")
         h = self.embed(input_ids)
@@ -249,8 +286,11 @@ class DeepseekV4ForCausalLM(CausalLM):
         return streams
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final streams [N, hc_mult, hidden] -> logits [N, vocab]."""
-        return F.linear(self.norm(self.hc_head(hidden)), self._head_weight())
+        """Final streams [N, hc_mult, hidden] -> logits [N, vocab] (gathered over the vocabulary's ranks)."""
+        normed = self.norm(self.hc_head(hidden))
+        if self.head is None:
+            return self.embed.logits(normed)
+        return self.tp.gather_last_dim(F.linear(normed, self.head), self.vocab_sizes)
 
     def _head_weight(self) -> torch.Tensor:
         return self.embed.weight if self.head is None else self.head

@@ -10,7 +10,8 @@ Quantized weights come with a scale named `X.scale` (DeepSeek) or `X.weight_scal
 - int8/uint8 routed experts: MXFP4 (e2m1 pairs, one e8m0 scale per 32 inputs).
 Both are dequantized here. Routed experts are stacked into [E, ...] tensors (w1 = gate rows, w3 =
 up rows, w2 = down). Mixing weights, norms, sinks, position biases and the router stay float32.
-Every missing, unexpected, duplicated or mis-shaped tensor is an error that names it.
+Every missing, unexpected, duplicated or mis-shaped tensor is an error that names it. A model
+built for one rank of several takes only its part of each tensor (loader/shards.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 from deepinfer.model.layers.fp8 import FP8_DTYPES, dequantize_block_fp8
 from deepinfer.model.layers.mxfp4 import PACKED_DTYPES, dequantize_mxfp4, scale_to_float
+from deepinfer.model.loader.shards import ShardMap
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +115,7 @@ class V4WeightLoader:
         self.params.update(model.named_buffers())
         self.filled = dict.fromkeys(self.params, 0)
         self.seen: set[str] = set()
+        self.shards = ShardMap(model)
 
     def load(self, name: str, tensor: torch.Tensor) -> None:
         canonical = canonical_name(name)
@@ -123,6 +126,17 @@ class V4WeightLoader:
         if target is None:
             return
         param_name, index = target
+        try:
+            parts = self.shards.parts(param_name, index, tensor)
+        except ValueError as exc:  # a tensor-parallel split of the wrong size
+            raise ValueError(
+                f"weight {name!r} has shape {tuple(tensor.shape)}, which does not fit {param_name} ({exc}; "
+                "check config.json against the checkpoint)"
+            ) from None
+        for local_index, part in parts:
+            self._store(name, param_name, local_index, part)
+
+    def _store(self, name: str, param_name: str, index: Any, tensor: torch.Tensor) -> None:
         param = self.params[param_name]
         region = param.data[index] if index is not None else param.data
         if tuple(region.shape) != tuple(tensor.shape):

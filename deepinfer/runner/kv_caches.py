@@ -93,17 +93,27 @@ class KVCaches:
         return slots.flatten().to(self.device)
 
     def read_blocks(self, group: int, block_ids: list[int]) -> np.ndarray:
-        """One group's whole blocks as a host array [tensors, slots, *slot_shape] (for the KV
-        store; the group's tensors must share a slot shape)."""
-        slots = self._slots(block_ids, self.layout.groups[group].entries_per_block)
-        return torch.stack([t[slots] for t in self.tensors[group]]).cpu().numpy()
+        """One group's whole blocks as host bytes [blocks, block_bytes] (uint8): row i is block
+        `block_ids[i]`, its slots of each of the group's tensors in order. Raw bytes, so tensors
+        of different widths and dtypes (bfloat16 included) travel the same way."""
+        per_block = self.layout.groups[group].entries_per_block
+        slots = self._slots(block_ids, per_block)
+        rows = [t[slots].view(torch.uint8).reshape(len(block_ids), -1) for t in self.tensors[group]]
+        return torch.cat(rows, dim=1).cpu().numpy()
 
     def write_blocks(self, group: int, block_ids: list[int], kv: np.ndarray) -> None:
-        """Inverse of read_blocks: fill whole blocks from a host array."""
-        tensors = self.tensors[group]
-        slots = self._slots(block_ids, self.layout.groups[group].entries_per_block)
+        """Inverse of read_blocks: fill whole blocks from host bytes [blocks, block_bytes]."""
+        layout = self.layout.groups[group]
+        if kv.dtype != np.uint8 or kv.shape != (len(block_ids), layout.block_bytes):
+            raise ValueError(
+                f"KV of {kv.dtype} {tuple(kv.shape)} does not fit {len(block_ids)} blocks of "
+                f"{layout.block_bytes} bytes"
+            )
+        slots = self._slots(block_ids, layout.entries_per_block)
         data = torch.from_numpy(np.array(kv)).to(self.device)  # a writable copy: store buffers are read-only
-        if data.shape != (len(tensors), len(slots), *tensors[0].shape[1:]):
-            raise ValueError(f"KV chunk of shape {tuple(data.shape)} does not fit {len(block_ids)} blocks")
-        for i, tensor in enumerate(tensors):
-            tensor[slots] = data[i].to(tensor.dtype)
+        start = 0
+        for tensor in self.tensors[group]:
+            width = layout.entries_per_block * tensor[0].numel() * tensor.element_size()
+            part = data[:, start : start + width].contiguous().view(tensor.dtype)
+            tensor[slots] = part.reshape(len(slots), *tensor.shape[1:])
+            start += width

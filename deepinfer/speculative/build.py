@@ -11,6 +11,7 @@ from deepinfer.model.loader.load import LoadedModel, load_model
 from deepinfer.runner.inputs import RowSpan
 from deepinfer.runner.kv_caches import KVCaches
 from deepinfer.runner.model_runner import ModelRunner
+from deepinfer.speculative.confidence_policy import ConfidencePolicy
 from deepinfer.speculative.cost_model import (
     CostCurve,
     StepCostModel,
@@ -90,7 +91,7 @@ def build_speculative_decoder(
         proposer = DraftModelProposer(draft.model, caches.view("draft"), config.attention_backend)
     max_k = spec.num_speculative_tokens
     cost = None
-    if spec.speculative_length == "dynamic":
+    if spec.speculative_length in ("dynamic", "confidence"):
         max_tokens = min(scheduler.max_num_batched_tokens, scheduler.max_num_seqs * (max_k + 1))
         cost = profile_step_cost(runner, proposer, max_tokens, scheduler.max_num_seqs)
     stats = SpecDecodeStats(
@@ -102,6 +103,7 @@ def build_speculative_decoder(
         stats,
         runner.sampling_row,
         runner.compute_logits,
+        ConfidencePolicy(cost) if cost is not None and spec.speculative_length == "confidence" else None,
     )
 
 

@@ -16,7 +16,14 @@ import torch
 from deepinfer.runner.model_runner import StepResult, seed_generator
 from deepinfer.runner.sampler import SampledToken, SamplingRow, process_logits
 from deepinfer.sequence import Sequence
-from deepinfer.speculative.length_policy import AcceptanceEstimator, Candidate, LengthPolicy
+from deepinfer.speculative.confidence_policy import ConfidencePolicy
+from deepinfer.speculative.cost_model import StepCostModel
+from deepinfer.speculative.length_policy import (
+    AcceptanceEstimator,
+    Candidate,
+    LengthPolicy,
+    all_accepted_probs,
+)
 from deepinfer.speculative.proposer import DraftRequest, Proposer
 from deepinfer.speculative.stats import SpecDecodeStats
 from deepinfer.speculative.verifier import DraftGrammar, position_rows, verify_processed
@@ -48,7 +55,8 @@ def is_decode_step(seq: Sequence) -> bool:
 
 class SpeculativeDecoder:
     """`sampling_row` gives a sequence's target sampling row (the runner's), `compute_logits`
-    the target's logits of hidden rows."""
+    the target's logits of hidden rows; `confidence` (the confidence length policy) chooses the
+    verified lengths after drafting, from the drafts' confidences."""
 
     def __init__(
         self,
@@ -57,8 +65,10 @@ class SpeculativeDecoder:
         stats: SpecDecodeStats,
         sampling_row: Callable[[Sequence], SamplingRow],
         compute_logits: Callable[[torch.Tensor], torch.Tensor],
+        confidence: ConfidencePolicy | None = None,
     ) -> None:
         self.proposer = proposer
+        self.confidence = confidence
         self.sampling_row = sampling_row
         self.compute_logits = compute_logits
         self.policy = policy
@@ -70,6 +80,12 @@ class SpeculativeDecoder:
         self._draft_generators: dict[int, torch.Generator] = {}
         self._threshold: float | None = None
         self._requests: dict[int, DraftRequest] = {}  # this step's drafting, by seq_id
+
+    def set_cost_model(self, cost: StepCostModel) -> None:
+        """Price steps with `cost` from now on (a test's synthetic curve instead of the profile)."""
+        self.policy.cost = cost
+        if self.confidence is not None:
+            self.confidence.cost = cost
 
     def reset_stats(self) -> None:
         """Start the counters afresh (benchmarks measure after a warm-up)."""
@@ -119,19 +135,27 @@ class SpeculativeDecoder:
 
     def propose(self, plan: SchedulerOutput) -> None:
         """Fill the drafts of every item with reserved draft slots (fewer when the proposer stops
-        early: the item then verifies fewer)."""
+        early, or the confidence policy verifies fewer: the item then verifies fewer)."""
         self.proposer.forget([s.seq_id for s in plan.preempted])
-        requests = [
-            DraftRequest(
-                item,
-                self._draft_row(item.seq),
-                self.estimator(item.seq.seq_id).alphas,
-                self._threshold,
+        drafting = [item for item in plan.scheduled if item.num_draft_tokens]
+        if self.confidence is None:
+            requests = [
+                DraftRequest(
+                    item, self._draft_row(item.seq), self.estimator(item.seq.seq_id).alphas, self._threshold
+                )
+                for item in drafting
+            ]
+        else:
+            # No history: drafting stops on the confidences alone, below the floor no length pays.
+            floor = self.confidence.drafting_floor(
+                _base_tokens(plan),
+                _base_expected(plan),
+                self.confidence.draft_seconds(_rows_per_round([item.num_draft_tokens for item in drafting])),
             )
-            for item in plan.scheduled
-            if item.num_draft_tokens
-        ]
+            requests = [DraftRequest(item, self._draft_row(item.seq), [], floor) for item in drafting]
         self.proposer.propose(plan, requests)
+        if self.confidence is not None:
+            self._choose_after_drafting(plan, requests)
         for request in requests:
             item = request.item
             if len(request.token_ids) < item.num_draft_tokens:
@@ -139,6 +163,28 @@ class SpeculativeDecoder:
                 del request.probs[len(request.token_ids) :]
             item.draft_token_ids = list(request.token_ids)
         self._requests = {r.seq.seq_id: r for r in requests}
+
+    def _choose_after_drafting(self, plan: SchedulerOutput, requests: list[DraftRequest]) -> None:
+        """Truncate greedy requests to the lengths the confidence policy finds best for the step.
+
+        Sampled requests verify what they drafted: a cut chosen from all of a sequence's
+        confidences would let the confidence of draft j + 1 (a function of draft j) decide
+        whether draft j is verified, and the output would no longer follow the target. Their
+        drafting stopped at the floor, a decision that looks only at the drafts before."""
+        assert self.confidence is not None
+        greedy = [r for r in requests if r.base_row.params.greedy]
+        if not greedy:
+            return
+        sampled = [r for r in requests if not r.base_row.params.greedy]
+        rows_per_round = _rows_per_round([len(r.token_ids) for r in requests])
+        allocation = self.confidence.allocate(
+            [r.confidences for r in greedy],
+            _base_tokens(plan) + sum(len(r.token_ids) for r in sampled),
+            _base_expected(plan) + sum(sum(all_accepted_probs(r.confidences)) for r in sampled),
+            self.confidence.draft_seconds(rows_per_round),
+        )
+        for request, length in zip(greedy, allocation.lengths):
+            request.keep(length)
 
     def verify(self, result: StepResult) -> None:
         """Add the tokens of every drafted item to `result.sampled` (its last k + 1 rows verify k
@@ -211,3 +257,18 @@ class SpeculativeDecoder:
         for seq_id in seq_ids:
             self._estimators.pop(seq_id, None)
             self._draft_generators.pop(seq_id, None)
+
+
+def _base_tokens(plan: SchedulerOutput) -> int:
+    """The step's forward tokens other than drafts."""
+    return sum(item.num_new_tokens - item.num_draft_tokens for item in plan.scheduled)
+
+
+def _base_expected(plan: SchedulerOutput) -> float:
+    """Output tokens the step yields without drafts: one per sampled sequence."""
+    return float(sum(1 + len(item.forks) for item in plan.scheduled if item.sample))
+
+
+def _rows_per_round(lengths: list[int]) -> list[int]:
+    """Rows of each drafting round when the sequences draft these many tokens."""
+    return [sum(1 for n in lengths if n >= j) for j in range(1, max(lengths, default=0) + 1)]

@@ -87,13 +87,13 @@ class LengthChoice:
 class LengthPolicy:
     def __init__(
         self,
-        mode: Literal["fixed", "dynamic"],
+        mode: Literal["fixed", "dynamic", "confidence"],
         max_k: int,
         cost: StepCostModel | None = None,
         hysteresis: float = 0.05,
     ) -> None:
-        if mode not in ("fixed", "dynamic"):
-            raise ValueError(f"speculative_length: expected 'fixed' or 'dynamic', got {mode!r}")
+        if mode not in ("fixed", "dynamic", "confidence"):
+            raise ValueError(f"speculative_length: expected 'fixed', 'dynamic' or 'confidence', got {mode!r}")
         if max_k < 1:
             raise ValueError(f"num_speculative_tokens: must be >= 1, got {max_k}")
         if mode == "dynamic" and cost is None:
@@ -105,9 +105,10 @@ class LengthPolicy:
         self._previous: dict[int, int] = {}
 
     def choose(self, candidates: list[Candidate], other_tokens: int = 0) -> LengthChoice:
-        """Lengths for this step's decode sequences; `other_tokens` are the step's prefill tokens."""
+        """Lengths for this step's decode sequences; `other_tokens` are the step's prefill tokens.
+        Fixed and confidence modes reserve the most (confidence mode chooses after drafting)."""
         bounds = {c.seq_id: max(0, min(c.max_k, self.max_k, len(c.alphas))) for c in candidates}
-        if self.mode == "fixed":
+        if self.mode != "dynamic":
             return LengthChoice(bounds)
         best, goodput, threshold = self._best(candidates, bounds, other_tokens)
         previous = {

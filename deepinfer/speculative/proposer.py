@@ -33,10 +33,12 @@ class DraftRequest:
 
     item: ScheduledSequence  # item.num_draft_tokens slots are reserved
     base_row: SamplingRow  # the sequence's sampling row, with the draft's own generator
-    alphas: list[float]  # estimated acceptance per draft position (history)
+    alphas: list[float]  # estimated acceptance per draft position (history; empty: none)
     threshold: float | None = None  # stop once the estimated P(all drafts so far pass) drops below
     token_ids: list[int] = field(default_factory=list)
     probs: list[torch.Tensor] = field(default_factory=list)  # q per draft; empty: point masses
+    # Per draft, in [0, 1]: the proposer's estimate that it is accepted once the drafts before it
+    # were; a function of the drafts before it only (see `sampled_confidence`).
     confidences: list[float] = field(default_factory=list)
     stopped: bool = False
     _all_pass: float = 1.0
@@ -67,10 +69,23 @@ class DraftRequest:
         if probs is not None:
             self.probs.append(probs)
 
+    def keep(self, count: int) -> None:
+        """Verify only the first `count` drafts (mutates the drafts, their q and confidences)."""
+        del self.token_ids[count:], self.probs[count:], self.confidences[count:]
+
+
+def sampled_confidence(q: torch.Tensor) -> float:
+    """The confidence of a draft sampled from q [V]: sum_x q(x)^2, the expected value of q at its
+    own draw. It depends on q alone (so on the drafts before it), never on the token drawn: a
+    decision to verify a draft that looked at q(drawn token) would keep a draft more often where
+    q over-weights it, and the output would no longer follow the target."""
+    return float(torch.dot(q, q))
+
 
 def draw_drafts(logits: torch.Tensor, requests: list[DraftRequest]) -> None:
     """Draft one token per request from draft logits [N, V], processed like the target's rows:
-    greedy requests take the argmax, sampled ones draw from q with the draft's generator."""
+    greedy requests take the argmax (confidence: its probability), sampled ones draw from q with
+    the draft's generator (confidence: `sampled_confidence`)."""
     rows = [r.next_row() for r in requests]
     processed = process_logits(logits, rows)
     # Sampled rows are truncated and drawn in one batch, exactly as the sampler does.
@@ -86,12 +101,13 @@ def draw_drafts(logits: torch.Tensor, requests: list[DraftRequest]) -> None:
             request.offer(token, None, confidence)
         else:
             token, probs = draws[i]
-            request.offer(token, probs, float(probs[token]))
+            request.offer(token, probs, sampled_confidence(probs))
 
 
 class Proposer(Protocol):
     name: str
-    # True when drafts carry a probability (draft model, MTP): the policy may stop them early.
+    # True when every draft comes with a confidence (draft model, MTP): the dynamic policy may stop
+    # drafting early, and the confidence policy chooses lengths from them.
     has_confidence: bool
 
     def available(self, seq: Sequence, limit: int) -> int:

@@ -12,6 +12,7 @@ from deepinfer.bench.stats import (
     percentile,
     summarize,
     time_per_output_token,
+    time_weighted_percentile,
 )
 
 
@@ -68,3 +69,13 @@ def test_goodput_counts_requests_meeting_every_set_objective() -> None:
     assert count_good(Slo(e2e_s=1.0), samples) == 5
     assert not Slo().is_set()
     assert meets_slo(Slo(), 10.0, 10.0, 10.0)
+
+
+def test_time_weighted_percentile_weighs_each_gap_by_its_length() -> None:
+    gaps = [0.05] * 1000 + [50.0]  # one stall among a thousand short gaps
+    assert percentile(gaps, 99.0) == pytest.approx(0.05)
+    assert time_weighted_percentile(gaps, 99.0) == 50.0  # the stall is half the waiting time
+    assert time_weighted_percentile(gaps, 40.0) == 0.05
+    assert time_weighted_percentile([1.0, 2.0, 3.0], 50.0) == 2.0  # 1+2 reach half of 6
+    with pytest.raises(ValueError):
+        time_weighted_percentile([], 50.0)

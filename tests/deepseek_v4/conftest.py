@@ -16,6 +16,26 @@ def tiny(tmp_path_factory) -> TinyV4:
     return build_v4(tmp_path_factory.mktemp("v4_tiny"), tiny_config, seed=0)
 
 
+WINDOW = 16
+
+
+def _windowed_config(vocab_size: int) -> dict:
+    rope = {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 128,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    }
+    return tiny_config(vocab_size, sliding_window=WINDOW, max_position_embeddings=512, rope_parameters=rope)
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory) -> TinyV4:
+    """The engine tests' checkpoint: a 16-token window (several blocks of 4), YaRN, MTP."""
+    return build_v4(tmp_path_factory.mktemp("v4_engine"), _windowed_config, seed=11)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tiny):
     return load_model(tiny.path, torch.float32, torch.device("cpu")).model

@@ -17,28 +17,11 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.attention.v4_cache import CacheKind
 from deepinfer.runner.inputs import ForwardWork, RowSpan
 from deepinfer.sequence import EngineRequest, Sequence
-from tests.deepseek_v4.conftest import CachedRun
+from tests.deepseek_v4.conftest import WINDOW, CachedRun
 from tests.deepseek_v4.test_mtp import reference_draft_logits
-from tests.deepseek_v4.tiny_v4 import TinyV4, build_v4, tiny_config
+from tests.deepseek_v4.tiny_v4 import TinyV4
 
-WINDOW = 16
 BLOCK = 4
-
-
-def _config(vocab_size: int) -> dict:
-    rope = {
-        "rope_type": "yarn",
-        "factor": 4.0,
-        "original_max_position_embeddings": 128,
-        "beta_fast": 32,
-        "beta_slow": 1,
-    }
-    return tiny_config(vocab_size, sliding_window=WINDOW, max_position_embeddings=512, rope_parameters=rope)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> TinyV4:
-    return build_v4(tmp_path_factory.mktemp("v4_engine"), _config, seed=11)
 
 
 def _llm(tiny: TinyV4, **options) -> LLM:
@@ -254,15 +237,15 @@ def test_aborted_requests_leave_no_blocks(checkpoint):
     assert not llm.engine.has_unfinished_requests()
 
 
-def test_kv_store_and_pd_handoff_are_refused_for_the_hybrid_cache(checkpoint, tmp_path):
-    """Both move blocks of one group today; the hybrid cache's several groups are refused up
-    front with the option named, instead of a store holding half of what a hit needs."""
-    with pytest.raises(ValueError, match=r"kv_store: .*one cache group; this model has 4"):
-        _llm(checkpoint, kv_store=str(tmp_path / "store"))
-    with pytest.raises(ValueError, match=r"kv_store: .*one cache group"):
-        _llm(checkpoint, kv_host_cache_bytes=1 << 20)
-    with pytest.raises(ValueError, match="role=prefill: KV handoff supports models with one cache group"):
+def test_the_direct_pd_handoff_is_refused_for_the_hybrid_cache(checkpoint, tmp_path):
+    """The direct transfer moves one group's blocks: a hybrid cache is refused up front with the
+    option named. The store (test_kv_tiers.py) and the store handoff hold every group."""
+    with pytest.raises(ValueError, match=r"role=prefill with kv_transfer='direct': .* this model has 4"):
         _llm(checkpoint, role="prefill")
+    with pytest.raises(ValueError, match=r"role=decode with kv_transfer='direct'"):
+        _llm(checkpoint, role="decode")
+    llm = _llm(checkpoint, role="prefill", kv_transfer="store", kv_store=str(tmp_path / "store"))
+    llm.close()
 
 
 @pytest.mark.parametrize(

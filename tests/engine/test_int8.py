@@ -55,7 +55,8 @@ def test_int8_model_stays_close_to_fp32(dense_llm: LLM, int8_llm: LLM) -> None:
 
 
 def test_int8_greedy_is_identical_alone_and_batched(int8_llm: LLM) -> None:
-    assert_greedy_batch_invariant(int8_llm)
+    # 12 tokens: the int8 path is slow one row at a time on this CPU (45 s for 24 tokens).
+    assert_greedy_batch_invariant(int8_llm, max_tokens=12)
 
 
 def test_int8_never_shares_prefix_blocks_with_fp32(dense_llm: LLM, int8_llm: LLM) -> None:

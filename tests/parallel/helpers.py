@@ -7,6 +7,8 @@ from pathlib import Path
 from deepinfer import SamplingParams
 
 DEEPSEEK_PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+# Engine options of every tiny DeepSeek-V4 engine: 4-token blocks (the CSA rate) and one thread a rank.
+V4_ENGINE = {"block_size": 4, "num_blocks": 256, "num_threads": 1}
 
 
 def children(pid: int) -> list[int]:

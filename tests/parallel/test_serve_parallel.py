@@ -1,6 +1,6 @@
-"""`deepinfer serve` over two ranks: the same completions as one process; a rank that dies takes
-the server to unhealthy with errors to clients in seconds; per-rank metrics for data
-parallelism; SIGTERM stops every rank."""
+"""`deepinfer serve` over two ranks: the same completions as one process (SmolLM2 and a tiny
+DeepSeek-V4 over two tensor-parallel ranks); a rank that dies takes the server to unhealthy with
+errors to clients in seconds; per-rank metrics for data parallelism; SIGTERM stops every rank."""
 
 from __future__ import annotations
 
@@ -92,6 +92,20 @@ def test_data_parallel_metrics_per_rank_and_sigterm_stops_every_rank(dp_server, 
     assert wait_until(
         lambda: not pid_alive(dp_server.engine_pid) and not any(pid_alive(p) for p in ranks), 10
     )
+
+
+def test_tensor_parallel_server_on_deepseek_v4(tiny_v4, v4_prompts, v4_reference):
+    server = ServerProcess(
+        str(tiny_v4.path), "--tensor-parallel-size", "2", "--num-threads", "1", "--block-size", "4"
+    ).start()
+    try:
+        assert len(rank_processes(server.engine_pid)) == 1
+        body = {"model": tiny_v4.path.name, "prompt": v4_prompts[0], "max_tokens": 12, "temperature": 0}
+        reply = httpx.post(server.url + "/v1/completions", json={**body, "ignore_eos": True}, timeout=120)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["text"] == v4_reference[2]
+    finally:
+        server.kill()
 
 
 def test_ranks_started_by_torchrun(dense_llm):

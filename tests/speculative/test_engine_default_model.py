@@ -11,6 +11,7 @@ import pytest
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.speculative.cost_model import CostCurve, StepCostModel
+from tests.speculative.test_confidence_policy import brute_force
 
 CODE = """def moving_average(values, window):
     if window <= 0:
@@ -98,6 +99,45 @@ def test_dynamic_length_policy_in_the_engine(default_llm, reference):
     assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference
     stats = llm.engine.core.spec_stats()
     assert sum(stats.chosen_k[1:]) > 0 and stats.num_accepted_tokens > 0
+
+
+def test_confidence_policy_with_the_draft_model(default_llm, reference):
+    """The model drafting for itself with its own argmax probabilities as confidences: greedy
+    output unchanged, and every step verifies exactly the lengths that maximize expected tokens
+    per second on the (synthetic) cost curve, checked against an exhaustive search."""
+    llm = LLM(
+        loaded=default_llm.engine.core.loaded,
+        num_threads=1,
+        kv_cache_memory=64 << 20,
+        max_num_seqs=2,  # a short startup profile: steps of at most 2 x (1 + 3) tokens
+        speculative_method="draft",
+        num_speculative_tokens=3,
+        speculative_length="confidence",
+    )
+    spec = llm.engine.core.spec
+    assert spec.stats.cost_model["verify"]["counts"][:3] == [1, 2, 4]  # profiled at startup
+    # 10 ms and 2 ms per token: a draft pays when its P exceeds the goodput x 2 ms (about 0.35).
+    spec.set_cost_model(StepCostModel(CostCurve([1, 16], [0.010, 0.040])))
+    choices = []
+    allocate = spec.confidence.allocate
+
+    def checked(*args):
+        """The policy's choice, and the best goodput an exhaustive search finds for the same
+        step (now: measured steps keep calibrating the cost model's per-step overhead)."""
+        choice = allocate(*args)
+        choices.append((choice, brute_force(spec.confidence, *args)[1]))
+        return choice
+
+    spec.confidence.allocate = checked
+    short = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    assert tokens(llm.generate(PROMPTS[:2], short, use_tqdm=False)) == [r[:10] for r in reference[:2]]
+    stats = llm.engine.core.spec_stats()
+    verified = [k for choice, _ in choices for k in choice.lengths]
+    assert [verified.count(k) for k in (1, 2, 3)] == stats.chosen_k[1:]
+    assert len(set(verified)) > 1  # the confidences, not the bound, set the lengths
+    assert stats.num_accepted_tokens == stats.num_draft_tokens  # drafting for itself
+    for choice, best in choices:
+        assert choice.goodput == pytest.approx(best, rel=1e-9)
 
 
 @pytest.fixture(scope="module")

@@ -42,10 +42,11 @@ def reference(base, prompts) -> list[list[int]]:
     [
         {"speculative_length": "fixed", "num_blocks": 64},
         {"speculative_length": "dynamic", "num_blocks": 64},
+        {"speculative_length": "confidence", "num_blocks": 64},
         # 9 blocks of 16 hold any one sequence (<= 110 tokens + drafts) but not all four.
         {"speculative_length": "fixed", "num_blocks": 9, "prefill_chunk_size": 32},
     ],
-    ids=["fixed", "dynamic", "preemption"],
+    ids=["fixed", "dynamic", "confidence", "preemption"],
 )
 def test_mtp_greedy_is_identical(base, prompts, reference, options):
     llm = LLM(

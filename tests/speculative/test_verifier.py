@@ -5,7 +5,8 @@ position. Each trial decodes 3 tokens by repeated verification steps with 1-3 dr
 the engine does (draft from q, verify, continue after the accepted prefix), and the empirical
 joint distribution of the 3 tokens is tested against the product of the targets with a chi-square
 test (fixed seeds). Two broken verifiers (always accept; redraw from p instead of the residual on
-rejection) run through the same test and must fail it.
+rejection) run through the same test and must fail it. The same test runs with the lengths the
+confidence policy drafts, and with a broken confidence (the drawn token's own q), which fails.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ import torch
 from deepinfer.runner.sampler import SamplingRow, process_logits, sample_from
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.sequence import EngineRequest, Sequence
+from deepinfer.speculative.confidence_policy import ConfidencePolicy
+from deepinfer.speculative.cost_model import CostCurve, StepCostModel
+from deepinfer.speculative.proposer import DraftRequest, sampled_confidence
 from deepinfer.speculative.verifier import (
     Verification,
     position_rows,
@@ -124,6 +128,49 @@ def test_rejection_sampling_matches_the_target(point_mass):
 def test_a_biased_verifier_fails_the_same_test(broken):
     pvalue = chi_square_pvalue(decode(broken, False, seed=11), expected_joint())
     assert pvalue < 1e-6
+
+
+def decode_confidence_policy(confidence_of, seed: int, trials: int) -> dict[tuple[int, ...], int]:
+    """`trials` runs of LENGTH tokens as the confidence policy drafts for sampled requests: up to 3
+    drafts from q, each offered with its confidence, drafting stopping once the product of the
+    confidences falls below the policy's floor (2 ms per token on a 10 ms step: 0.2)."""
+    policy = ConfidencePolicy(StepCostModel(CostCurve([1, 8], [0.010, 0.024])))
+    floor = policy.drafting_floor(1, 1.0, 0.0)
+    assert floor == pytest.approx(0.2)
+    generator = torch.Generator().manual_seed(seed)
+    counts: dict[tuple[int, ...], int] = {}
+    for _ in range(trials):
+        out: list[int] = []
+        while len(out) < LENGTH:
+            t = len(out)
+            request = DraftRequest(None, None, [], floor)  # offer() uses neither item nor row
+            while not request.stopped and len(request.token_ids) < 3:
+                q = DRAFT[t + len(request.token_ids)]
+                token = int(torch.multinomial(q.float(), 1, generator=generator))
+                request.offer(token, q, confidence_of(q, token))
+            k = len(request.token_ids)
+            draft_probs = torch.stack(request.probs) if k else None
+            out.extend(
+                verify_sampled(TARGET[t : t + k + 1], request.token_ids, draft_probs, generator).token_ids
+            )
+        cells = tuple(out[:LENGTH])
+        counts[cells] = counts.get(cells, 0) + 1
+    return counts
+
+
+def test_the_confidence_policy_keeps_the_target_distribution():
+    # 2,000 trials (a third of the others'): the test must stay quick, and the broken variant
+    # below fails it by a wide margin (p ~ 1e-9) with half as many.
+    counts = decode_confidence_policy(lambda q, token: sampled_confidence(q), seed=11, trials=2000)
+    pvalue = chi_square_pvalue(counts, expected_joint())
+    assert pvalue > 1e-3, f"output distribution differs from the target (p = {pvalue:.2e})"
+
+
+def test_stopping_on_the_drawn_tokens_probability_fails_the_same_test():
+    """What `sampled_confidence` avoids: a stop that looks at q(drawn token) keeps the drafts q
+    over-weights more often than the others, and the outputs drift toward q."""
+    counts = decode_confidence_policy(lambda q, token: float(q[token]), seed=11, trials=1000)
+    assert chi_square_pvalue(counts, expected_joint()) < 1e-6
 
 
 def test_acceptance_probability_is_the_overlap_of_p_and_q():

@@ -40,14 +40,15 @@ class FullAttentionGroup:
 
     # -- queries (no mutation) --------------------------------------------------------------------
 
-    def _key(self, hashes: list[bytes], index: int) -> bytes:
+    def block_key(self, hashes: list[bytes], index: int) -> bytes:
+        """The prefix hash block `index` of a sequence is indexed under."""
         return hashes[(index + 1) * self.hashes_per_block - 1]
 
     def hit_tokens(self, hashes: list[bytes], limit: int) -> int:
         """Longest cached prefix (in tokens, a multiple of block_tokens, at most `limit`)."""
         count = 0
         while (count + 1) * self.block_tokens <= limit and self.pool.lookup(
-            self._key(hashes, count)
+            self.block_key(hashes, count)
         ) is not None:
             count += 1
         return count * self.block_tokens
@@ -56,7 +57,7 @@ class FullAttentionGroup:
         """The table a sequence starts with after a hit of `num_tokens` (a valid hit length)."""
         blocks = []
         for i in range(num_tokens // self.block_tokens):
-            block_id = self.pool.lookup(self._key(hashes, i))
+            block_id = self.pool.lookup(self.block_key(hashes, i))
             assert block_id is not None, "hit_blocks past the hit length"
             blocks.append(block_id)
         return blocks
@@ -130,7 +131,7 @@ class FullAttentionGroup:
         indexed = [
             i
             for i in range(num_registered, num_full)
-            if table[i] != NULL_BLOCK and self.pool.register(table[i], self._key(hashes, i))
+            if table[i] != NULL_BLOCK and self.pool.register(table[i], self.block_key(hashes, i))
         ]
         if indexed and self.pool.events is not None:
             self.log_stored(hashes, indexed, token_ids)
@@ -149,8 +150,8 @@ class FullAttentionGroup:
         for run in runs:
             first, last = run[0], run[-1]
             self.pool.events.stored(
-                [self._key(hashes, i) for i in run],
-                self._key(hashes, first - 1) if first else None,
+                [self.block_key(hashes, i) for i in run],
+                self.block_key(hashes, first - 1) if first else None,
                 token_ids[first * size : (last + 1) * size],
                 size,
             )
@@ -190,12 +191,12 @@ class SlidingWindowGroup(FullAttentionGroup):
         assert layout.group.window is not None
         self.window = layout.group.window
 
-    def _first_needed(self, next_position: int) -> int:
+    def first_needed(self, next_position: int) -> int:
         """Index of the first block the query at `next_position` (and any later one) reads."""
         return max(next_position - self.window + 1, 0) // self.block_tokens
 
     def releasable(self, table: list[int], num_computed: int) -> list[int]:
-        return [b for b in table[: self._first_needed(num_computed)] if b != NULL_BLOCK]
+        return [b for b in table[: self.first_needed(num_computed)] if b != NULL_BLOCK]
 
     def hits_at(self, hashes: list[bytes], num_tokens: int) -> bool:
         """Whether a hit of `num_tokens` tokens has every block its next query reads."""
@@ -203,8 +204,8 @@ class SlidingWindowGroup(FullAttentionGroup):
             return True
         last = (num_tokens - 1) // self.block_tokens
         return all(
-            self.pool.lookup(self._key(hashes, i)) is not None
-            for i in range(self._first_needed(num_tokens), last + 1)
+            self.pool.lookup(self.block_key(hashes, i)) is not None
+            for i in range(self.first_needed(num_tokens), last + 1)
         )
 
     def hit_tokens(self, hashes: list[bytes], limit: int) -> int:
@@ -215,10 +216,10 @@ class SlidingWindowGroup(FullAttentionGroup):
         return tokens
 
     def hit_blocks(self, hashes: list[bytes], num_tokens: int) -> list[int]:
-        first = self._first_needed(num_tokens)
+        first = self.first_needed(num_tokens)
         blocks = [NULL_BLOCK] * first
         for i in range(first, num_tokens // self.block_tokens):
-            block_id = self.pool.lookup(self._key(hashes, i))
+            block_id = self.pool.lookup(self.block_key(hashes, i))
             assert block_id is not None, "hit_blocks past the hit length"
             blocks.append(block_id)
         return blocks

@@ -14,7 +14,7 @@ Contract (what each method mutates; all are called from the engine's one thread)
 - `cache_computed_blocks`: the sequence's hashes and registered counts, the pools' indexes.
 - `trim`, `free`: the sequence's tables (and `free` its counters), the pools.
 - `take_copies`: empties the pending copies.
-- `install_blocks`: the first group's pool and index (blocks filled by a KV connector).
+- `install_blocks`: one group's pool and index (blocks filled by a KV connector).
 
 With an event log (passed at construction), the first group's pool reports what it indexes and
 drops: that group's blocks are the ones a router outside the engine can credit.
@@ -210,21 +210,23 @@ class KVCacheManager:
         seq.num_computed_tokens = 0
         seq.num_registered = [0] * len(self.groups)
 
-    def install_blocks(self, seq: Sequence, first_block: int, block_ids: list[int]) -> None:
-        """Index blocks a KV connector filled (taken with `pool.allocate()`) under `seq`'s hashes
-        from block `first_block` on, then release them: cached and free, tail first, like any
-        freed chain, so admission finds them as ordinary hits. Single-group models only."""
-        group = self.groups[0]
-        assert group.hashes_per_block == 1, "connectors install blocks of one hash each"
+    def install_blocks(
+        self, seq: Sequence, group: int, block_indices: list[int], block_ids: list[int]
+    ) -> None:
+        """Index blocks a KV connector filled (taken with `allocate()` from group `group`'s pool)
+        as `seq`'s blocks `block_indices` of that group, then release them: cached and free, tail
+        first, like any freed chain, so admission finds them as ordinary hits. A block whose hash
+        is indexed already stays unindexed and is simply free again."""
+        manager = self.groups[group]
         hashes = seq.block_hashes
         indexed = [
-            first_block + i
-            for i, block_id in enumerate(block_ids)
-            if group.pool.register(block_id, hashes[first_block + i])
+            index
+            for index, block_id in zip(block_indices, block_ids)
+            if manager.pool.register(block_id, manager.block_key(hashes, index))
         ]
-        if indexed and self.events is not None:
-            group.log_stored(hashes, indexed, seq.token_ids)
-        group.pool.release(list(reversed(block_ids)))
+        if indexed and manager.pool.events is not None:
+            manager.log_stored(hashes, indexed, seq.token_ids)
+        manager.pool.release(list(reversed(block_ids)))
 
     def take_copies(self) -> list[BlockCopy]:
         copies, self._pending_copies = self._pending_copies, []

@@ -20,7 +20,7 @@ from deepinfer.engine.parallel.data_parallel import DataParallelEngine
 from deepinfer.engine.parallel.launch import LocalRanks, PeerMonitor, RankWatchdog
 from deepinfer.engine.parallel.messages import Shutdown
 from deepinfer.engine.parallel.worker import TensorParallelPeers, distributed_backend
-from deepinfer.model.loader.load import LoadedModel
+from deepinfer.model.loader.load import LoadedModel, check_model_parallel
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ def start_engine(
             f"this process is rank {topology.rank}: only rank 0 runs the engine's scheduler "
             "(`deepinfer serve` with the same options serves as rank N)"
         )
+    check_model_parallel(config.model, config.parallel)  # before any other rank starts
     bind_cores(config, topology)
     on_death = on_rank_death or _log_death
     closers: list[Callable[[], None]] = []

@@ -62,13 +62,20 @@ def combine_pairs(
 
 
 class ExpertParallelExperts(torch.nn.Module):
-    """This rank's S physical experts of one layer: w13 [S, 2I, hidden], w2 [S, hidden, I]."""
+    """This rank's S physical experts of one layer: w13 [S, 2I, hidden], w2 [S, hidden, I];
+    `swiglu_limit` clamps their activations (DeepSeek-V4)."""
 
     def __init__(
-        self, num_experts: int, hidden_size: int, intermediate_size: int, ep: ExpertParallel
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        ep: ExpertParallel,
+        swiglu_limit: float | None = None,
     ) -> None:
         super().__init__()
         self.ep = ep
+        self.swiglu_limit = swiglu_limit
         self.num_logical = num_experts
         self.num_physical = num_experts + ep.num_redundant_experts
         if self.num_physical % ep.size:
@@ -123,7 +130,7 @@ class ExpertParallelExperts(torch.nn.Module):
         by_slot = slots.argsort(stable=True)
         counts = torch.bincount(slots, minlength=self.slots).tolist()
         computed = torch.empty_like(rows)
-        computed[by_slot] = run_experts(rows[by_slot], counts, self.w13, self.w2)
+        computed[by_slot] = run_experts(rows[by_slot], counts, self.w13, self.w2, self.swiglu_limit)
         returned = comm.all_to_all(computed, recv, send)  # outputs of this rank's pairs, in `order`
         pair_out = torch.empty_like(returned)
         pair_out[order] = returned

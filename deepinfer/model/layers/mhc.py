@@ -7,6 +7,11 @@ Around every attention and MoE block, one linear map of the RMS-normalised, flat
 - comb [N, N]: softmax rows, then Sinkhorn-Knopp alternating column / row normalisation towards a
   doubly-stochastic matrix; the new streams are post * output + comb^T @ streams.
 The hyper head before the LM head collapses the final streams with its own sigmoid weights.
+
+Shifted (DeepSeek-V4.1's default): each block collapses the streams with the pre weights the
+block before it computed (the first block reads stream 0, which the embedding filled like all
+the others), and hands its own pre weights on; the last block's pre weights collapse the final
+streams, so there is no hyper head. post and comb are used as in the plain form.
 All mixing weights are computed in float32 (the parameters are kept in float32).
 """
 
@@ -40,6 +45,31 @@ class HyperConnection(torch.nn.Module):
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [T, N, D] -> (block input [T, D], post [T, N] fp32, comb [T, N, N] fp32)."""
+        pre, post, comb = self.mixes(streams)
+        return self.collapse(streams, pre), post, comb
+
+    def forward_shifted(
+        self, streams: torch.Tensor, carried_pre: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Shifted form: streams [T, N, D] and the previous block's pre [T, N] -> (block input
+        [T, D] collapsed with carried_pre, post [T, N], comb [T, N, N], pre [T, N] to carry on)."""
+        pre, post, comb = self.mixes(streams)
+        return self.collapse(streams, carried_pre), post, comb, pre
+
+    @staticmethod
+    def first_pre(num_tokens: int, hc_mult: int, device: torch.device | None = None) -> torch.Tensor:
+        """The pre weights the first shifted block collapses with: stream 0 alone. [T, N] fp32."""
+        pre = torch.zeros(num_tokens, hc_mult, device=device)
+        pre[:, 0] = 1.0
+        return pre
+
+    @staticmethod
+    def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        """sum_i pre[i] * streams[i]: [T, N, D], [T, N] -> [T, D]."""
+        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+
+    def mixes(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams [T, N, D] -> (pre [T, N], post [T, N], comb [T, N, N]), all fp32."""
         n = self.hc_mult
         flat = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
         mixes = F.linear(flat, self.fn.float())  # [T, (2 + N) N]
@@ -54,8 +84,7 @@ class HyperConnection(torch.nn.Module):
         for _ in range(self.sinkhorn_iters - 1):
             comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
             comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-        return collapsed, post, comb
+        return pre, post, comb
 
     @staticmethod
     def expand(

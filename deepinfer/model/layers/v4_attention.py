@@ -11,6 +11,20 @@ projection (wo_a per group of heads, then wo_b).
   per query.
 Sliding layers rotate with the main RoPE, compressed layers (and everything in them) with the
 compress RoPE. What is kept between steps goes through a V4Cache (see attention/v4_cache.py).
+
+Tensor parallelism splits the query heads by output group: a rank holds whole groups of heads
+(their rows of wq_b, their sinks, their wo_a blocks and wo_b columns), so the grouped output
+projection stays local until wo_b's partial sums are all-reduced. Replicated on every rank, and
+so is the cache they fill:
+- the q LoRA down projection and its norm (wq_a, q_norm): every head, and the indexer, read the
+  whole latent;
+- the single K = V head (wkv, kv_norm): every query head attends to it, as MLA's latent;
+- the compressors: their entries are what every head attends to beyond the window;
+- the lightning indexer: every rank must pick the same entries, and a pick ranks scores summed
+  over all the indexer's heads. Split heads would need an all-reduce of the [queries, entries]
+  scores in every CSA layer, whose sum rounds differently from one process's and could flip a
+  pick near a tie; replicated, it costs its few matmuls on every rank and picks exactly what one
+  process picks.
 """
 
 from __future__ import annotations
@@ -21,8 +35,10 @@ import torch.nn.functional as F
 from deepinfer.attention.v4_cache import CacheKind, StepLayout, V4Cache
 from deepinfer.attention.v4_sparse import attend_with_sink, indexer_scores, pool_windows, select_entries
 from deepinfer.model.deepseek_v4_config import CSA, SLIDING, DeepseekV4Arch
+from deepinfer.model.layers.parallel_linear import Segment
 from deepinfer.model.layers.v4_norm import Fp32RMSNorm, unweighted_rms_norm
 from deepinfer.model.layers.v4_rotary import TrailingRope
+from deepinfer.model.parallel import SINGLE, TensorParallel
 
 # Queries attended per block within a sequence (bounds a long prefill's score tensors).
 QUERY_BLOCK = 256
@@ -95,20 +111,41 @@ class Indexer(torch.nn.Module):
 
 class V4Attention(torch.nn.Module):
     def __init__(
-        self, arch: DeepseekV4Arch, layer: int, main_rope: TrailingRope, compress_rope: TrailingRope
+        self,
+        arch: DeepseekV4Arch,
+        layer: int,
+        main_rope: TrailingRope,
+        compress_rope: TrailingRope,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
-        self.arch, self.layer = arch, layer
-        heads, head_dim = arch.num_heads, arch.head_dim
+        self.arch, self.layer, self.tp = arch, layer, tp
+        if arch.o_groups < tp.size:
+            raise ValueError(
+                f"tensor_parallel_size={tp.size} exceeds the model's o_groups={arch.o_groups}: every rank "
+                "needs a whole output group of query heads"
+            )
+        head_dim = arch.head_dim
+        group_heads = arch.num_heads // arch.o_groups
+        q_rows = Segment.even(arch.num_heads * head_dim, tp, group_heads * head_dim)
+        sinks = Segment.even(arch.num_heads, tp, group_heads)
+        o_rows = Segment.even(arch.o_groups * arch.o_lora_rank, tp, arch.o_lora_rank)
+        self.num_heads = sinks.local  # this rank's heads
+        self.num_groups = o_rows.local // arch.o_lora_rank  # and their output groups
         self.wq_a = _param(arch.q_lora_rank, arch.hidden_size)
         self.q_norm = Fp32RMSNorm(arch.q_lora_rank, arch.rms_norm_eps)
-        self.wq_b = _param(heads * head_dim, arch.q_lora_rank)
+        self.wq_b = _param(q_rows.local, arch.q_lora_rank)
         self.wkv = _param(head_dim, arch.hidden_size)
         self.kv_norm = Fp32RMSNorm(head_dim, arch.rms_norm_eps)
-        group_width = heads * head_dim // arch.o_groups
-        self.wo_a = _param(arch.o_groups * arch.o_lora_rank, group_width)
-        self.wo_b = _param(arch.hidden_size, arch.o_groups * arch.o_lora_rank)
-        self.attn_sink = _param(heads)
+        self.wo_a = _param(o_rows.local, group_heads * head_dim)
+        self.wo_b = _param(arch.hidden_size, o_rows.local)
+        self.attn_sink = _param(sinks.local)
+        self.splits = {
+            "wq_b": (0, [q_rows]),
+            "attn_sink": (0, [sinks]),
+            "wo_a": (0, [o_rows]),
+            "wo_b": (1, [o_rows]),
+        }
         kind = arch.layer_type(layer)
         self.rate = arch.compress_rate(layer)
         self.compressor = (
@@ -131,7 +168,7 @@ class V4Attention(torch.nn.Module):
         arch = self.arch
         tokens = x.shape[0]
         q_latent = self.q_norm(F.linear(x, self.wq_a))  # [T, q_lora]
-        q = F.linear(q_latent, self.wq_b).view(tokens, arch.num_heads, arch.head_dim)
+        q = F.linear(q_latent, self.wq_b).view(tokens, self.num_heads, arch.head_dim)
         q = self.rope(unweighted_rms_norm(q, arch.rms_norm_eps), positions)
         kv = self.rope(self.kv_norm(F.linear(x, self.wkv)), positions)  # [T, head_dim]
         state = self.compressor.project(x) if self.compressor is not None else None
@@ -172,7 +209,7 @@ class V4Attention(torch.nn.Module):
                     keys, mask = torch.cat((keys, entries)), torch.cat((mask, entry_mask), dim=1)
                 out[sub] = attend_with_sink(q[sub], keys, mask, self.attn_sink, self.scale)
         out = self.rope(out, positions, inverse=True)
-        return F.linear(self._grouped_down(out), self.wo_b)
+        return self.tp.all_reduce(F.linear(self._grouped_down(out), self.wo_b))
 
     def _window(self, cache: V4Cache, seq: int, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of the raw window and which of them each query sees: keys at p - W < j <= p."""
@@ -209,8 +246,9 @@ class V4Attention(torch.nn.Module):
         return entries, selected[:, union]
 
     def _grouped_down(self, out: torch.Tensor) -> torch.Tensor:
-        """[T, H, D] -> [T, groups * o_lora]: each group of heads has its own wo_a block."""
-        arch = self.arch
-        grouped = out.reshape(out.shape[0], arch.o_groups, -1).transpose(0, 1)  # [G, T, H*D/G]
-        weight = self.wo_a.view(arch.o_groups, arch.o_lora_rank, -1).transpose(1, 2)  # [G, H*D/G, o_lora]
+        """[T, H, D] -> [T, G * o_lora] (this rank's H heads in G groups): each group of heads has its
+        own wo_a block."""
+        groups = self.num_groups
+        grouped = out.reshape(out.shape[0], groups, self.wo_a.shape[1]).transpose(0, 1)  # [G, T, H*D/G]
+        weight = self.wo_a.view(groups, self.arch.o_lora_rank, -1).transpose(1, 2)  # [G, H*D/G, o_lora]
         return torch.bmm(grouped, weight).transpose(0, 1).flatten(1)

@@ -6,6 +6,13 @@ Routing, per token in float32:
   "hash_moe" layers take them from the frozen table tid2eid[token id] instead;
 - the chosen experts' unbiased scores are normalised to sum to 1 and times routed_scaling_factor.
 Experts and the one shared expert are SwiGLU with clamped activations (swiglu_limit).
+
+Over several ranks, as DeepSeek-V3's DeepseekMoE (layers/moe.py): the router, its correction
+bias and the hash table are replicated (every rank routes the tokens it runs). Under tensor
+parallelism alone every rank holds its share of every expert's intermediate dimension (and of the
+shared expert's) and the partial outputs are summed once; with expert parallelism the experts are
+whole and sharded over the ranks, each rank of a tensor-parallel group dispatches its share of the
+group's tokens, runs the shared expert on them, and the group gathers the rows back.
 """
 
 from __future__ import annotations
@@ -13,8 +20,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from deepinfer.model.layers.expert_parallel import ExpertParallelExperts
 from deepinfer.model.layers.mlp import GatedMLP
 from deepinfer.model.layers.moe import RoutedExperts
+from deepinfer.model.layers.parallel_linear import Segment
+from deepinfer.model.parallel import SINGLE, ExpertParallel, TensorParallel, split_evenly
 
 
 def router_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
@@ -70,14 +80,40 @@ class V4MoE(torch.nn.Module):
         routed_scaling_factor: float,
         swiglu_limit: float,
         hash_vocab_size: int | None,
+        tp: TensorParallel = SINGLE,
+        ep: ExpertParallel | None = None,
     ) -> None:
         super().__init__()
+        self.tp, self.ep = tp, ep
         self.gate = V4Router(
             hidden_size, num_experts, top_k, scoring_func, routed_scaling_factor, hash_vocab_size
         )
-        self.experts = RoutedExperts(num_experts, hidden_size, intermediate_size, swiglu_limit)
-        self.shared_experts = GatedMLP(hidden_size, intermediate_size, swiglu_limit=swiglu_limit)
+        if ep is None:
+            columns = Segment.even(intermediate_size, tp)
+            self.experts: torch.nn.Module = RoutedExperts(
+                num_experts, hidden_size, columns.local, swiglu_limit
+            )
+            self.experts.splits = {"w13": (0, [columns, columns]), "w2": (1, [columns])}
+            self.shared_experts = GatedMLP(
+                hidden_size, intermediate_size, tp, reduce=False, swiglu_limit=swiglu_limit
+            )
+        else:
+            self.experts = ExpertParallelExperts(
+                num_experts, hidden_size, intermediate_size, ep, swiglu_limit
+            )
+            self.shared_experts = GatedMLP(hidden_size, intermediate_size, swiglu_limit=swiglu_limit)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x, token_ids)
-        return self.experts(x, weights, ids) + self.shared_experts(x)
+        """x [T, hidden], token_ids [T] -> [T, hidden]."""
+        if self.ep is None:
+            weights, ids = self.gate(x, token_ids)
+            return self.tp.all_reduce(self.experts(x, weights, ids) + self.shared_experts(x))
+        counts = [
+            hi - lo for lo, hi in (split_evenly(x.shape[0], self.tp.size, r) for r in range(self.tp.size))
+        ]
+        lo = sum(counts[: self.tp.rank])
+        rows = slice(lo, lo + counts[self.tp.rank])  # this rank's share of the group's tokens
+        mine = x[rows]
+        weights, ids = self.gate(mine, token_ids[rows])
+        out = self.experts(mine, weights, ids) + self.shared_experts(mine)
+        return self.tp.gather_rows(out, counts)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from deepinfer.config import ParallelConfig
 from deepinfer.kernels.gguf_blocks import PackedMatrix, gguf_kernels
 from deepinfer.model.base import CausalLM
 from deepinfer.model.config import ModelConfig
@@ -87,6 +88,16 @@ def adopt_packed_gguf(
         values = gguf.quants.dequantize(matrix.data, gguf.GGMLQuantizationType(matrix.qtype))
         dense.append((name, torch.from_numpy(values.astype("float32"))))
     return dense
+
+
+def check_model_parallel(model: str | Path | None, parallel: ParallelConfig) -> None:
+    """Refuse before any rank starts a split the model of an HF directory does not support (its
+    class's `check_parallel`); GGUF files (the Llama family) are checked as each rank loads."""
+    path = resolve_model_path(model)
+    if not path.is_dir():
+        return
+    config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    model_class(config.model_type).check_parallel(config, parallel)
 
 
 def load_model(
