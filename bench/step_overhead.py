@@ -1,5 +1,5 @@
 """`deepinfer bench overhead`: the share of an engine step spent outside the model forward, at a
-few batch sizes, and the most asynchronous scheduling could gain by hiding it.
+few batch sizes, the most asynchronous scheduling could gain by hiding it, and what it gains.
 
 Each batch of B requests decodes `--output-len` tokens after a short prompt; only steps where all
 B sequences decode are counted. "forward" is the model's forward and logits (what a faster
@@ -10,6 +10,14 @@ itself Python dispatching C++ kernels on every core. So the second pass runs the
 while another thread does the measured overhead's worth of pure-Python work beside each forward
 (as a scheduler preparing step N+1 would). "async at best" is today's step time over that
 forward's time, minus one: the most overlapping could gain (negative: it would lose).
+
+The third pass runs the same requests through an engine with `async_scheduling=True` (the same
+weights): its forward runs on a forward thread while the engine plans the next step and hands the
+last one's tokens to the output processor. There "outside forward" is the share of the decode
+window in which no forward runs (the forward thread waits for its next step), and tok/s is
+measured over the same steps. The synchronous and the async passes alternate `--repeats` times;
+each reports its median run (by tok/s), since one pass on a shared 2-core machine moves by tens
+of percent.
 """
 
 from __future__ import annotations
@@ -59,17 +67,19 @@ def _measure(llm: Any, batch: int, output_len: int, overlap: _Overlap | None = N
     from deepinfer import SamplingParams
 
     engine, runner = llm.engine, llm.engine.core.runner
-    forward_s = [0.0]
+    # [start, end] of every forward (perf_counter; end None while it runs, on the forward thread).
+    forwards: list[list[float | None]] = []
     inner = runner.forward
 
     def timed_forward(inputs: Any) -> Any:
         if overlap is not None:
             overlap.started.set()
-        start = time.perf_counter()
+        span: list[float | None] = [time.perf_counter(), None]
+        forwards.append(span)
         try:
             return inner(inputs)
         finally:
-            forward_s[0] += time.perf_counter() - start
+            span[1] = time.perf_counter()
 
     runner.forward = timed_forward
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -81,14 +91,16 @@ def _measure(llm: Any, batch: int, output_len: int, overlap: _Overlap | None = N
             decoding = len(engine.core.scheduler.running) == batch and all(
                 s.num_output_tokens > 0 for s in engine.core.scheduler.running
             )
-            forward_s[0] = 0.0
             start = time.perf_counter()
             engine.step()
-            elapsed = time.perf_counter() - start
+            end = time.perf_counter()
             if decoding:
                 steps += 1
-                step_s += elapsed
-                forward_total += forward_s[0]
+                step_s += end - start
+                # The forward time inside this step's wall time (with async scheduling, a forward
+                # runs across the steps that plan and land around it).
+                forward_total += sum(max(min(b or end, end) - max(a, start), 0.0) for a, b in list(forwards))
+            forwards[:] = [span for span in forwards if span[1] is None or span[1] > end]
     finally:
         runner.forward = inner
     return {
@@ -101,19 +113,45 @@ def _measure(llm: Any, batch: int, output_len: int, overlap: _Overlap | None = N
     }
 
 
+def _median_run(runs: list[dict[str, float]]) -> dict[str, float]:
+    return sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
+
+
 def run(args: argparse.Namespace) -> int:
     from deepinfer import LLM
 
     rows, records = [], []
-    llm = LLM(args.model, num_threads=args.threads)
+    llm = LLM(args.model, num_threads=args.threads, kv_cache_memory=args.kv_cache_memory)
+    async_llm = LLM(
+        loaded=llm.engine.core.loaded,
+        num_threads=args.threads,
+        kv_cache_memory=args.kv_cache_memory,
+        async_scheduling=True,
+    )
     for batch in args.batch_sizes:
         _measure(llm, batch, 4)  # warm-up
-        alone = _measure(llm, batch, args.output_len)
+        _measure(async_llm, batch, 4)
+        alone_runs, async_runs = [], []
+        for _ in range(args.repeats):
+            alone_runs.append(_measure(llm, batch, args.output_len))
+            async_runs.append(_measure(async_llm, batch, args.output_len))
+        alone, overlapped = _median_run(alone_runs), _median_run(async_runs)
         with _Overlap(alone["step_ms"] - alone["forward_ms"]) as overlap:
             beside = _measure(llm, batch, args.output_len, overlap)
         # With the overhead hidden, a step would take about the forward's time with the work beside it.
         bound = alone["step_ms"] / beside["forward_ms"] - 1.0 if beside["forward_ms"] else 0.0
-        records.append({**alone, "forward_ms_with_overlap": beside["forward_ms"], "async_bound": bound})
+        gain = overlapped["tokens_per_s"] / alone["tokens_per_s"] - 1.0 if alone["tokens_per_s"] else 0.0
+        records.append(
+            {
+                **alone,
+                "forward_ms_with_overlap": beside["forward_ms"],
+                "async_bound": bound,
+                "async": overlapped,
+                "async_gain": gain,
+                "sync_tokens_per_s_runs": [r["tokens_per_s"] for r in alone_runs],
+                "async_tokens_per_s_runs": [r["tokens_per_s"] for r in async_runs],
+            }
+        )
         rows.append(
             [
                 batch,
@@ -121,13 +159,17 @@ def run(args: argparse.Namespace) -> int:
                 f"{alone['forward_ms']:.2f}",
                 f"{alone['overhead_share']:.1%}",
                 f"{alone['tokens_per_s']:.1f}",
-                f"{beside['forward_ms']:.2f}",
                 f"{bound:+.1%}",
+                f"{overlapped['step_ms']:.2f}",
+                f"{overlapped['overhead_share']:.1%}",
+                f"{overlapped['tokens_per_s']:.1f}",
+                f"{gain:+.1%}",
             ]
         )
+    async_llm.close()
     llm.close()
-    headers = ["batch", "step ms", "forward ms", "outside forward", "tok/s"]
-    headers += ["forward ms, overhead beside it", "async at best"]
+    headers = ["batch", "step ms", "forward ms", "outside forward", "tok/s", "async at best"]
+    headers += ["async: step ms", "async: outside forward", "async: tok/s", "async gain"]
     print(markdown_table(headers, rows))
     if args.result_json:
         write_json(args.result_json, {"benchmark": "overhead", **provenance(), "runs": records})
@@ -136,7 +178,8 @@ def run(args: argparse.Namespace) -> int:
 
 def add_parser(commands: Any) -> argparse.ArgumentParser:
     p = commands.add_parser(
-        "overhead", help="share of a step outside the model forward, and what hiding it could gain"
+        "overhead",
+        help="share of a step outside the model forward, what hiding it could gain, and async scheduling",
     )
     p.add_argument(
         "--model", default=None, help="a .gguf file or a HF directory (default: the embedded model)"
@@ -144,5 +187,9 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     p.add_argument("--batch-sizes", type=int_list_argument, default=[1, 8, 32])
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--repeats", type=int, default=3, help="alternating synchronous/async passes per batch size"
+    )
+    p.add_argument("--kv-cache-memory", default="512MiB", help="KV cache of each of the two engines")
     p.add_argument("--result-json")
     return p

@@ -81,6 +81,9 @@ class Sequence:
     num_pending: int = 0  # things to wait for before admission (a grammar, a KV load); 0 = ready
     num_stored_chunks: int = 0  # leading KV-store chunks known to be stored (or loaded from it)
     grammar: GrammarMatcher | None = None  # structured output state, once its grammar compiled
+    # Async scheduling: tokens a step still in flight is sampling for this sequence. The next
+    # step is planned as if they were there; they join token_ids when that step lands.
+    num_placeholders: int = 0
 
     @property
     def request_id(self) -> str:

@@ -36,6 +36,13 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]]
     preempted: list[Sequence]
 
+    def drop_finished(self) -> None:
+        """Async scheduling: leave out the sequences that finished after this plan was made (the
+        step before it stopped them, or they were aborted); their blocks are already free."""
+        self.scheduled = [item for item in self.scheduled if not item.seq.is_finished]
+        for item in self.scheduled:
+            item.forks = [child for child in item.forks if not child.is_finished]
+
     @property
     def num_batched_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)

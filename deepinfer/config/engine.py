@@ -60,6 +60,12 @@ class SchedulerConfig:
     scheduling_policy: Literal["fcfs", "priority"] = option(
         "fcfs", help="fcfs, or priority (lower value first)"
     )
+    async_scheduling: bool = option(
+        False,
+        help="plan step N+1 while step N's forward runs (on a forward thread), and hand step N's "
+        "outputs on while step N+1 runs; greedy output is unchanged (see docs/benchmarks.md for "
+        "where it pays on the CPU)",
+    )
 
     def __post_init__(self) -> None:
         check_positive("max_num_seqs", self.max_num_seqs, allow_none=False)
@@ -431,6 +437,8 @@ class EngineConfig:
                 raise ConfigError("role", "prefill/decode roles over several ranks are not supported yet")
             if self.disaggregation.kv_events_endpoint is not None:
                 raise ConfigError("kv_events_endpoint", "KV events over several ranks are not supported yet")
+        if self.scheduler.async_scheduling:
+            self._check_async_scheduling()
         if self.store.enabled and not self.cache.enable_prefix_caching:
             raise ConfigError(
                 "kv_store", "the KV store and host tier need prefix caching (enable_prefix_caching)"
@@ -444,6 +452,21 @@ class EngineConfig:
             raise ConfigError(
                 "kv_transfer", f"kv_transfer='store' needs a shared --kv-store on the {pd.role} engine"
             )
+
+    def _check_async_scheduling(self) -> None:
+        """What async scheduling does not cover: features that read or write the KV cache or the
+        drafts beside the forward thread, or step with other ranks."""
+        unsupported = (
+            ("speculative_method", self.speculative.enabled, "speculative decoding"),
+            ("kv_store", self.store.enabled, "the KV store and host tier"),
+            ("role", self.disaggregation.role != "both", "prefill/decode roles"),
+            ("data_parallel_size", self.parallel.world_size > 1, "several ranks"),
+        )
+        for name, used, what in unsupported:
+            if used:
+                raise ConfigError(
+                    "async_scheduling", f"{what} ({name}) cannot be combined with async scheduling"
+                )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -25,7 +26,7 @@ from deepinfer.model.layers.expert_parallel import ExpertBalancer
 from deepinfer.model.loader.load import LoadedModel, load_model
 from deepinfer.runner.device import torch_device, torch_dtype
 from deepinfer.runner.kv_caches import KVCaches
-from deepinfer.runner.model_runner import ModelRunner, StepResult
+from deepinfer.runner.model_runner import ModelRunner, PreparedStep, StepResult
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.sequence import EngineRequest, Sequence
 from deepinfer.speculative.build import build_speculative_decoder, load_draft_model, proposer_cache_groups
@@ -138,9 +139,21 @@ def build_expert_balancer(
     )
 
 
+@dataclass(slots=True)
+class InFlightStep:
+    """Async scheduling: a step whose forward runs on the forward thread."""
+
+    plan: SchedulerOutput
+    result: Future[StepResult]
+
+
 class EngineCore:
     """Builds every collaborator from one validated config (or takes weights already loaded),
     then steps: schedule -> execute -> update -> outputs.
+
+    With async scheduling, the forward of step N runs on a forward thread while this thread
+    plans step N+1 and, once step N has landed and N+1 started, while the caller turns step N's
+    tokens into text or messages.
 
     With `parallel`, this core is rank 0 of a tensor-parallel group (its runner hands every
     forward to the other ranks) or one data-parallel rank (its own requests and KV cache); its
@@ -203,6 +216,10 @@ class EngineCore:
         self.connector: KVConnector | None = self._build_connector(caches)
         self.scheduler = Scheduler(config.scheduler, self.max_model_len, self.kv)
         self.num_preemptions = 0
+        self._forward_thread = (
+            ThreadPoolExecutor(1, thread_name_prefix="forward") if config.scheduler.async_scheduling else None
+        )
+        self._in_flight: InFlightStep | None = None
         log.info(
             "engine ready: %s, %d KV blocks in %d cache group(s) (%.0f bytes/token), attention=%s",
             self.loaded.name,
@@ -239,6 +256,8 @@ class EngineCore:
         if self.connector is not None:
             self.connector.close(timeout_s)
             self.connector = None
+        if self._forward_thread is not None:
+            self._forward_thread.shutdown(wait=True)
         self.grammars.close()
         if self.parallel is not None:
             self.parallel.close()
@@ -275,7 +294,7 @@ class EngineCore:
         ]
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._in_flight is not None
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
@@ -300,6 +319,8 @@ class EngineCore:
     # -- the loop ------------------------------------------------------------------------------
 
     def step(self) -> list[SequenceOutput]:
+        if self._forward_thread is not None:
+            return self._step_async()
         began = time.perf_counter()
         outputs = self._poll_pending()
         plan = self.scheduler.schedule(self._draft_lengths())
@@ -314,6 +335,34 @@ class EngineCore:
         outputs += [self._output(update, result) for update in updates]
         outputs += self._fail(self._after_step(plan, time.perf_counter() - began))
         return outputs
+
+    def _step_async(self) -> list[SequenceOutput]:
+        """Plan step N+1 while step N's forward runs; land step N (tokens, stop rules, outputs);
+        drop from N+1 the sequences N finished; start N+1 and return N's outputs. (No KV
+        connector or speculation runs in this mode: the config refuses them.)"""
+        outputs = self._poll_pending()
+        plan = self.scheduler.schedule()
+        self.num_preemptions += len(plan.preempted)
+        if self._in_flight is not None:
+            outputs += self._land(self._in_flight)
+            self._in_flight = None
+        plan.drop_finished()
+        if plan.is_empty:
+            return self._idle(outputs)
+        for item in plan.scheduled:
+            for child in item.forks:
+                self.grammars.fork(child)
+        prepared: PreparedStep = self.runner.prepare(plan)
+        self._in_flight = InFlightStep(plan, self._forward_thread.submit(self.runner.run_prepared, prepared))
+        return outputs
+
+    def _land(self, step: InFlightStep) -> list[SequenceOutput]:
+        """Wait for a step's forward (its failure is the engine's, as in a synchronous step) and
+        apply its tokens."""
+        result = step.result.result()
+        outputs = self._fail(result.failures)
+        updates = self.scheduler.update(step.plan, result.token_ids())
+        return outputs + [self._output(update, result) for update in updates]
 
     def _draft_lengths(self) -> dict[int, int] | None:
         if self.spec is None:
@@ -410,6 +459,8 @@ class EngineCore:
             raise RuntimeError("not enough free KV blocks to score this sequence")
         self.kv.allocate(seq, len(token_ids))
         try:
+            if self._forward_thread is not None:  # after the step in flight, on its thread
+                return self._forward_thread.submit(self.runner.prompt_logits, seq).result()
             return self.runner.prompt_logits(seq)
         finally:
             self.kv.free(seq)

@@ -6,6 +6,12 @@ Running sequences are served first (decodes and unfinished prefills, in priority
 then waiting sequences are admitted while the token budget, `max_num_seqs` and the KV pool allow,
 which gives mixed steps. When blocks run out, the lowest-priority, latest-arrived running sequence
 is preempted: its blocks are freed and it later recomputes its tokens (often from prefix hits).
+
+With async scheduling, step N+1 is planned before step N's tokens are known: each token a step
+will sample counts as a placeholder (`Sequence.num_placeholders`) until `update` lands it, so a
+decoding sequence is scheduled for the position of its in-flight token, and one whose in-flight
+tokens reach max_tokens or the context is not scheduled again. Stop tokens are seen one step
+late: the engine drops the sequences that step N finished from step N+1 before it runs.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._by_request: dict[str, list[Sequence]] = {}
         self._seq_ids = itertools.count()
+        self.async_scheduling = config.async_scheduling
 
     # -- requests in and out -------------------------------------------------------------------
 
@@ -110,8 +117,22 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=self._key)
 
+    @staticmethod
+    def _uncomputed(seq: Sequence) -> int:
+        """Tokens of `seq` (in-flight placeholders included) whose KV is not yet scheduled."""
+        return seq.num_tokens + seq.num_placeholders - seq.num_computed_tokens
+
+    def _ends_in_flight(self, seq: Sequence) -> bool:
+        """Whether the tokens a step in flight samples for `seq` reach its length limit."""
+        if not seq.num_placeholders:
+            return False
+        max_tokens = seq.params.max_tokens
+        return (max_tokens is not None and seq.num_output_tokens + seq.num_placeholders >= max_tokens) or (
+            seq.num_tokens + seq.num_placeholders >= self.max_model_len
+        )
+
     def _chunk(self, seq: Sequence, budget: int) -> int:
-        remaining = seq.num_tokens - seq.num_computed_tokens
+        remaining = self._uncomputed(seq)
         if seq.num_computed_tokens < seq.num_prompt_tokens and self.config.prefill_chunk_size:
             remaining = min(remaining, self.config.prefill_chunk_size)
         return min(remaining, budget)
@@ -127,13 +148,16 @@ class Scheduler:
     ) -> ScheduledSequence:
         start = seq.num_computed_tokens
         seq.num_computed_tokens += num_new
-        sample = seq.num_computed_tokens == seq.num_tokens + num_draft
+        sample = seq.num_computed_tokens == seq.num_tokens + seq.num_placeholders + num_draft
         item = ScheduledSequence(
             seq, num_new, start, sample, num_draft_tokens=num_draft, speculative=num_draft > 0
         )
         if sample and seq.pending_forks:
             item.forks = self._fork(seq)
             forks_out.extend(item.forks)
+        if sample and self.async_scheduling:
+            for s in (seq, *item.forks):
+                s.num_placeholders += 1
         return item
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
@@ -187,13 +211,13 @@ class Scheduler:
         forks: list[Sequence] = []
 
         # Decodes before unfinished prefills, so a long prompt never stalls running generations.
-        order = sorted(self.running, key=lambda s: (s.num_tokens - s.num_computed_tokens > 1, self._key(s)))
+        order = sorted(self.running, key=lambda s: (self._uncomputed(s) > 1, self._key(s)))
         done: set[int] = set()
         for position, seq in enumerate(order):
             if budget <= 0:
                 break
-            if seq.status != SequenceStatus.RUNNING:
-                continue  # preempted earlier in this step
+            if seq.status != SequenceStatus.RUNNING or self._ends_in_flight(seq):
+                continue  # preempted earlier in this step, or finishing with the step in flight
             num_new = self._chunk(seq, budget)
             while not self.kv.can_allocate(seq, num_new):
                 victim = max((s for s in self.running if s.seq_id not in done), key=self._key)
@@ -240,17 +264,26 @@ class Scheduler:
     # -- after the forward ---------------------------------------------------------------------
 
     def update(self, output: SchedulerOutput, sampled: dict[int, list[int]]) -> list[SequenceUpdate]:
-        """Append sampled tokens (seq_id -> tokens), apply stop rules, free finished sequences."""
+        """Append sampled tokens (seq_id -> tokens), apply stop rules, free finished sequences.
+
+        With async scheduling this lands a step after the next one was planned: its placeholders
+        become tokens, only the blocks this step computed are indexed in the prefix cache (the
+        next step's tokens are counted as computed already), and a sequence preempted meanwhile
+        keeps its token (it recomputes it with the rest)."""
         updates: list[SequenceUpdate] = []
         for item in output.scheduled:
             for seq in (item.seq, *item.forks):
+                if item.sample and self.async_scheduling:
+                    seq.num_placeholders -= 1
                 if seq.is_finished:  # aborted while the step ran
                     continue
                 new_tokens = sampled.get(seq.seq_id, []) if item.sample else []
                 if item.speculative:
                     self._roll_back_rejected(item, len(new_tokens))
                 accepted = self._append(seq, new_tokens)
-                self.kv.cache_computed_blocks(seq)
+                if seq.status == SequenceStatus.RUNNING:
+                    computed = min(seq.num_computed_tokens, item.start + item.num_new_tokens)
+                    self.kv.cache_computed_blocks(seq, computed)
                 if accepted or seq.is_finished:
                     updates.append(SequenceUpdate(seq, accepted, seq.is_finished))
                 if seq.is_finished:
@@ -297,6 +330,8 @@ class Scheduler:
     def _finish(self, seq: Sequence) -> None:
         if seq in self.running:
             self.running.remove(seq)
+        elif seq in self.waiting:  # preempted while its last step was in flight
+            self.waiting.remove(seq)
         self.kv.free(seq)
         self._forget_if_done(seq.request_id)
 

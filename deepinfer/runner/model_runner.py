@@ -84,6 +84,18 @@ class Peers(Protocol):
 
 
 @dataclass(slots=True)
+class PreparedStep:
+    """A step's plan read off its sequences: the forward's work and the sampling rows, copies that
+    stay as they are while the scheduler plans the next step (async scheduling)."""
+
+    items: list[ScheduledSequence]
+    work: ForwardWork
+    rows: list[SamplingRow]
+    owners: list[Sequence]  # the sequence of each sampling row
+    inverse: torch.Tensor  # [N] each sampling row's index into work.logit_rows
+
+
+@dataclass(slots=True)
 class StepResult:
     """What a step's forward produced: tokens of the sampling sequences, and what speculative
     verification needs (hidden states of every row, the order the runner laid the items out in,
@@ -215,7 +227,7 @@ class ModelRunner:
         tokens = (
             seq.token_ids[item.start : item.start + num_real] + item.draft_token_ids[: item.num_draft_tokens]
         )
-        return RowSpan(self.view.tables(seq), item.start, tokens)
+        return RowSpan([list(table) for table in self.view.tables(seq)], item.start, tokens)
 
     @torch.inference_mode()
     def run(self, work: ForwardWork) -> tuple[ForwardInputs, torch.Tensor, torch.Tensor | None]:
@@ -271,11 +283,15 @@ class ModelRunner:
         assert logits is not None
         return logits
 
-    @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> StepResult:
         """Copy blocks, run the forward of every scheduled item (drafts included), and sample the
         items that end at their last token and carry no drafts (the verifier samples those)."""
-        items = plan.scheduled
+        return self.run_prepared(self.prepare(plan))
+
+    def prepare(self, plan: SchedulerOutput) -> PreparedStep:
+        """Read the plan off its sequences (their tokens, block tables, sampling state); mutates
+        nothing. The sequences may change afterwards without affecting the prepared step."""
+        items = list(plan.scheduled)
         spans = [self._span(item) for item in items]
         offsets, _ = span_offsets(spans)
         hidden_rows: list[int] = []
@@ -290,12 +306,21 @@ class ModelRunner:
                 owners.append(seq)
         # Forks share their parent's row: compute logits once per distinct row.
         unique, inverse = torch.unique(torch.tensor(hidden_rows, dtype=torch.long), return_inverse=True)
-        inputs, hidden, unique_logits = self.run(ForwardWork(spans, plan.block_copies, unique.tolist()))
+        work = ForwardWork(spans, list(plan.block_copies), unique.tolist())
+        return PreparedStep(items, work, rows, owners, inverse)
+
+    @torch.inference_mode()
+    def run_prepared(self, step: PreparedStep) -> StepResult:
+        """The forward of a prepared step and its sampling (grammar masks applied, the sampled
+        tokens accepted by the grammars). Mutates the KV caches, the grammar matchers and the
+        seeded generators."""
+        rows, owners = step.rows, step.owners
+        inputs, hidden, unique_logits = self.run(step.work)
         sampled: dict[int, list[SampledToken]] = {}
         failures: dict[str, str] = {}
         if rows:
             assert unique_logits is not None
-            logits = unique_logits[inverse.to(self.device)]  # [N, V]
+            logits = unique_logits[step.inverse.to(self.device)]  # [N, V]
             bitmask, constrained = self._grammar_bitmask(owners, failures)
             tokens = self._sample(logits, rows, owners, bitmask, constrained, failures)
             for i in constrained:
@@ -312,4 +337,4 @@ class ModelRunner:
                 for seq, token in zip(owners, tokens)
                 if token is not None and seq.request_id not in failures
             }
-        return StepResult(sampled, failures, hidden, list(items), inputs.offsets)
+        return StepResult(sampled, failures, hidden, step.items, inputs.offsets)

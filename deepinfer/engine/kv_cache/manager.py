@@ -182,15 +182,19 @@ class KVCacheManager:
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_registered = list(parent.num_registered)
 
-    def cache_computed_blocks(self, seq: Sequence) -> None:
-        """Index every full block whose tokens have all been computed (prompt or decode)."""
+    def cache_computed_blocks(self, seq: Sequence, num_computed: int | None = None) -> None:
+        """Index every full block whose tokens have all been computed (prompt or decode): of the
+        first `num_computed` tokens (default: the sequence's computed tokens; async scheduling
+        counts a step's tokens as computed before that step runs). Mutates the pools' index and
+        `seq.block_hashes` / `seq.num_registered`."""
         if not self.enable_prefix_caching:
             return
         self.update_hashes(seq)
         tables = self._tables(seq)
+        computed = seq.num_computed_tokens if num_computed is None else num_computed
         for i, (g, table) in enumerate(zip(self.groups, tables)):
             seq.num_registered[i] = g.register(
-                table, seq.block_hashes, seq.num_computed_tokens, seq.num_registered[i], seq.token_ids
+                table, seq.block_hashes, computed, seq.num_registered[i], seq.token_ids
             )
 
     def trim(self, seq: Sequence) -> None:
