@@ -491,14 +491,7 @@ class _WeightLoader:
         param = self.params[param_name]
         if transform is not None:
             tensor = transform(tensor)
-        try:
-            parts = self.shards.parts(param_name, index, tensor)
-        except ValueError as exc:  # a tensor-parallel split of the wrong size
-            raise ValueError(
-                f"weight {name!r} has shape {tuple(tensor.shape)}, which does not fit {param_name} ({exc}; "
-                "check config.json against the checkpoint)"
-            ) from None
-        for local_index, part in parts:
+        for local_index, part in self.shards.named_parts(name, param_name, index, tensor):
             region = param.data[local_index] if local_index is not None else param.data
             if tuple(region.shape) != tuple(part.shape):
                 raise ValueError(

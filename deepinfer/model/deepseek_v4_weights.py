@@ -126,14 +126,7 @@ class V4WeightLoader:
         if target is None:
             return
         param_name, index = target
-        try:
-            parts = self.shards.parts(param_name, index, tensor)
-        except ValueError as exc:  # a tensor-parallel split of the wrong size
-            raise ValueError(
-                f"weight {name!r} has shape {tuple(tensor.shape)}, which does not fit {param_name} ({exc}; "
-                "check config.json against the checkpoint)"
-            ) from None
-        for local_index, part in parts:
+        for local_index, part in self.shards.named_parts(name, param_name, index, tensor):
             self._store(name, param_name, local_index, part)
 
     def _store(self, name: str, param_name: str, index: Any, tensor: torch.Tensor) -> None:

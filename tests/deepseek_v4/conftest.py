@@ -8,6 +8,7 @@ import torch
 from deepinfer.attention.v4_cache import ContiguousV4Cache, StepLayout
 from deepinfer.model.loader.load import load_model
 from tests.deepseek_v4.tiny_v4 import TinyV4, build_v4, official_config, tiny_config
+from tests.one_thread import one_thread  # noqa: F401  (autouse)
 
 
 @pytest.fixture(scope="session")
@@ -79,12 +80,3 @@ class CachedRun:
     def logits(self, chunks: dict[int, list[int]]) -> list[torch.Tensor]:
         with torch.no_grad():
             return [self.model.compute_logits(s) for s in self.step(chunks)]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matrices: threads only add synchronisation on the shared cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)

@@ -44,10 +44,9 @@ def _stored_hits(prompt: list[int], shared: int) -> int:
     return min(shared, len(prompt) - 1) // CHUNK_TOKENS * CHUNK_TOKENS
 
 
-def test_greedy_output_identical_after_a_restart_from_the_file_store(checkpoint, cases, tmp_path):
-    off, prompts, expected = cases
-    store = str(tmp_path / "kv")
-    first = LLM(
+def _stored_llm(off: LLM, store: str) -> LLM:
+    """An engine on the shared weights writing to and reading from the file store `store`."""
+    return LLM(
         loaded=off.engine.core.loaded,
         block_size=BLOCK,
         num_threads=1,
@@ -55,20 +54,19 @@ def test_greedy_output_identical_after_a_restart_from_the_file_store(checkpoint,
         kv_store=store,
         kv_chunk_blocks=CHUNK_BLOCKS,
     )
+
+
+def test_greedy_output_identical_after_a_restart_from_the_file_store(checkpoint, cases, tmp_path):
+    off, prompts, expected = cases
+    store = str(tmp_path / "kv")
+    first = _stored_llm(off, store)
     assert _greedy(first, prompts[:1], max_tokens=12) == expected[:1]
     saved = first.engine.core.connector.metrics()["engine_chunks_saved"]
     assert _blocks_in_use(first) == 0
     first.close()  # flushes the write-behind queue
     assert saved >= 70 // CHUNK_TOKENS
 
-    second = LLM(
-        loaded=off.engine.core.loaded,
-        block_size=BLOCK,
-        num_threads=1,
-        num_blocks=256,
-        kv_store=store,
-        kv_chunk_blocks=CHUNK_BLOCKS,
-    )
+    second = _stored_llm(off, store)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     for prompt, shared, want in zip(prompts, [70, 24, 44], expected):
         second.reset_prefix_cache()  # every hit below comes from the store, none from the device

@@ -30,6 +30,18 @@ class ShardMap:
             if isinstance(module, ExpertParallelExperts):
                 self.expert_slots[prefix + "w13"] = self.expert_slots[prefix + "w2"] = module
 
+    def named_parts(
+        self, name: str, param_name: str, index: Any, tensor: torch.Tensor
+    ) -> list[tuple[Any, torch.Tensor]]:
+        """`parts`, with a split of the wrong size reported under the checkpoint tensor's name."""
+        try:
+            return self.parts(param_name, index, tensor)
+        except ValueError as exc:
+            raise ValueError(
+                f"weight {name!r} has shape {tuple(tensor.shape)}, which does not fit {param_name} ({exc}; "
+                "check config.json against the checkpoint)"
+            ) from None
+
     def parts(self, param_name: str, index: Any, tensor: torch.Tensor) -> list[tuple[Any, torch.Tensor]]:
         """(index into this rank's parameter, the part of `tensor` that goes there) for a
         checkpoint tensor whose place in the whole parameter is `index`: None (all of it), a row
