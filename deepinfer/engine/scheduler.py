@@ -281,7 +281,9 @@ class Scheduler:
                 if item.speculative:
                     self._roll_back_rejected(item, len(new_tokens))
                 accepted = self._append(seq, new_tokens)
-                if seq.status == SequenceStatus.RUNNING:
+                # A sequence this step finished is indexed too (a KV connector saves its blocks
+                # through the index after they are freed); one preempted meanwhile has no blocks.
+                if seq.status != SequenceStatus.WAITING:
                     computed = min(seq.num_computed_tokens, item.start + item.num_new_tokens)
                     self.kv.cache_computed_blocks(seq, computed)
                 if accepted or seq.is_finished:
