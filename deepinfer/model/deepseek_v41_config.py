@@ -254,14 +254,7 @@ class DeepseekV41Arch:
                 "(the first C1 layer): KV sharing may not cross it"
             )
         hc_mult = t.positive("hc_mult")
-        moe = MoeSpec(
-            num_experts=t.positive("n_routed_experts"),
-            top_k=t.positive("num_experts_per_tok"),
-            num_shared_experts=t.integer("n_shared_experts", minimum=0),
-            intermediate_size=t.positive("moe_intermediate_size"),
-            routed_scaling_factor=t.number("routed_scaling_factor"),
-        )
-        _check_moe(moe, "n_routed_experts", "num_experts_per_tok")
+        moe = _moe(t, "n_routed_experts", "num_experts_per_tok")
         for key, expected in _FIXED_MOE.items():
             if t.required(key) != expected:
                 raise ValueError(
@@ -535,15 +528,21 @@ def _yarn(t: _Reader) -> YarnSpec | None:
     )
 
 
-def _dspark(t: _Reader, raw: dict[str, Any], num_layers: int, num_backbone: int) -> DSparkSpec:
+def _moe(t: _Reader, experts_key: str, top_k_key: str) -> MoeSpec:
+    """A MoE's keys (the backbone's, or DSpark's own expert count and top-k), checked."""
     moe = MoeSpec(
-        num_experts=t.positive("dspark_n_routed_experts"),
-        top_k=t.positive("dspark_num_experts_per_tok"),
+        num_experts=t.positive(experts_key),
+        top_k=t.positive(top_k_key),
         num_shared_experts=t.integer("n_shared_experts", minimum=0),
         intermediate_size=t.positive("moe_intermediate_size"),
         routed_scaling_factor=t.number("routed_scaling_factor"),
     )
-    _check_moe(moe, "dspark_n_routed_experts", "dspark_num_experts_per_tok")
+    _check_moe(moe, experts_key, top_k_key)
+    return moe
+
+
+def _dspark(t: _Reader, raw: dict[str, Any], num_layers: int, num_backbone: int) -> DSparkSpec:
+    moe = _moe(t, "dspark_n_routed_experts", "dspark_num_experts_per_tok")
     if not t.boolean("dspark_target_attn_input", True):
         raise ValueError(
             "config.json: text_config.dspark_target_attn_input=false is not supported: DSpark drafts from the "
