@@ -44,29 +44,30 @@ def _stored_hits(prompt: list[int], shared: int) -> int:
     return min(shared, len(prompt) - 1) // CHUNK_TOKENS * CHUNK_TOKENS
 
 
-def _stored_llm(off: LLM, store: str) -> LLM:
-    """An engine on the shared weights writing to and reading from the file store `store`."""
+def _tiered_llm(off: LLM, num_blocks: int = 256, **options) -> LLM:
+    """An engine on the shared weights with stored chunks of CHUNK_BLOCKS, its KV tiers (and role)
+    given by `options`."""
     return LLM(
         loaded=off.engine.core.loaded,
         block_size=BLOCK,
         num_threads=1,
-        num_blocks=256,
-        kv_store=store,
+        num_blocks=num_blocks,
         kv_chunk_blocks=CHUNK_BLOCKS,
+        **options,
     )
 
 
 def test_greedy_output_identical_after_a_restart_from_the_file_store(checkpoint, cases, tmp_path):
     off, prompts, expected = cases
     store = str(tmp_path / "kv")
-    first = _stored_llm(off, store)
+    first = _tiered_llm(off, kv_store=store)
     assert _greedy(first, prompts[:1], max_tokens=12) == expected[:1]
     saved = first.engine.core.connector.metrics()["engine_chunks_saved"]
     assert _blocks_in_use(first) == 0
     first.close()  # flushes the write-behind queue
     assert saved >= 70 // CHUNK_TOKENS
 
-    second = _stored_llm(off, store)
+    second = _tiered_llm(off, kv_store=store)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     for prompt, shared, want in zip(prompts, [70, 24, 44], expected):
         second.reset_prefix_cache()  # every hit below comes from the store, none from the device
@@ -81,14 +82,7 @@ def test_greedy_output_identical_after_a_restart_from_the_file_store(checkpoint,
 
 def test_host_tier_restores_a_prefix_after_device_eviction(checkpoint, cases):
     off, prompts, expected = cases
-    llm = LLM(
-        loaded=off.engine.core.loaded,
-        block_size=BLOCK,
-        num_threads=1,
-        num_blocks=48,
-        kv_host_cache_bytes=64 << 20,
-        kv_chunk_blocks=CHUNK_BLOCKS,
-    )
+    llm = _tiered_llm(off, num_blocks=48, kv_host_cache_bytes=64 << 20)
     assert _greedy(llm, prompts[:1], max_tokens=12) == expected[:1]
     # Other prompts push every block of the first out of the device cache (192 tokens of room).
     for other in _prompts(checkpoint, [150, 150], seed=33):
@@ -108,16 +102,8 @@ def test_pd_handoff_through_the_store_carries_every_group(checkpoint, cases, tmp
     """A prefill engine hands a prompt off through the store; a decode engine on the same store
     starts from its chunks (the hybrid cache's groups, all of them) and decodes the same tokens."""
     off, prompts, expected = cases
-    options = dict(
-        loaded=off.engine.core.loaded,
-        block_size=BLOCK,
-        num_threads=1,
-        num_blocks=256,
-        kv_store=str(tmp_path / "kv"),
-        kv_chunk_blocks=CHUNK_BLOCKS,
-        kv_transfer="store",
-    )
-    prefill = LLM(role="prefill", **options)
+    options = dict(kv_store=str(tmp_path / "kv"), kv_transfer="store")
+    prefill = _tiered_llm(off, role="prefill", **options)
     core = prefill.engine.core
     once = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     core.add_request(EngineRequest("handoff", prompts[0], once, kv_handoff="t1"))
@@ -130,7 +116,7 @@ def test_pd_handoff_through_the_store_carries_every_group(checkpoint, cases, tmp
     assert _blocks_in_use(prefill) == 0
     prefill.close()
 
-    decode = LLM(role="decode", **options)
+    decode = _tiered_llm(off, role="decode", **options)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     (out,) = decode.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
     assert list(out.outputs[0].token_ids) == expected[0]
