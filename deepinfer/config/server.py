@@ -47,6 +47,11 @@ class ServerConfig:
         512, help="requests waiting for their first token before new ones get 429 (Anthropic: 529)"
     )
     max_body_bytes: int = option(32 << 20, size=True, help="larger request bodies get 413")
+    default_max_tokens: int | None = option(
+        None,
+        help="output bound of a request that sets none (max_tokens, max_output_tokens); default: the "
+        "chat encoding's, else the rest of the context. Agent clients such as Codex send no bound",
+    )
     cache_salt_per_key: bool = option(
         False, help="isolate the prefix cache between API keys (on top of any cache_salt in bodies)"
     )
@@ -101,6 +106,9 @@ class ServerConfig:
         if isinstance(self.max_waiting_requests, float):
             raise ConfigError("max_waiting_requests", "must be an integer")
         check_positive("max_body_bytes", self.max_body_bytes, allow_none=False)
+        check_positive("default_max_tokens", self.default_max_tokens)
+        if isinstance(self.default_max_tokens, float):
+            raise ConfigError("default_max_tokens", "must be an integer")
         check_choice("engine_mode", self.engine_mode, ("process", "thread"))
         check_choice("log_level", self.log_level, LOG_LEVELS)
         check_choice("hosted_tools", self.hosted_tools, ("drop", "reject"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -21,6 +21,7 @@ from deepinfer.engine.kv_pd import DecodeReceiver, PrefillHandoff
 from deepinfer.engine.outputs import KVHandoff, SequenceOutput, TokenLogprobs
 from deepinfer.engine.parallel.context import RankContext, rank_threads
 from deepinfer.engine.scheduler import Scheduler, SequenceUpdate
+from deepinfer.engine.stats import EngineStats
 from deepinfer.model.base import CausalLM
 from deepinfer.model.layers.expert_parallel import ExpertBalancer
 from deepinfer.model.loader.load import LoadedModel, load_model
@@ -36,30 +37,6 @@ from deepinfer.step import SchedulerOutput
 from deepinfer.store import build_kv_store
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_blocks: int
-    prefix_lookups: int
-    prefix_queried_tokens: int
-    prefix_hit_tokens: int
-    prefix_evictions: int
-    prefix_cached_blocks: int
-    num_preemptions: int
-    # Data parallelism: the stats of every rank, in rank order (the fields above sum them).
-    per_rank: list[EngineStats] = field(default_factory=list)
-
-    @property
-    def kv_usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
 
 
 def check_model_options(config: EngineConfig, loaded: LoadedModel) -> None:

@@ -1,7 +1,7 @@
 """The model metadata a recipe is chosen from, read from a GGUF file or a Hugging Face folder.
 
-Only plain files are read (JSON, or GGUF through the light `gguf` package, imported lazily),
-so picking a recipe needs neither torch nor transformers.
+Only plain files are read (JSON, or a GGUF's header with `struct`: gguf_header.py), so picking
+a recipe needs neither torch nor transformers.
 """
 
 from __future__ import annotations
@@ -9,10 +9,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from gguf import GGUFReader
+from deepinfer.recipe.gguf_header import read_header
 
 # The tokenizer_config.json keys transformers passes to chat templates.
 SPECIAL_TOKEN_KEYS = (
@@ -35,29 +34,13 @@ class ModelInfo:
 
     @classmethod
     def from_gguf(cls, path: str | Path, *, family: str | None = None) -> ModelInfo:
-        from gguf import GGUFReader  # lazy: only this path needs it
-
-        return cls.from_gguf_reader(GGUFReader(str(path)), family=family)
-
-    @classmethod
-    def from_gguf_reader(cls, reader: GGUFReader, *, family: str | None = None) -> ModelInfo:
-        """From an open reader (opening a GGUF takes seconds; a loader reading the weights shares it)."""
-
-        def scalar(key: str) -> Any:
-            found = reader.fields.get(key)
-            return None if found is None else found.contents()
-
-        special: dict[str, str] = {}
-        tokens = reader.fields.get("tokenizer.ggml.tokens")
-        for name in ("bos", "eos", "unknown", "padding"):
-            token_id = scalar(f"tokenizer.ggml.{name}_token_id")
-            if tokens is not None and token_id is not None:
-                key = {"unknown": "unk_token", "padding": "pad_token"}.get(name, f"{name}_token")
-                special[key] = tokens.contents(int(token_id))
+        header, tokens = read_header(path)
+        keys = {"unknown": "unk_token", "padding": "pad_token"}
+        chat_template = header.values.get("tokenizer.chat_template")
         return cls(
-            model_type=scalar("general.architecture"),
-            chat_template=scalar("tokenizer.chat_template"),
-            special_tokens=special,
+            model_type=header.values.get("general.architecture"),
+            chat_template=chat_template if isinstance(chat_template, str) else None,
+            special_tokens={keys.get(name, f"{name}_token"): text for name, text in tokens.items()},
             family=family,
         )
 

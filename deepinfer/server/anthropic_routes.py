@@ -15,7 +15,7 @@ from deepinfer.recipe.api import (
 )
 from deepinfer.server.answer import respond
 from deepinfer.server.constraints import MESSAGES_FORMAT
-from deepinfer.server.generation import ChoiceParsers, sampling_params
+from deepinfer.server.generation import ChoiceParsers
 from deepinfer.server.http_io import read_json
 from deepinfer.server.openai_routes import state_of
 from deepinfer.server.sinks import MessagesSink
@@ -33,10 +33,9 @@ async def messages(request: Request) -> Response:
     conv = messages_to_conversation(body)
     prompt = state.render(conv, param="messages")
     assert prompt.token_ids is not None
-    params = sampling_params(
+    params = state.sampling_params(
         conv.params,
-        num_prompt_tokens=len(prompt.token_ids),
-        max_model_len=state.max_model_len,
+        len(prompt.token_ids),
         skip_special_tokens=False,
         defaults=prompt.defaults,
     )

@@ -63,16 +63,20 @@ def sampling_params(
     max_model_len: int,
     skip_special_tokens: bool,
     defaults: PromptDefaults | None = None,
+    default_max_tokens: int | None = None,
 ) -> SamplingParams:
     """The engine's parameters for a request; unset fields keep the engine's defaults, or the
     prompt encoding's (`defaults`: DeepSeek V4's thinking mode samples at temperature 1 with a
-    top_p floor, and has its own output-token defaults)."""
+    top_p floor, and has its own output-token defaults). An unset output bound is the server's
+    `default_max_tokens` (the operator's choice), then the encoding's, then the rest of the context."""
     defaults = defaults or PromptDefaults()
     temperature = defaults.temperature if defaults.temperature is not None else params.temperature
     top_p = params.top_p
     if defaults.min_top_p is not None:
         top_p = max(top_p if top_p is not None else 1.0, defaults.min_top_p)
-    requested_max = params.max_tokens if params.max_tokens is not None else defaults.max_tokens
+    requested_max = params.max_tokens
+    if requested_max is None:
+        requested_max = default_max_tokens if default_max_tokens is not None else defaults.max_tokens
     optional: dict[str, Any] = {
         "temperature": temperature,
         "top_p": top_p,

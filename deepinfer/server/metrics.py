@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from deepinfer.engine.core import EngineStats
 from deepinfer.engine.ipc.client import RequestRecord
+from deepinfer.engine.stats import EngineStats
 
 PREFIX = "deepinfer_"
 

@@ -17,7 +17,7 @@ from deepinfer.recipe.ir import Conversation
 from deepinfer.server.answer import respond
 from deepinfer.server.completions import CompletionEncoder, TextChoices, parse_completion_request
 from deepinfer.server.constraints import CHAT_FORMAT
-from deepinfer.server.generation import ChoiceParsers, sampling_params
+from deepinfer.server.generation import ChoiceParsers
 from deepinfer.server.http_io import read_json
 from deepinfer.server.sinks import ChatSink
 from deepinfer.server.state import ServerState
@@ -44,10 +44,9 @@ async def chat_completions(request: Request) -> Response:
     conv = chat_completion_to_conversation(body)
     prompt = state.render(conv, body.get("chat_template_kwargs"), param="messages")
     assert prompt.token_ids is not None
-    params = sampling_params(
+    params = state.sampling_params(
         conv.params,
-        num_prompt_tokens=len(prompt.token_ids),
-        max_model_len=state.max_model_len,
+        len(prompt.token_ids),
         skip_special_tokens=False,  # the recipe's parser reads (and strips) the model's markers
         defaults=prompt.defaults,
     )
@@ -92,10 +91,9 @@ async def completions(request: Request) -> Response:
         text = prompt if isinstance(prompt, str) else None
         token_ids = state.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         check_prompt(token_ids, state.vocab_size, state.max_model_len, where)
-        params = sampling_params(
+        params = state.sampling_params(
             parsed.params,
-            num_prompt_tokens=len(token_ids),
-            max_model_len=state.max_model_len,
+            len(token_ids),
             skip_special_tokens=True,
         )
         request_id = completion_id if len(parsed.prompts) == 1 else f"{completion_id}-{i}"

@@ -25,7 +25,7 @@ from deepinfer.response_store import ACTIVE_STATUSES, StoredResponse, tenant_of
 from deepinfer.server.answer import respond
 from deepinfer.server.constraints import RESPONSES_FORMAT
 from deepinfer.server.errors import ApiError
-from deepinfer.server.generation import ChoiceParsers, sampling_params
+from deepinfer.server.generation import ChoiceParsers
 from deepinfer.server.http_io import EventStreamResponse, read_json
 from deepinfer.server.sinks import ResponsesSink
 from deepinfer.server.state import ServerState
@@ -76,10 +76,9 @@ async def create_response(request: Request) -> Response:
     responses = state.responses
     keep = responses.enabled and parsed.store is not False
     background = bool(parsed.background)
-    params = sampling_params(
+    params = state.sampling_params(
         conv.params,
-        num_prompt_tokens=len(prompt.token_ids),
-        max_model_len=state.max_model_len,
+        len(prompt.token_ids),
         skip_special_tokens=False,
         defaults=prompt.defaults,
     )

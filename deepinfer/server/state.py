@@ -17,7 +17,8 @@ from deepinfer.engine.kv_cache.prefix import tenant_cache_salt
 from deepinfer.recipe import Recipe, RenderedPrompt
 from deepinfer.recipe.api.responses import ResponsesOptions
 from deepinfer.recipe.api.responses_reasoning import ReasoningSealer
-from deepinfer.recipe.ir import Conversation
+from deepinfer.recipe.family import PromptDefaults
+from deepinfer.recipe.ir import Conversation, GenerationParams
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.sequence import EngineRequest, KVSource
 from deepinfer.server.constraints import (
@@ -27,6 +28,7 @@ from deepinfer.server.constraints import (
     parallel_calls_allowed,
 )
 from deepinfer.server.errors import ApiError, Flavor, overloaded
+from deepinfer.server.generation import sampling_params
 from deepinfer.server.metrics import ServerMetrics
 from deepinfer.server.stored_responses import StoredResponses
 from deepinfer.store.retention import DEFAULT_TRAFFIC_CLASS
@@ -138,6 +140,25 @@ class ServerState:
         return self.recipe
 
     # -- building requests ---------------------------------------------------------------------
+
+    def sampling_params(
+        self,
+        params: GenerationParams,
+        num_prompt_tokens: int,
+        *,
+        skip_special_tokens: bool,
+        defaults: PromptDefaults | None = None,
+    ) -> SamplingParams:
+        """The engine's parameters for a request, bounded by this server's context length and
+        `--default-max-tokens` (see generation.sampling_params)."""
+        return sampling_params(
+            params,
+            num_prompt_tokens=num_prompt_tokens,
+            max_model_len=self.max_model_len,
+            skip_special_tokens=skip_special_tokens,
+            defaults=defaults,
+            default_max_tokens=self.config.default_max_tokens,
+        )
 
     def render(self, conv: Conversation, template_kwargs: Any = None, *, param: str) -> RenderedPrompt:
         kwargs = template_kwargs if isinstance(template_kwargs, Mapping) else None

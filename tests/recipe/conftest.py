@@ -45,8 +45,26 @@ def smollm2(smollm2_gguf: Path):
     from deepinfer.recipe import ModelInfo
 
     reader = GGUFReader(str(smollm2_gguf))
-    info = ModelInfo.from_gguf_reader(reader)
     tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+
+    def scalar(key: str):
+        return reader.fields[key].contents()
+
+    # The reference for ModelInfo.from_gguf (its own header reader): what gguf's reader decodes.
+    info = ModelInfo(
+        model_type=scalar("general.architecture"),
+        chat_template=scalar("tokenizer.chat_template"),
+        special_tokens={
+            key: tokens[scalar(f"tokenizer.ggml.{name}_token_id")]
+            for name, key in (
+                ("bos", "bos_token"),
+                ("eos", "eos_token"),
+                ("unknown", "unk_token"),
+                ("padding", "pad_token"),
+            )
+            if f"tokenizer.ggml.{name}_token_id" in reader.fields
+        },
+    )
     merges = [tuple(m.split(" ", 1)) for m in reader.fields["tokenizer.ggml.merges"].contents()]
     types = reader.fields["tokenizer.ggml.token_type"].contents()
     bpe = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))

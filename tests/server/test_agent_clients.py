@@ -4,9 +4,10 @@
 A 135M model does no useful agent work; what is checked is that each client accepts every
 response and event the server sends and ends its turn without a protocol error. The npm CLIs
 come from `make agent-clients` (build/npm); without npm they are skipped, saying so. Output is
-bounded so each turn stays short (Claude Code asks for 32,000 tokens unless told otherwise), and
-the clients' own system prompts are replaced by a short one so their requests fit the model's
-8k context; their tools stay.
+bounded so each turn stays short: Claude Code asks for 32,000 tokens unless told otherwise, and
+Codex sends no bound at all (so it samples to the end of the context unless the server has
+`--default-max-tokens`, as an agent deployment would). The clients' own system prompts are
+replaced by a short one so their requests fit the model's 8k context; their tools stay.
 """
 
 from __future__ import annotations
@@ -24,11 +25,20 @@ import httpx
 import pytest
 
 from tests.server.conftest import API_KEY, MODEL
+from tests.server.server_process import ServerProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.agents]
 
 NPM_BIN = Path(__file__).resolve().parents[2] / "build" / "npm" / "node_modules" / ".bin"
 CLIENT_TIMEOUT_S = 540
+DEFAULT_MAX_TOKENS = 128
+
+
+@pytest.fixture(scope="module")
+def server():
+    process = ServerProcess("--api-key", API_KEY, "--default-max-tokens", str(DEFAULT_MAX_TOKENS)).start()
+    yield process
+    assert process.stop() == 0, process.log_tail()
 
 
 def npm_cli(name: str) -> Path:
@@ -122,12 +132,20 @@ def test_codex_exec_completes_a_turn_over_responses(server, tmp_path: Path) -> N
             timeout=CLIENT_TIMEOUT_S,
         )
     log = result.stdout + result.stderr
-    assert result.returncode == 0 and "ERROR" not in log, log[-3000:]
+    # The turn completed, or it ended at the server's output bound (codex reports the
+    # `incomplete` response as an error and exits 1): never on an event it could not read.
+    errors = [line for line in log.splitlines() if "ERROR" in line]
+    bounded = "ERROR: Incomplete response returned, reason: max_output_tokens"
+    assert (result.returncode == 0 and not errors) or (errors and all(e == bounded for e in errors)), log[
+        -3000:
+    ]
     sent = proxy.bodies[0]
     kinds = {tool["type"] for tool in sent["tools"]}
     assert {"function", "namespace", "web_search"} <= kinds
     assert sent["stream"] is True and sent["store"] is False
     assert "reasoning.encrypted_content" in sent["include"] and sent["prompt_cache_key"]
+    # Codex bounds nothing; the server's default did (it is what kept the turn short).
+    assert all("max_output_tokens" not in body for body in proxy.bodies)
 
 
 def test_claude_code_print_completes_a_turn_over_messages(server, tmp_path: Path) -> None:

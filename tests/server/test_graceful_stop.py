@@ -19,7 +19,7 @@ MODEL = "SmolLM2-135M-Instruct"
 pytestmark = pytest.mark.slow
 
 
-def _stream(server: ServerProcess, max_tokens: int, results: list, first: threading.Event) -> None:
+def _stream(server: ServerProcess, max_tokens: int, results: list, first: threading.Semaphore) -> None:
     body = {
         "model": MODEL,
         "prompt": "Once upon a time",
@@ -40,21 +40,25 @@ def _stream(server: ServerProcess, max_tokens: int, results: list, first: thread
             if "error" in event:
                 error = event["error"]
             else:
+                if not events:
+                    first.release()
                 events.append(event)
-                first.set()
     finish = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
     results.append((finish, error))
 
 
 def _drain(server: ServerProcess, max_tokens: int, count: int = 8) -> tuple[list, httpx.Response, int, float]:
     results: list = []
-    first = threading.Event()
+    first = threading.Semaphore(0)  # released once per stream, at its first token
     threads = [
         threading.Thread(target=_stream, args=(server, max_tokens, results, first)) for _ in range(count)
     ]
     for thread in threads:
         thread.start()
-    assert first.wait(120), server.log_tail()
+    # Every stream is in flight before the signal (on a loaded machine a late one would
+    # otherwise reach the server after it began to drain, and rightly get a 503).
+    for _ in threads:
+        assert first.acquire(timeout=120), server.log_tail()
     assert server.process is not None
     began = time.monotonic()
     server.process.send_signal(signal.SIGTERM)

@@ -8,8 +8,7 @@ from types import SimpleNamespace
 import pytest
 from starlette.requests import Request
 
-from deepinfer.config import ServerConfig
-from deepinfer.engine.core import EngineStats
+from deepinfer.config import ConfigError, ServerConfig
 from deepinfer.engine.ipc.protocol import (
     AbortRequest,
     AddRequest,
@@ -23,6 +22,7 @@ from deepinfer.engine.ipc.protocol import (
     WireRequest,
 )
 from deepinfer.engine.outputs import SequenceOutput, TokenLogprobs
+from deepinfer.engine.stats import EngineStats
 from deepinfer.recipe.ir import ResponseFormat
 from deepinfer.sampling_params import InvalidRequestError, SamplingParams
 from deepinfer.sequence import EngineRequest
@@ -191,3 +191,29 @@ def test_bad_sampling_values_are_refused_before_the_engine() -> None:
             traffic_class=None,
         )
     assert info.value.param == "stop_token_ids"
+
+
+def test_an_unset_output_bound_is_the_servers_then_the_encodings_then_the_context() -> None:
+    from deepinfer.recipe.family import PromptDefaults
+    from deepinfer.recipe.ir import GenerationParams
+
+    bounded = _state(default_max_tokens=64)
+    unbounded = _state()
+    encoding = PromptDefaults(max_tokens=300)
+
+    def bound(state: ServerState, requested: int | None, defaults: PromptDefaults | None = None) -> int:
+        params = GenerationParams(max_tokens=requested)
+        return state.sampling_params(params, 8000, skip_special_tokens=False, defaults=defaults).max_tokens
+
+    assert bound(bounded, None) == 64
+    assert bound(bounded, None, encoding) == 64
+    assert bound(bounded, 100) == 100
+    assert bound(bounded, 1000) == 192  # the context (8192) still caps what the client asks
+    assert bound(unbounded, None, encoding) == 192
+    assert bound(unbounded, None, PromptDefaults(max_tokens=100)) == 100
+    assert bound(unbounded, None) == 192
+
+
+def test_default_max_tokens_is_checked_with_the_other_options() -> None:
+    with pytest.raises(ConfigError, match="default_max_tokens"):
+        ServerConfig(default_max_tokens=0)

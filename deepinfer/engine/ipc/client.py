@@ -14,7 +14,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from deepinfer.engine.core import EngineStats
 from deepinfer.engine.ipc.protocol import (
     AbortRequest,
     AddRequest,
@@ -28,6 +27,7 @@ from deepinfer.engine.ipc.protocol import (
 from deepinfer.engine.ipc.transport import EngineTransport
 from deepinfer.engine.output_processor import OutputProcessor, SequenceDelta
 from deepinfer.engine.outputs import KVHandoff
+from deepinfer.engine.stats import EngineStats
 from deepinfer.sequence import EngineRequest
 from deepinfer.tokenizer import Tokenizer
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import msgspec
 
-from deepinfer.engine.core import EngineStats
 from deepinfer.engine.outputs import KVHandoff, SequenceOutput
+from deepinfer.engine.stats import EngineStats
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.sequence import EngineRequest, KVSource
 from deepinfer.structured.spec import GrammarSpec

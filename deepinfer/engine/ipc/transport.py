@@ -68,6 +68,17 @@ class EngineTransport(ABC):
     def engine_pid(self) -> int | None: ...
 
 
+def _engine_process(
+    config: EngineConfig, input_address: str, output_address: str, parent_pid: int, log_level: str
+) -> None:
+    """The engine process's target. The engine (and torch) is imported here, in the child: the
+    API process, which only pickles this function's name, never loads torch (2-4 s of every
+    server start)."""
+    from deepinfer.engine.ipc.loop import engine_process_main
+
+    engine_process_main(config, input_address, output_address, parent_pid, log_level)
+
+
 class ProcessTransport(EngineTransport):
     """The engine core in its own process; PUSH/PULL sockets over ipc:// in a private temp dir."""
 
@@ -99,12 +110,10 @@ class ProcessTransport(EngineTransport):
         return self._process.pid if self._process is not None else None
 
     async def start(self) -> EngineInfo:
-        from deepinfer.engine.ipc.loop import engine_process_main
-
         # spawn: the child must not inherit this process's event loop, threads or sockets.
         context = multiprocessing.get_context("spawn")
         self._process = context.Process(
-            target=engine_process_main,
+            target=_engine_process,
             args=(
                 self.config,
                 f"ipc://{self._dir}/input",

@@ -13,7 +13,7 @@ import logging
 import torch
 
 from deepinfer.config import EngineConfig
-from deepinfer.engine.core import EngineCore, EngineStats
+from deepinfer.engine.core import EngineCore
 from deepinfer.engine.kv_cache.events import KVEvent
 from deepinfer.engine.kv_cache.manager import KVCacheManager
 from deepinfer.engine.kv_cache.prefix import namespace_root
@@ -22,6 +22,7 @@ from deepinfer.engine.parallel.balancer import DataParallelBalancer
 from deepinfer.engine.parallel.channel import StepChannel, WorkerEnd
 from deepinfer.engine.parallel.messages import DataParallelReply, DataParallelStep, Shutdown
 from deepinfer.engine.scheduler import Scheduler
+from deepinfer.engine.stats import EngineStats
 from deepinfer.sequence import EngineRequest
 
 log = logging.getLogger(__name__)

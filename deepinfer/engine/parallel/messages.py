@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from deepinfer.engine.core import EngineStats
 from deepinfer.engine.outputs import SequenceOutput
+from deepinfer.engine.stats import EngineStats
 from deepinfer.sequence import EngineRequest
 
 

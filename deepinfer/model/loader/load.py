@@ -100,6 +100,28 @@ def check_model_parallel(model: str | Path | None, parallel: ParallelConfig) -> 
     model_class(config.model_type).check_parallel(config, parallel)
 
 
+def allocate_weights(net: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Give every meta parameter and buffer uninitialised storage on `device`, floating point
+    ones in `dtype` (what `to_empty(device).to(dtype)` does, without its per-tensor empty_like,
+    which imports sympy on first use: 1.4 s of every engine start). Mutates `net` in place;
+    tensors shared between modules stay shared."""
+    allocated: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (meta tensor kept alive, storage)
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in allocated:
+            kind = dtype if t.is_floating_point() else t.dtype
+            allocated[id(t)] = (t, torch.empty(t.shape, dtype=kind, device=device))
+        return allocated[id(t)][1]
+
+    for module in net.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                module._parameters[name] = torch.nn.Parameter(empty(param), requires_grad=param.requires_grad)
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = empty(buffer)
+
+
 def load_model(
     model: str | Path | None,
     dtype: torch.dtype,
@@ -138,7 +160,7 @@ def load_model(
         net = cls.from_config(config) if parallel is None else cls.from_config(config, parallel)
     # packed layers replace dense ones before anything is allocated
     weights = adopt_packed_gguf(net, path, hf_config) if resolved == "gguf" else iter_safetensors(directory)
-    net = net.to_empty(device=device).to(dtype)
+    allocate_weights(net, device, dtype)
     net.load_weights(weights)
     net.eval()
     identity = f"{weights_id}:{config.model_type}"
