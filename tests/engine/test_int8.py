@@ -9,8 +9,21 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.model.layers.int8_linear import Int8Linear
+from deepinfer.model.layers.int8_linear import EXACT_FP32_COLUMNS, Int8Linear, int8_matmul
 from tests.engine.greedy import CHAT, assert_greedy_batch_invariant
+
+
+@pytest.mark.parametrize("rows", [1, 2, 40])
+def test_int8_matmul_is_the_exact_integer_product(rows: int) -> None:
+    # Past one chunk of columns, and at the extremes: every product +-127 * 127.
+    generator = torch.Generator().manual_seed(rows)
+    columns = 2 * EXACT_FP32_COLUMNS + 17
+    a = torch.randint(-127, 128, (rows, columns), dtype=torch.int8, generator=generator)
+    b = torch.randint(-127, 128, (columns, 24), dtype=torch.int8, generator=generator)
+    a[0], b[:, 0], b[:, 1] = 127, 127, -127
+    expected = a.long() @ b.long()
+    assert torch.equal(int8_matmul(a, b).long(), expected)
+    assert expected[0, 0] == columns * 127 * 127  # beyond 2**24: one fp32 sum would not hold it
 
 
 def test_int8_linear_is_close_to_fp32_and_rows_are_independent() -> None:

@@ -36,7 +36,12 @@ DEFAULT_MAX_TOKENS = 128
 
 @pytest.fixture(scope="module")
 def server():
-    process = ServerProcess("--api-key", API_KEY, "--default-max-tokens", str(DEFAULT_MAX_TOKENS)).start()
+    # Dequantized: Codex's first prompt is ~4,500 tokens (its tool schemas), and the fp32 path
+    # prefills it about twice as fast as the packed GGUF one, whose rows all go through the
+    # per-row attention kernel (see attention/cpu_paged.py).
+    process = ServerProcess(
+        "--api-key", API_KEY, "--default-max-tokens", str(DEFAULT_MAX_TOKENS), "--quantization", "none"
+    ).start()
     yield process
     assert process.stop() == 0, process.log_tail()
 
