@@ -80,16 +80,19 @@ class Cursor:
             (length,) = self.unpack("<Q")
             self.offset += length
         elif kind == _ARRAY:
-            item, count = self.unpack("<IQ")
-            if item in _SCALARS:
-                self.offset += count * struct.calcsize(_SCALARS[item])
-            else:
-                for _ in range(count):
-                    self.skip(item)
+            self.skip_items(*self.unpack("<IQ"))
         elif kind in _SCALARS:
             self.offset += struct.calcsize(_SCALARS[kind])
         else:
             raise ValueError(f"unknown GGUF metadata value type {kind}")
+
+    def skip_items(self, item: int, count: int) -> None:
+        """Past `count` values of type `item` (an array's body)."""
+        if item in _SCALARS:
+            self.offset += count * struct.calcsize(_SCALARS[item])
+        else:
+            for _ in range(count):
+                self.skip(item)
 
 
 def parse_header(buffer: Any, name: str = "GGUF") -> GGUFHeader:
@@ -107,9 +110,9 @@ def parse_header(buffer: Any, name: str = "GGUF") -> GGUFHeader:
         elif kind in _SCALARS:
             (header.values[key],) = cursor.unpack(_SCALARS[kind])
         elif kind == _ARRAY:
-            item, count = struct.unpack_from("<IQ", buffer, cursor.offset)
-            header.arrays[key] = ArrayField(item, count, cursor.offset + 12)
-            cursor.skip(kind)
+            item, count = cursor.unpack("<IQ")
+            header.arrays[key] = ArrayField(item, count, cursor.offset)
+            cursor.skip_items(item, count)
         else:
             raise ValueError(f"{name}: unknown GGUF metadata value type {kind} for {key!r}")
     header.end = cursor.offset
