@@ -117,6 +117,15 @@ def test_max_tokens_inside_a_tool_call(spec, cut_output):
         assert result.content.endswith("hal")
 
 
+@pytest.mark.parametrize("tail", ["", "\n", "\n</tool_", "\n</tool_call"])
+def test_max_tokens_in_the_close_tag_of_a_whole_call(tail):
+    """The call's object is whole and max_tokens cuts its close tag: the call stands and no piece
+    of the tag reaches the content (the default model ended a forced call so: `</tool_` as text)."""
+    result = parse(QWEN3, ['<tool_call>\n{"name": "search", "arguments": {"q": "x"}}' + tail], "length")
+    assert [call.arguments for call in result.tool_calls] == ['{"q": "x"}']
+    assert result.content == ""
+
+
 def test_malformed_block_falls_back_to_text():
     """A block that breaks its format is returned verbatim as text, the finish reason is `stop`,
     and tool syntax after it is text too."""

@@ -81,10 +81,14 @@ class HermesBlock:
             self._arguments = self._call.arguments(sink, default_empty=True)
             if self._arguments is None:
                 return pos, Status.BAD
-        literal, used, pending = expect(buf[pos:], (HERMES_CLOSE,))
+        rest = buf[pos:]
+        literal, used, pending = expect(rest, (HERMES_CLOSE,))
         if literal is None and not final:
             return pos, Status.MORE if pending else Status.BAD
-        # The object is whole: a missing close tag at the very end does not void the call.
+        # The object is whole: a missing close tag at the very end does not void the call, and a
+        # close tag cut there (by max_tokens) is the call's, not text.
+        if literal is None and pending:
+            used = len(rest)
         sink.end(self._arguments)
         return pos + used, Status.BLOCK_DONE
 
