@@ -1,0 +1,260 @@
+"""DeepSeek-V4.1's Engram: a hashed n-gram memory added to the mHC streams of a few layers.
+
+For every token, the n-grams that end at it (orders 2 .. max_ngram_size) are hashed into
+prime-sized tables, one per order and head; the gathered rows, end to end, are projected
+(`engram.wkv`) into one key per stream and one shared value; each stream then adds the value
+scaled by a gate from how well its RMS-normalised state matches its key.
+
+N-gram ids, per token at position p of its sequence (column r is the token at p - r):
+- token ids go through the compressed vocabulary first when the checkpoint has one (many raw
+  ids, e.g. casings and spacings of one word, share one compressed id);
+- a column before the sequence's first token reads the Engram pad token (`engram_pad_token_id`,
+  mapped like any token), exactly what DeepSeek's engine feeds for missing history, so in a
+  flattened batch no sequence's first tokens ever hash with the previous sequence's last ones;
+- a chunk that starts later in its sequence (chunked prefill, decode) takes its first columns
+  from `context`: the max_ngram_size - 1 tokens before the chunk.
+
+Hash (TileKernels' `engram_hash`): with one odd int64 multiplier per column and layer,
+h_n = XOR_{r<n} (id_r * mult_r) for n = 2 .. max_ngram_size, and head j of order n reads row
+h_n mod prime[n][j] of its table; the layer's one stored table holds the (order, head) tables
+end to end, so a row index is that plus the table's offset. The products cannot overflow: the
+multipliers are drawn below int64_max / vocabulary (DeepSeek's NumPy recipe, reproduced here
+because the table contents were trained against those exact draws).
+
+Gate (TileKernels' `engram_gate_fwd`), per token and stream h, D = hidden size:
+    dot_h = sum(x_h * k_h * q_weight_h * k_weight_h) * rstd(x_h) * rstd(k_h) / sqrt(D)
+    x_h  += sigmoid(sign(dot_h) * sqrt(max(|dot_h|, 1e-6))) * v
+The signed square root flattens large scores so one strong match cannot saturate the gate.
+
+Image tokens (DeepSeek masks their hash rows and leaves their streams untouched) are not
+handled: there is no vision model yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from deepinfer.model.deepseek_v41_config import DeepseekV41Arch, EngramSpec
+from deepinfer.model.deepseek_v41_weights import EngramTable
+
+GATE_CLAMP = 1e-6  # the floor under |dot| before the square root (DeepSeek's clamp_value)
+HASH_SEED = 0  # DeepSeek's NgramHashMapping default; the trained tables depend on it
+
+
+def hash_multipliers(
+    layer_ids: Sequence[int], max_ngram_size: int, vocab_size: int, seed: int = HASH_SEED
+) -> torch.Tensor:
+    """int64 [layers, max_ngram_size]: DeepSeek's odd multipliers, a NumPy PCG64 stream per layer
+    seeded with seed + 10007 * layer. Drawn below (int64_max // vocab) // 2, then 2x + 1: odd,
+    and a product with any token id stays below int64_max."""
+    bound = max(1, (np.iinfo(np.int64).max // vocab_size) // 2)
+    rows = [
+        np.random.default_rng(int(seed + 10007 * layer)).integers(
+            0, bound, size=(max_ngram_size,), dtype=np.int64
+        )
+        * 2
+        + 1
+        for layer in layer_ids
+    ]
+    return torch.from_numpy(np.stack(rows))
+
+
+def table_offsets(table_sizes: torch.Tensor) -> torch.Tensor:
+    """int64 [orders * heads]: where each (order, head) table starts in the layer's stored table
+    (the exclusive prefix sum of its sizes, order-major like the checkpoint's rows)."""
+    sizes = table_sizes.reshape(-1).long()
+    return torch.cumsum(sizes, 0) - sizes
+
+
+def ngram_context(previous: Sequence[Sequence[int]], max_ngram_size: int, pad_id: int) -> torch.Tensor:
+    """int64 [S, max_ngram_size - 1]: each sequence's last tokens before its chunk, oldest first,
+    left-padded with pad_id where the sequence has fewer (a fresh prompt has none)."""
+    width = max_ngram_size - 1
+    rows = []
+    for tokens in previous:
+        tail = list(tokens[len(tokens) - width :]) if width else []
+        rows.append([pad_id] * (width - len(tail)) + tail)
+    return torch.tensor(rows, dtype=torch.int64).reshape(len(previous), width)
+
+
+def ngram_windows(token_ids: torch.Tensor, seq_lens: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+    """token_ids [T] (the sequences' chunks end to end), seq_lens [S] (sum T), context [S, n - 1]
+    (each chunk's preceding tokens, oldest first) -> int64 [T, n], column r the token r back."""
+    n = context.shape[1] + 1
+    seq_lens = seq_lens.long()
+    seq = torch.repeat_interleave(torch.arange(len(seq_lens)), seq_lens)  # [T] owning sequence
+    starts = torch.cumsum(seq_lens, 0) - seq_lens
+    local = torch.arange(len(token_ids)) - starts[seq]  # [T] index inside its chunk
+    back = local[:, None] - torch.arange(n)[None, :]  # [T, n] chunk index of column r
+    own = token_ids.long()[(starts[seq][:, None] + back).clamp(min=0)]
+    # back < 0: before the chunk, context column n - 1 + back (back >= -(n - 1) since local >= 0);
+    # the clamps only keep the unused side of each where() in range.
+    earlier = context.long()[seq[:, None], (back + n - 1).clamp(0, n - 2)]
+    return torch.where(back >= 0, own, earlier)
+
+
+def engram_hash(
+    windows: torch.Tensor, multipliers: torch.Tensor, table_sizes: torch.Tensor, offsets: torch.Tensor
+) -> torch.Tensor:
+    """windows int64 [T, n] (compressed ids, column r = r tokens back), multipliers int64 [n],
+    table_sizes [n - 1, heads] (primes), offsets [(n - 1) * heads] -> rows int64 [T, (n - 1) * heads]."""
+    products = windows.long() * multipliers.long()  # [T, n], below int64_max by the multipliers' bound
+    sizes = table_sizes.long()
+    h = products[:, 0]
+    rows = []
+    for order in range(1, windows.shape[1]):
+        h = h ^ products[:, order]  # the hash of the (order + 1)-gram ending here
+        rows.append(h[:, None] % sizes[order - 1][None, :])  # non-negative: every product is
+    return torch.cat(rows, dim=1) + offsets.long()
+
+
+def gather_embeddings(table: EngramTable, rows: torch.Tensor) -> torch.Tensor:
+    """rows int64 [T, C] -> float32 [T, C * head_dim]: only these rows are read from the mapped
+    FP8 table and dequantized, in column order (the order wkv's inputs expect)."""
+    return table.lookup(rows).flatten(1)
+
+
+def gate_scores(
+    streams: torch.Tensor,
+    keys: torch.Tensor,
+    weight_hidden: torch.Tensor,
+    weight_embed: torch.Tensor,
+    eps: float,
+    clamp: float = GATE_CLAMP,
+) -> torch.Tensor:
+    """streams, keys [T, m, D], RMSNorm weights [m, D] -> float32 gates in (0, 1) [T, m]."""
+    x, key = streams.float(), keys.float()
+    # Both RMSNorm weights only scale the product, so they fold into one (the kernel's fused weight).
+    fused = weight_hidden.float() * weight_embed.float()  # [m, D]
+    rstd_x = torch.rsqrt(x.square().mean(-1) + eps)  # [T, m]
+    rstd_k = torch.rsqrt(key.square().mean(-1) + eps)
+    dot = (x * key * fused).sum(-1) * rstd_x * rstd_k * x.shape[-1] ** -0.5  # [T, m]
+    return torch.sigmoid(dot.sign() * dot.abs().clamp_min(clamp).sqrt())
+
+
+def engram_gate(
+    streams: torch.Tensor,
+    kv: torch.Tensor,
+    weight_hidden: torch.Tensor,
+    weight_embed: torch.Tensor,
+    eps: float,
+    clamp: float = GATE_CLAMP,
+) -> torch.Tensor:
+    """streams [T, m, D], kv [T, m + 1, D] (a key per stream, then the shared value), RMSNorm
+    weights [m, D] -> new streams [T, m, D] in streams' dtype; computed in float32."""
+    m = streams.shape[1]
+    gate = gate_scores(streams, kv[:, :m], weight_hidden, weight_embed, eps, clamp)  # [T, m]
+    value = kv[:, m].float()  # [T, D], shared by the streams
+    return (streams.float() + gate[..., None] * value[:, None, :]).to(streams.dtype)
+
+
+class EngramHashing:
+    """What turns a batch's token ids into every Engram layer's table rows: the vocabulary map,
+    the pad token, and per layer its multipliers, prime table sizes and offsets."""
+
+    def __init__(self, spec: EngramSpec, vocab_size: int, vocab_map: torch.Tensor | None = None) -> None:
+        if spec.compressed_vocab_size is not None:
+            if vocab_map is None:
+                raise ValueError(
+                    "Engram: text_config.engram_compressed_vocab_size is set: the compressed vocabulary map is needed"
+                )
+            if int(vocab_map.max()) + 1 != spec.compressed_vocab_size or int(vocab_map.min()) < 0:
+                raise ValueError(
+                    f"Engram: the vocabulary map's ids span 0..{int(vocab_map.max())}, not the "
+                    f"{spec.compressed_vocab_size} compressed ids of engram_compressed_vocab_size"
+                )
+            vocab_size = spec.compressed_vocab_size
+        self.spec = spec
+        self.vocab_map = None if vocab_map is None else vocab_map.long()
+        self.multipliers = hash_multipliers(spec.layer_ids, spec.max_ngram_size, vocab_size)  # [L, n]
+        self.table_sizes = torch.tensor(spec.table_sizes, dtype=torch.int64)  # [L, n - 1, heads]
+        self.offsets = torch.stack([table_offsets(sizes) for sizes in self.table_sizes])  # [L, C]
+
+    @classmethod
+    def from_arch(cls, arch: DeepseekV41Arch, vocab_map: torch.Tensor | None = None) -> EngramHashing:
+        if arch.engram is None:
+            raise ValueError("the model has no Engram layers")
+        return cls(arch.engram, arch.vocab_size, vocab_map)
+
+    def context(self, previous: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Raw ids [S, n - 1] before each chunk, pad where the sequence has none."""
+        return ngram_context(previous, self.spec.max_ngram_size, self.spec.pad_token_id)
+
+    def windows(
+        self, token_ids: torch.Tensor, seq_lens: torch.Tensor, context: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Raw token ids [T] of S chunks -> the n-gram ids [T, n] every Engram layer hashes.
+        context None: every chunk starts its sequence (all earlier columns are pad)."""
+        if context is None:
+            context = self.context([[] for _ in range(len(seq_lens))])
+        windows = ngram_windows(token_ids, seq_lens, context)
+        # Mapped after gathering, so the pad is mapped too (DeepSeek's compressed pad token).
+        return windows if self.vocab_map is None else self.vocab_map[windows]
+
+    def rows(self, layer: int, windows: torch.Tensor) -> torch.Tensor:
+        """n-gram ids [T, n] -> this layer's table rows [T, (n - 1) * heads]."""
+        i = self.spec.layer_ids.index(layer)
+        return engram_hash(windows, self.multipliers[i], self.table_sizes[i], self.offsets[i])
+
+
+class Engram(torch.nn.Module):
+    """One layer's Engram, applied to the mHC streams at the start of its block (DeepSeek adds it
+    to the trunk after the previous block's post mix, before this block's pre mix)."""
+
+    def __init__(
+        self,
+        layer: int,
+        hashing: EngramHashing,
+        table: EngramTable,
+        wkv: torch.Tensor,  # [hidden * (m + 1), orders * heads * head_dim], dequantized
+        q_weight: torch.Tensor,  # [m, hidden]: the streams' RMSNorm weight
+        k_weight: torch.Tensor,  # [m, hidden]: the keys' RMSNorm weight
+        eps: float,
+    ) -> None:
+        super().__init__()
+        self.layer, self.hashing, self.table, self.eps = layer, hashing, table, eps
+        self.wkv = torch.nn.Parameter(wkv, requires_grad=False)
+        self.q_weight = torch.nn.Parameter(q_weight, requires_grad=False)
+        self.k_weight = torch.nn.Parameter(k_weight, requires_grad=False)
+
+    @classmethod
+    def from_weights(
+        cls,
+        arch: DeepseekV41Arch,
+        layer: int,
+        hashing: EngramHashing,
+        tensors: dict[str, torch.Tensor],
+        table: EngramTable,
+    ) -> Engram:
+        """From load_v41_weights' float32 tensors (HF names) and the layer's mapped table."""
+        prefix = f"layers.{layer}.engram."
+        return cls(
+            layer,
+            hashing,
+            table,
+            tensors[prefix + "wkv.weight"],
+            tensors[prefix + "q_weight"],
+            tensors[prefix + "k_weight"],
+            arch.rms_norm_eps,
+        )
+
+    def forward(
+        self,
+        streams: torch.Tensor,  # [T, m, hidden]
+        token_ids: torch.Tensor,  # [T] raw ids, the S chunks end to end
+        seq_lens: torch.Tensor,  # [S]
+        context: torch.Tensor | None = None,  # [S, n - 1] raw ids before each chunk
+    ) -> torch.Tensor:
+        return self.forward_windows(streams, self.hashing.windows(token_ids, seq_lens, context))
+
+    def forward_windows(self, streams: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
+        """With the n-gram ids [T, n] computed once for all Engram layers of a step."""
+        embeddings = gather_embeddings(
+            self.table, self.hashing.rows(self.layer, windows)
+        )  # [T, C * head_dim]
+        kv = F.linear(embeddings, self.wkv).unflatten(-1, (streams.shape[1] + 1, streams.shape[2]))
+        return engram_gate(streams, kv, self.q_weight, self.k_weight, self.eps)
