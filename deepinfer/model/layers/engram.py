@@ -10,8 +10,10 @@ N-gram ids, per token at position p of its sequence (column r is the token at p 
   ids, e.g. casings and spacings of one word, share one compressed id; `compressed_vocabulary`
   builds the map from the tokenizer as DeepSeek's engine does);
 - a column before the sequence's first token reads the Engram pad token (`engram_pad_token_id`,
-  mapped like any token), exactly what DeepSeek's engine feeds for missing history, so in a
-  flattened batch no sequence's first tokens ever hash with the previous sequence's last ones;
+  mapped like any token), so in a flattened batch no sequence's first tokens ever hash with the
+  previous sequence's last ones. DeepSeek's engine builds a prompt's first windows in its C++
+  extension, which is not in its sources; its Python side fills every window slot that has no
+  usable token (after an image token) with the same compressed pad, which is what is read here;
 - a chunk that starts later in its sequence (chunked prefill, decode) takes its first columns
   from `context`: the max_ngram_size - 1 tokens before the chunk.
 
@@ -89,14 +91,12 @@ def hash_multipliers(
     seeded with seed + 10007 * layer. Drawn below (int64_max // vocab) // 2, then 2x + 1: odd,
     and a product with any token id stays below int64_max."""
     bound = max(1, (np.iinfo(np.int64).max // vocab_size) // 2)
-    rows = [
-        np.random.default_rng(int(seed + 10007 * layer)).integers(
+    rows = []
+    for layer in layer_ids:
+        draws = np.random.default_rng(int(seed + 10007 * layer)).integers(
             0, bound, size=(max_ngram_size,), dtype=np.int64
         )
-        * 2
-        + 1
-        for layer in layer_ids
-    ]
+        rows.append(draws * 2 + 1)
     return torch.from_numpy(np.stack(rows))
 
 
