@@ -74,8 +74,8 @@ class MoeSpec:
 
 @dataclass(slots=True, frozen=True)
 class CandidateBlocks:
-    """Two-level top-k: `source_layer` keeps `topk_blocks` blocks of `block_size` compressed entries;
-    it and every later backbone layer choose their top-k entries inside them."""
+    """Two-level top-k: `source_layer` keeps `topk_blocks` blocks of `block_size` compressed entries
+    (its own top-k still ranks all entries); every later indexer layer chooses its top-k inside them."""
 
     source_layer: int
     topk_blocks: int
