@@ -47,7 +47,7 @@ class _Rows:
 @dataclass
 class _Sequence:
     length: int = 0  # tokens computed
-    furthest: int = 0  # the furthest length ever computed (what the rings may have seen)
+    furthest: int = 0  # the furthest length any step went to (what the rings may have seen)
     tokens: list[int] = field(default_factory=list)
     sliding: dict[int, _Rows] = field(default_factory=dict)
     entries: dict[int, _Rows] = field(default_factory=dict)
@@ -112,6 +112,9 @@ class ContiguousV41Cache:
                     f"sequence {seq_id} holds {self._sequences[seq_id].length} tokens; a step must continue "
                     f"it there, not at position {start}"
                 )
+        for seq_id, start, count in zip(seq_ids, layout.starts, layout.query_lens, strict=True):
+            state = self._sequences[seq_id]  # the step writes its rings up to start + count
+            state.furthest = max(state.furthest, start + count)
         return V41Step(self, [self._sequences[s] for s in seq_ids], layout)
 
 
@@ -166,4 +169,3 @@ class V41Step:
             first = self.layout.offsets[seq]
             state.tokens.extend(input_ids[first : first + self.layout.query_lens[seq]].tolist())
             state.length = self._end(seq)
-            state.furthest = max(state.furthest, state.length)

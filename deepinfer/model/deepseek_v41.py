@@ -1,8 +1,8 @@
 """DeepSeek-V4.1-Flash's language model in plain PyTorch, over a contiguous per-sequence cache.
 
 A token's residual is `hc_mult` streams (mHC, layers/mhc.py), shifted by default: each block
-collapses the streams with the pre weights the block before computed, and the last block's
-collapse the final streams (no hyper head). Per block, in order:
+collapses the streams with the pre weights the block before computed, and the last block's pre
+weights collapse the final streams (no hyper head). Per block, in order:
 - on an Engram layer, the n-gram memory is added to the streams (layers/engram.py), before the
   block's own mixing weights are computed from them;
 - attention (layers/v41_attention.py): sliding-only, C1 or C2 with top-k sparse entries, the
@@ -13,10 +13,15 @@ collapse the final streams (no hyper head). Per block, in order:
   weights times routed_scaling_factor, one shared expert; V4.1 has no hash-routed layers).
 Then the final norm and the LM head.
 
-YoCo's prefill truncation (DeepSeek's `compact` / `mask` modes, which run the layers from the
-boundary on only for a prompt's last tokens) is not done: every layer runs every token. As every
-kept row after the boundary is computed from the shared hidden, the rows are the same either way.
-Not built: DSpark (`mtp.*`), the vision tower and image tokens (`gate.bias_vl`, Engram's image
+YoCo's prefill truncation is not done: this is DeepSeek's engine with its default
+(`DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE=off`), every layer running every token. Its `compact`
+mode runs the layers from the boundary on for only a prompt's last KEEP tokens, and both it and
+`mask` clip those tokens' sliding windows to the KEEP tokens; since a consumer layer's sliding KV comes from its own
+input (DeepSeek's `yoco_swa_share_hidden` is off), that changes the prompt's last rows, so with
+truncation a prompt would no longer equal its tokens fed one by one.
+The attention's KV is kept in float32: DeepSeek's engine stores the sliding KV as FP8 and the
+compressed KV as FP4 (or FP8), which is not emulated (the index keys' FP4 is, as it decides the
+top-k). Not built: DSpark (`mtp.*`), the vision tower and image tokens (`gate.bias_vl`, Engram's image
 mask), and the engine integration (paged cache groups); the model is not registered.
 """
 
