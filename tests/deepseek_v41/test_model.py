@@ -279,3 +279,42 @@ def test_kv_sources_past_the_yoco_boundary_compress_the_shared_hidden(tmp_path):
     shared_hidden = boundary_input.args[0]
     assert torch.allclose(stored, entries(shared_hidden), atol=1e-6)
     assert (stored - entries(own_input.args[0])).abs().max() > 1e-3
+
+
+def test_sparse_attention_equals_the_formula_query_by_query(tmp_path):
+    """Layer 5 (C1, own indexer inside layer 3's candidate blocks, layer 3's compressed KV) over
+    a whole prompt: each query's output from its window and its picked entries, one at a time."""
+    model = _model(tmp_path, "formula")
+    attn, arch = model.layers[5].attn, model.arch
+    capture = _Capture(model, 5)
+    picks: list[torch.Tensor] = []
+    attn.register_forward_hook(lambda module, args, output: picks.append(args[4].top.clone()))
+    cache = ContiguousV41Cache(arch)
+    seq = cache.add_sequence()
+    _step(model, cache, seq, _prompt(), PROMPT)
+    x, positions = capture.args[0], capture.args[1]
+    top = picks[-1]
+    assert ((top >= 0).sum(1) == (positions + 1).clamp(max=arch.index_topk)).all()
+    entries = cache.step([seq], StepLayout((PROMPT,), (0,))).entries(0, 3, torch.arange(PROMPT))
+    q = attn.q_norm(x @ attn.wq_a.T) @ attn.wq_b.T
+    q = attn.rope(q.view(PROMPT, arch.num_heads, arch.head_dim), positions)
+    kv = attn.rope(attn.kv_norm(x @ attn.wkv.T), positions)
+    out = torch.zeros_like(q)
+    for i, p in enumerate(positions.tolist()):
+        window = kv[max(0, p - arch.sliding_window + 1) : p + 1]
+        keys = torch.cat((window, entries[top[i][top[i] >= 0]]))
+        for h in range(arch.num_heads):
+            logits = keys @ q[i, h] * arch.head_dim**-0.5
+            weights = logits.exp() / (logits.exp().sum() + attn.attn_sink[h].exp())
+            out[i, h] = weights @ keys
+    out = attn.rope(out, positions, inverse=True)
+    group = arch.num_heads // arch.o_groups
+    down = torch.cat(
+        [
+            out[:, g * group : (g + 1) * group].flatten(1)
+            @ attn.wo_a[g * arch.o_lora_rank : (g + 1) * arch.o_lora_rank].T
+            for g in range(arch.o_groups)
+        ],
+        dim=1,
+    )
+    assert (down @ attn.wo_b.T - capture.output).abs().max() < 1e-5

@@ -177,9 +177,14 @@ class V41Attention(torch.nn.Module):
     def _picked(self, step: V41Step, seq: int, top: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """top [n, k] entry numbers (-1: none) -> the union of the picked entries [U, head_dim]
         (read once from the KV source) and which of them each query sees [n, U]."""
-        union = torch.unique(top[top >= 0])  # sorted
+        picked = top >= 0
+        union = torch.unique(top[picked])  # sorted
         entries = step.entries(seq, self.kv_source, union)
-        return entries, (top.unsqueeze(-1) == union.view(1, 1, -1)).any(dim=1)
+        columns = torch.searchsorted(union, top.clamp(min=0))  # where each pick sits in the union
+        mask = torch.zeros((top.shape[0], union.shape[0] + 1), dtype=torch.bool, device=top.device)
+        # A -1 goes to the spare last column, dropped: only real picks mark their entry.
+        mask.scatter_(1, torch.where(picked, columns, union.shape[0]), True)
+        return entries, mask[:, :-1]
 
     def _grouped_down(self, out: torch.Tensor) -> torch.Tensor:
         """[T, H, D] -> [T, G * o_lora]: each group of heads has its own wo_a block."""
