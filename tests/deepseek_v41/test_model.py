@@ -88,6 +88,18 @@ def test_whole_prompt_equals_token_by_token_and_chunks(model):
     assert (whole - _run(model, ids, [7] * 5 + [5])).abs().max() < TOL
 
 
+def test_plain_mhc_and_a_kv_source_past_the_boundary_too(tmp_path):
+    """Unshifted mHC (the hyper head), and layer 5 compressing the YoCo shared hidden."""
+    model = _model(
+        tmp_path, "plain", hc_shifted=False, kv_source_layer_ids=[1, 3, 5], index_k_source_layer_ids=[1, 3, 5]
+    )
+    assert model.hc_head is not None and model.layers[5].attn.compresses_shared_hidden
+    ids = _prompt()
+    whole = _run(model, ids, [PROMPT])
+    assert (whole - _run(model, ids, [1] * PROMPT)).abs().max() < TOL
+    assert (whole - _run(model, ids, [7] * 5 + [5])).abs().max() < TOL
+
+
 def test_a_batch_equals_each_sequence_alone(model):
     ids = [_prompt(23, seed=1), _prompt(30, seed=2)]
     alone = [_run(model, s, [10, len(s) - 10]) for s in ids]
@@ -121,11 +133,11 @@ def test_rolled_back_tokens_leave_no_trace(model):
 
 def test_sliding_block_equals_v4s_without_its_query_norm(tmp_path, monkeypatch):
     """A V4.1 model cannot be written as a V4 one: V4.1 needs a C1 layer (its YoCo boundary), and
-    its C1 / C2 compression (no overlap, no position bias, index keys projected from the main
-    entries) is not V4's CSA / HCA at 4 / 128 (overlapping windows, position bias, an indexer with
-    its own compressor). What they share is the sliding-window block with plain mHC and the MoE:
-    the same weights give the same block, once V4's per-head query RMS norm, which DeepSeek runs
-    V4.1 without (`use_qnorm` off), is taken out."""
+    its C1 / C2 compression (no position bias, no overlap, index keys projected from the main
+    entries) is not V4's CSA / HCA at 4 / 128 (position biases, CSA's overlapping windows and its
+    indexer's own compressor). What they share is the sliding-window block with plain mHC and the
+    MoE: the same weights give the same block, once V4's per-head query RMS norm, which DeepSeek
+    runs V4.1 without (`use_qnorm` off), is taken out."""
     v41 = _model(tmp_path, "plain", hc_shifted=False, engram_layer_ids=[])
     block41 = v41.layers[0]
     raw = tiny_v4_config(
@@ -177,6 +189,19 @@ def test_sliding_block_equals_v4s_without_its_query_norm(tmp_path, monkeypatch):
     assert (v4_output() - out41).abs().max() > 1e-3  # V4 normalizes each query head
     monkeypatch.setattr(v4_attention, "unweighted_rms_norm", lambda x, eps: x)
     assert (v4_output() - out41).abs().max() < 1e-5
+
+
+def test_a_step_must_continue_its_sequences(model):
+    cache = ContiguousV41Cache(model.arch)
+    seq = cache.add_sequence()
+    _step(model, cache, seq, _prompt(), 5)
+    with pytest.raises(ValueError, match="not at position 4"):
+        cache.step([seq], StepLayout((4,), (1,)))
+    layout = StepLayout((5,), (2,))
+    with pytest.raises(ValueError, match="consecutively"):
+        model(_prompt(2), torch.tensor([5, 7]), layout, cache.step([seq], layout))
+    with pytest.raises(ValueError, match="truncate a sequence of 5 tokens to 6"):
+        cache.truncate(seq, 6)
 
 
 def test_engram_changes_the_output(model):
