@@ -264,11 +264,10 @@ def test_a_consumer_reads_its_sources_compressed_kv_and_top_k(tmp_path):
     assert torch.equal(same, capture.output)
     no_top = CrossLayer(top=torch.full_like(capture.shared.top, -1))
     assert (_rerun(model, 4, capture, cache, seq, no_top) - same).abs().max() > 1e-4
-    entries = PROMPT
+    zeros = torch.zeros(PROMPT, model.arch.head_dim)  # layer 3 (C1) holds one entry per token
     zeroed = _rerun(
-        model, 4, capture, cache, seq, capture.shared,
-        lambda step: step.write_entries(0, 3, 0, torch.zeros(entries, model.arch.head_dim)),
-    )  # fmt: skip
+        model, 4, capture, cache, seq, capture.shared, lambda step: step.write_entries(0, 3, 0, zeros)
+    )
     assert (zeroed - same).abs().max() > 1e-4
 
 
