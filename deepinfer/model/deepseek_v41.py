@@ -1,0 +1,267 @@
+"""DeepSeek-V4.1-Flash's language model in plain PyTorch, over a contiguous per-sequence cache.
+
+A token's residual is `hc_mult` streams (mHC, layers/mhc.py), shifted by default: each block
+collapses the streams with the pre weights the block before computed, and the last block's pre
+weights collapse the final streams (no hyper head). Per block, in order:
+- on an Engram layer, the n-gram memory is added to the streams (layers/engram.py), before the
+  block's own mixing weights are computed from them;
+- attention (layers/v41_attention.py): sliding-only, C1 or C2 with top-k sparse entries, the
+  compressed KV, index keys and top-k shared between layers as the config's maps say; the
+  attention input of the YoCo boundary (the first C1 layer) is kept for the step, and every KV
+  source after it compresses that instead of its own input;
+- the MoE (layers/v4_moe.py: sqrtsoftplus scores, top-k on score + correction bias, normalized
+  weights times routed_scaling_factor, one shared expert; V4.1 has no hash-routed layers).
+Then the final norm and the LM head.
+
+YoCo's prefill truncation is not done: this is DeepSeek's engine with its default
+(`DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE=off`), every layer running every token. Its `compact`
+mode runs the layers from the boundary on for only a prompt's last KEEP tokens, and both it and
+`mask` clip those tokens' sliding windows to the KEEP tokens; since a consumer layer's sliding KV comes from its own
+input (DeepSeek's `yoco_swa_share_hidden` is off), that changes the prompt's last rows, so with
+truncation a prompt would no longer equal its tokens fed one by one.
+The attention's KV is kept in float32: DeepSeek's engine stores the sliding KV as FP8 and the
+compressed KV as FP4 (or FP8), which is not emulated (the index keys' FP4 is, as it decides the
+top-k). Not built: DSpark (`mtp.*`), the vision tower and image tokens (`gate.bias_vl`, Engram's image
+mask), and the engine integration (paged cache groups); the model is not registered.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer.attention.v4_cache import StepLayout
+from deepinfer.attention.v41_cache import V41Step
+from deepinfer.model.deepseek_v4_config import RopeSpec
+from deepinfer.model.deepseek_v41_config import DeepseekV41Arch
+from deepinfer.model.deepseek_v41_weights import V41Weights, load_v41_weights
+from deepinfer.model.layers.engram import Engram, EngramHashing
+from deepinfer.model.layers.mhc import HyperConnection, HyperHead
+from deepinfer.model.layers.v4_moe import V4MoE
+from deepinfer.model.layers.v4_norm import Fp32RMSNorm
+from deepinfer.model.layers.v4_rotary import TrailingRope
+from deepinfer.model.layers.v41_attention import CrossLayer, V41Attention
+
+
+def rope_specs(arch: DeepseekV41Arch) -> tuple[RopeSpec, RopeSpec]:
+    """(sliding-only layers, compressed layers): plain RoPE at rope_theta; compress_rope_theta
+    with YaRN when the config scales, without magnitude correction (DeepSeek's mscale off)."""
+    yarn = None
+    if arch.yarn is not None:
+        yarn = {
+            "factor": arch.yarn.factor,
+            "original_max_position_embeddings": arch.yarn.original_max_position_embeddings,
+            "beta_fast": arch.yarn.beta_fast,
+            "beta_slow": arch.yarn.beta_slow,
+            "truncate": True,
+            "attention_factor": 1.0,
+        }
+    return RopeSpec(arch.rope_theta, None), RopeSpec(arch.compress_rope_theta, yarn)
+
+
+class V41Block(torch.nn.Module):
+    def __init__(self, arch: DeepseekV41Arch, layer: int, rope: TrailingRope) -> None:
+        super().__init__()
+        eps, moe = arch.rms_norm_eps, arch.moe
+        self.layer, self.shifted = layer, arch.hc_shifted
+        self.captures_shared_hidden = layer == arch.yoco_boundary
+        self.attn_norm = Fp32RMSNorm(arch.hidden_size, eps)
+        self.attn = V41Attention(arch, layer, rope)
+        self.ffn_norm = Fp32RMSNorm(arch.hidden_size, eps)
+        if moe.num_shared_experts != 1:
+            raise ValueError(
+                f"n_shared_experts={moe.num_shared_experts}: this model runs DeepSeek-V4.1's one shared expert"
+            )
+        self.ffn = V4MoE(
+            arch.hidden_size,
+            moe.intermediate_size,
+            moe.num_experts,
+            moe.top_k,
+            "sqrtsoftplus",
+            moe.routed_scaling_factor,
+            arch.swiglu_limit,
+            None,
+        )
+        self.hc_attn = HyperConnection(
+            arch.hidden_size, arch.hc_mult, arch.hc_sinkhorn_iters, arch.hc_eps, eps
+        )
+        self.hc_ffn = HyperConnection(
+            arch.hidden_size, arch.hc_mult, arch.hc_sinkhorn_iters, arch.hc_eps, eps
+        )
+        self.engram: Engram | None = None  # set at load on Engram layers (it holds the mapped table)
+
+    def forward(
+        self,
+        streams: torch.Tensor,  # [T, N, hidden]
+        pre: torch.Tensor | None,  # [T, N] the previous block's pre weights (shifted mHC)
+        token_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        layout: StepLayout,
+        step: V41Step,
+        shared: CrossLayer,
+        ngrams: torch.Tensor | None,  # [T, max_ngram_size] n-gram ids (Engram layers)
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.engram is not None:
+            streams = self.engram.forward_windows(streams, ngrams)
+        collapsed, post, comb, pre = self._mix(self.hc_attn, streams, pre)
+        x = self.attn_norm(collapsed)
+        if self.captures_shared_hidden:
+            shared.shared_hidden = x
+        streams = HyperConnection.expand(streams, self.attn(x, positions, layout, step, shared), post, comb)
+        collapsed, post, comb, pre = self._mix(self.hc_ffn, streams, pre)
+        out = self.ffn(self.ffn_norm(collapsed), token_ids)
+        return HyperConnection.expand(streams, out, post, comb), pre
+
+    def _mix(
+        self, hc: HyperConnection, streams: torch.Tensor, pre: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        if self.shifted:
+            return hc.forward_shifted(streams, pre)
+        collapsed, post, comb = hc(streams)
+        return collapsed, post, comb, None
+
+
+class DeepseekV41ForCausalLM(torch.nn.Module):
+    """Built with its weights (Engram layers keep their tables mapped from the checkpoint)."""
+
+    def __init__(
+        self, arch: DeepseekV41Arch, weights: V41Weights, vocab_map: torch.Tensor | None = None
+    ) -> None:
+        super().__init__()
+        self.arch = arch
+        main_spec, compress_spec = rope_specs(arch)
+        main_rope = TrailingRope(arch.rope_head_dim, main_spec)
+        compress_rope = TrailingRope(arch.rope_head_dim, compress_spec)
+        self.embed = torch.nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size), requires_grad=False)
+        self.layers = torch.nn.ModuleList(
+            V41Block(arch, i, compress_rope if arch.compress_ratio(i) else main_rope)
+            for i in range(arch.num_layers)
+        )
+        self.hc_head = (
+            None
+            if arch.hc_shifted
+            else HyperHead(arch.hidden_size, arch.hc_mult, arch.hc_eps, arch.rms_norm_eps)
+        )
+        self.norm = Fp32RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.head = torch.nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size), requires_grad=False)
+        self.hashing = EngramHashing.from_arch(arch, vocab_map) if arch.engram is not None else None
+        self._load(weights)
+
+    @classmethod
+    def from_pretrained(
+        cls, directory: str | Path, vocab_map: torch.Tensor | None = None
+    ) -> DeepseekV41ForCausalLM:
+        """A checkpoint directory (config.json and the shards); `vocab_map`: Engram's compressed
+        vocabulary (layers/engram.py's compressed_vocabulary), when the config has one."""
+        arch = DeepseekV41Arch.from_file(directory)
+        return cls(arch, load_v41_weights(directory, arch), vocab_map)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T], consecutive from each sequence's start in the layout
+        layout: StepLayout,
+        step: V41Step,
+    ) -> torch.Tensor:  # final hidden [T, hidden], normed
+        runs = [torch.arange(s, s + n) for s, n in zip(layout.starts, layout.query_lens, strict=True)]
+        if not torch.equal(positions.cpu(), torch.cat(runs) if runs else positions.cpu()[:0]):
+            raise ValueError("positions must run consecutively from each sequence's start in the step layout")
+        ngrams = None
+        if self.hashing is not None:
+            context = self.hashing.context([step.context(seq) for seq in range(len(layout.starts))])
+            ngrams = self.hashing.windows(input_ids.cpu(), torch.tensor(layout.query_lens), context)
+        streams = (
+            F.embedding(input_ids, self.embed).unsqueeze(1).expand(-1, self.arch.hc_mult, -1).contiguous()
+        )
+        pre = HyperConnection.first_pre(input_ids.shape[0], self.arch.hc_mult, input_ids.device)
+        shared = CrossLayer()
+        for layer in self.layers:
+            streams, pre = layer(streams, pre, input_ids, positions, layout, step, shared, ngrams)
+        step.finish(input_ids)
+        hidden = HyperConnection.collapse(streams, pre) if self.hc_head is None else self.hc_head(streams)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab]."""
+        return F.linear(hidden, self.head)
+
+    # -- weights -------------------------------------------------------------------------------
+
+    def _load(self, weights: V41Weights) -> None:
+        """HF names onto the modules: a name is a parameter's path, or its path with `.weight`
+        dropped where the module keeps a bare parameter; experts are stacked, the shared
+        expert's gate and up rows fused; Engram layers get their module; image-token routing
+        biases (`gate.bias_vl`) and the image embeddings are not used without a vision model.
+        DSpark's (`mtp.*`) tensors are not loaded."""
+        params = dict(self.named_parameters())
+        filled: set[str] = set()
+        arch = self.arch
+        for name, value in weights.tensors.items():
+            if name.startswith("mtp.") or name.endswith("gate.bias_vl") or name.startswith("image_"):
+                continue
+            if ".engram." in name:
+                continue
+            target = _target(name)
+            if target is None:
+                self._load_expert(name, value, params, filled)
+                continue
+            if target not in params:
+                target = target.removesuffix(".weight")
+            if target not in params or params[target].shape != value.shape:
+                raise ValueError(
+                    f"{name}: no parameter of shape {tuple(value.shape)} for it in the V4.1 model"
+                )
+            params[target].data = value.float()
+            filled.add(target)
+        for layer in arch.engram.layer_ids if arch.engram is not None else ():
+            self.layers[layer].engram = Engram.from_weights(
+                arch, layer, self.hashing, weights.tensors, weights.engram_tables[layer]
+            )
+        missing = sorted(set(params) - filled)
+        if missing:
+            raise ValueError(f"parameters not in the checkpoint: {missing[:8]}")
+
+    def _load_expert(
+        self, name: str, value: torch.Tensor, params: dict[str, torch.nn.Parameter], filled: set[str]
+    ) -> None:
+        """`layers.L.ffn.experts.E.wN.weight` into the stacked w13 / w2, and the shared expert's
+        w1 / w3 / w2 into gate_up_proj / down_proj (w1: gate rows, w3: up rows)."""
+        parts = name.split(".")
+        prefix = ".".join(parts[:3])  # layers.L.ffn
+        which = parts[-2]
+        if parts[3] == "experts":
+            expert = int(parts[4])
+            w13, w2 = params[prefix + ".experts.w13"], params[prefix + ".experts.w2"]
+            inter = w2.shape[2]
+            if which == "w2":
+                w2.data[expert] = value
+            else:
+                rows = slice(0, inter) if which == "w1" else slice(inter, 2 * inter)
+                w13.data[expert, rows] = value
+            filled.update((prefix + ".experts.w13", prefix + ".experts.w2"))
+            return
+        gate_up, down = (
+            params[prefix + ".shared_experts.gate_up_proj"],
+            params[prefix + ".shared_experts.down_proj"],
+        )
+        inter = down.shape[1]
+        if which == "w2":
+            down.data.copy_(value)
+        else:
+            gate_up.data[slice(0, inter) if which == "w1" else slice(inter, 2 * inter)] = value
+        filled.update((prefix + ".shared_experts.gate_up_proj", prefix + ".shared_experts.down_proj"))
+
+
+def _target(name: str) -> str | None:
+    """HF name -> parameter path (None: an expert weight, loaded by stacking)."""
+    parts = name.split(".")
+    if len(parts) > 3 and parts[2] == "ffn" and parts[3] in ("experts", "shared_experts"):
+        return None
+    for kind in ("attn", "ffn", "head"):
+        for field in ("fn", "base", "scale"):
+            hf = f"hc_{kind}_{field}"
+            if name == hf or name.endswith("." + hf):
+                return name.removesuffix(hf) + f"hc_{kind}.{field}"
+    return name
