@@ -147,7 +147,9 @@ class StoreConfig:
         None, help="TTL per traffic class, e.g. agent=3d,chat=7d (the default); more classes may be added"
     )
     kv_store_max_bytes: int | None = option(None, size=True, help="size cap of the persistent store")
-    kv_chunk_blocks: int = option(DEFAULT_CHUNK_BLOCKS, help="full blocks per stored chunk")
+    kv_chunk_blocks: int = option(
+        DEFAULT_CHUNK_BLOCKS, help="full blocks per KV chunk (stored, and moved by the PD handoffs)"
+    )
 
     def __post_init__(self) -> None:
         normalize_sizes(self)

@@ -190,6 +190,7 @@ class EngineCore:
             else None
         )
         self.kv_transfer_address: str | None = None  # the prefill role's transfer listener
+        self.kv_transfer_layout: str | None = None  # the chunks a direct handoff moves
         self.connector: KVConnector | None = self._build_connector(caches)
         self.scheduler = Scheduler(config.scheduler, self.max_model_len, self.kv)
         self.num_preemptions = 0
@@ -218,11 +219,15 @@ class EngineCore:
             connectors.append(KVOffloader(store, self.kv, caches, tier_events))
         pd = self.config.disaggregation
         if pd.role == "prefill":
-            handoff = PrefillHandoff(self.kv, caches, pd, store)
+            handoff = PrefillHandoff(self.kv, caches, pd, store, self.config.store.kv_chunk_blocks)
             self.kv_transfer_address = handoff.address
             connectors.append(handoff)
+            if pd.kv_transfer == "direct":
+                self.kv_transfer_layout = handoff.chunks.describe()
         elif pd.role == "decode" and pd.kv_transfer == "direct":
-            connectors.append(DecodeReceiver(self.kv, caches, pd))
+            receiver = DecodeReceiver(self.kv, caches, pd, self.config.store.kv_chunk_blocks)
+            self.kv_transfer_layout = receiver.layout
+            connectors.append(receiver)
         if not connectors:
             return None
         return connectors[0] if len(connectors) == 1 else ConnectorChain(connectors)

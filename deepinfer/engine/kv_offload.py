@@ -30,27 +30,17 @@ import logging
 from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
 from deepinfer.engine.kv_cache.events import HOST, STORE, KVEventLog
 from deepinfer.engine.kv_cache.manager import KVCacheManager
-from deepinfer.engine.kv_chunks import ChunkLayout, GroupPart
+from deepinfer.engine.kv_chunks import BlockTransfer, ChunkLayout, install_chunk, read_chunk
 from deepinfer.engine.outputs import KVHandoff
 from deepinfer.sequence import Sequence
 from deepinfer.store import DEFAULT_TRAFFIC_CLASS, TieredKVStore
 
 log = logging.getLogger(__name__)
-
-
-class BlockTransfer(Protocol):
-    """The caches' side: one group's KV of whole blocks to and from host bytes
-    [blocks, block_bytes] (uint8)."""
-
-    def read_blocks(self, group: int, block_ids: list[int]) -> np.ndarray: ...
-
-    def write_blocks(self, group: int, block_ids: list[int], kv: np.ndarray) -> None: ...
 
 
 @dataclass(slots=True)
@@ -155,42 +145,15 @@ class KVOffloader:
         have the layout's size."""
         for i, payload in enumerate(arrays):
             chunk = first_chunk + i
-            parts = self.chunks.parts(chunk)
-            data = payload.reshape(-1).view(np.uint8)
-            if data.size != sum(p.num_bytes for p in parts):
-                log.warning("a stored KV chunk of %d bytes does not fit this layout; recomputing", data.size)
+            try:
+                written = install_chunk(self.kv, self.transfer, seq, self.chunks.parts(chunk), payload)
+            except ValueError as error:
+                log.warning("a stored KV chunk does not fit: %s; recomputing", error)
                 return
-            todo = [(p, self._missing(seq, p)) for p in parts]
-            if any(len(missing) > self.kv.groups[p.group].pool.num_free for p, missing in todo):
+            if written is None:
                 return
-            offset = 0
-            for part, missing in todo:
-                rows = data[offset : offset + part.num_bytes].reshape(
-                    len(part.block_indices), part.block_bytes
-                )
-                offset += part.num_bytes
-                if missing:
-                    self._write(seq, part, missing, rows)
             seq.num_stored_chunks = chunk + 1
             self.loaded_chunks += 1
-
-    def _missing(self, seq: Sequence, part: GroupPart) -> list[int]:
-        """The part's blocks the device does not hold already."""
-        group = self.kv.groups[part.group]
-        return [
-            i for i in part.block_indices if group.pool.lookup(group.block_key(seq.block_hashes, i)) is None
-        ]
-
-    def _write(self, seq: Sequence, part: GroupPart, missing: list[int], rows: np.ndarray) -> None:
-        pool = self.kv.groups[part.group].pool
-        blocks = [pool.allocate() for _ in missing]
-        first = part.block_indices.start
-        try:
-            self.transfer.write_blocks(part.group, blocks, rows[[i - first for i in missing]])
-        except Exception:
-            pool.release(blocks)
-            raise
-        self.kv.install_blocks(seq, part.group, missing, blocks)
 
     def save_completed(self, seqs: Iterable[Sequence]) -> dict[str, str]:
         failures = {}
@@ -207,13 +170,9 @@ class KVOffloader:
         c = self.chunk_blocks
         hashes = seq.block_hashes
         for chunk in range(seq.num_stored_chunks, len(hashes) // c):
-            parts = self.chunks.parts(chunk)
-            blocks = [self._indexed(seq, part) for part in parts]
-            if any(None in ids for ids in blocks):
+            payload = read_chunk(self.kv, self.transfer, seq, self.chunks.parts(chunk))
+            if payload is None:
                 return  # not computed yet (or evicted): later chunks cannot be complete either
-            payload = np.concatenate(
-                [self.transfer.read_blocks(p.group, ids).reshape(-1) for p, ids in zip(parts, blocks)]
-            )
             traffic_class = seq.request.traffic_class or DEFAULT_TRAFFIC_CLASS
             accepted = self.store.save(
                 hashes[(chunk + 1) * c - 1],
@@ -226,10 +185,6 @@ class KVOffloader:
                 self.events.saved(seq, chunk * c, c, self.kv.block_size, self.store)
             self.saved_chunks += 1
             seq.num_stored_chunks = chunk + 1
-
-    def _indexed(self, seq: Sequence, part: GroupPart) -> list[int | None]:
-        group = self.kv.groups[part.group]
-        return [group.pool.lookup(group.block_key(seq.block_hashes, i)) for i in part.block_indices]
 
     def take_handoffs(self) -> list[KVHandoff]:
         return []

@@ -1,10 +1,11 @@
-"""Direct KV transfer between engines: a prefill engine leases a finished prompt's blocks and
-serves them, over TCP, to the one decode engine that pulls them.
+"""Direct KV transfer between engines: a prefill engine leases a finished prompt's KV chunks
+(kv_chunks.py, copied off the device into host memory when the prefill finishes) and serves
+them, over TCP, to the one decode engine that pulls them.
 
-Pull, with a lease: the prefill engine pins the blocks when the prompt's prefill finishes and
-keeps them until its decoder has pulled them or the lease ends, whichever comes first, so a
-decoder that never comes (or stalls mid-transfer) cannot pin them for longer. The decoder asks
-for the blocks it lacks by prefix hash; the prefiller sends the longest run of them it holds.
+Pull, with a lease: the prefill engine holds the chunks until its decoder has pulled them or the
+lease ends, whichever comes first, so a decoder that never comes (or stalls mid-transfer) cannot
+hold them for longer. The decoder asks for the chunks it lacks by key (the prefix hash of a
+chunk's last block); the prefiller sends the longest run of them it holds.
 
 Why our own protocol over plain TCP sockets: a peer that dies is seen at once (EOF or a reset on
 the open connection, refusal on a new one), where zmq reconnects silently and a pull would
@@ -13,14 +14,16 @@ frames; numpy buffers go out and come in without copies (`sendall` of the array,
 it); and nothing new is installed. Mooncake's transfer engine would bring RDMA on machines
 that have it, but needs its own metadata service for a TCP-only loopback setup like ours.
 
-Frames: 4-byte big-endian length, then msgpack. Decoder -> prefiller: PullRequest. Prefiller ->
-decoder: PullReply, then (status ok, num_blocks > 0) the KV as raw bytes of `dtype` in `shape`
-([blocks, block_bytes] uint8: the first cache group's whole blocks, KVCaches.read_blocks).
+Frames: 4-byte big-endian length, then msgpack. Decoder -> prefiller: PullRequest, naming the
+decoder's chunk layout (`ChunkLayout.describe()`: another model, cache layout or chunk size is
+refused, status `mismatch`, and the lease ends). Prefiller -> decoder: PullReply, then (status
+ok) the chunks' payloads as raw bytes, one after the other, of the sizes the reply lists.
 """
 
 from __future__ import annotations
 
 import enum
+import itertools
 import logging
 import socket
 import threading
@@ -28,7 +31,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
 
 import msgspec
 import numpy as np
@@ -37,25 +39,25 @@ from deepinfer.sequence import KVSource
 
 log = logging.getLogger(__name__)
 
-MAX_HEADER_BYTES = 64 << 20  # a request lists one 32-byte hash per block: far below this
+MAX_HEADER_BYTES = 64 << 20  # a request lists one 32-byte key per chunk: far below this
 _LENGTH = 4
 
 
 class PullRequest(msgspec.Struct, array_like=True):
     transfer_id: str
-    block_hashes: list[bytes]  # the blocks the decoder lacks, in order (may be empty: "release it")
+    chunk_keys: list[bytes]  # the chunks the decoder lacks, in order (may be empty: "release it")
+    layout: str = ""  # the decoder's ChunkLayout.describe()
 
 
 class PullReply(msgspec.Struct, array_like=True, omit_defaults=True):
-    status: str  # ok | unknown (no such lease: expired, pulled already, or never made)
+    status: str  # ok | unknown (no such lease: expired, pulled already, or never made) | mismatch
     message: str = ""
-    num_blocks: int = 0
-    dtype: str = ""
-    shape: list[int] = []
+    sizes: list[int] = []  # bytes of each chunk that follows
 
 
 OK = "ok"
 UNKNOWN = "unknown"
+MISMATCH = "mismatch"
 
 _encoder = msgspec.msgpack.Encoder()
 _requests = msgspec.msgpack.Decoder(PullRequest)
@@ -109,43 +111,43 @@ def split_address(address: str) -> tuple[str, int]:
 
 class LeaseState(enum.Enum):
     READY = "ready"  # pinned, waiting for its decoder
-    SENDING = "sending"  # a listener thread is reading and sending its blocks
-    DONE = "done"  # sent (or failed): the engine may release its blocks
+    SENDING = "sending"  # a listener thread is sending its chunks
+    DONE = "done"  # sent (or failed): the engine may drop it
 
 
 @dataclass(slots=True)
 class Lease:
     transfer_id: str
-    block_hashes: list[bytes]
-    block_ids: list[int]
-    deadline: float  # time.monotonic() by which its blocks go back to the pool
+    chunk_keys: list[bytes]
+    payloads: list[np.ndarray]  # each chunk's bytes (uint8), in host memory
+    deadline: float  # time.monotonic() by which it is dropped
     state: LeaseState = LeaseState.READY
 
-
-class BlockReader(Protocol):
-    def read_blocks(self, group: int, block_ids: list[int]) -> np.ndarray: ...
+    @property
+    def num_bytes(self) -> int:
+        return sum(p.nbytes for p in self.payloads)
 
 
 class KVTransferServer:
     """The prefill engine's listener and its leases.
 
-    Threads: `lease` and `reap` run on the engine's thread (the blocks' references belong to its
-    pool); an accept thread and one thread per connection read leased blocks (pinned, so no
-    step writes them) and send them. A lease is claimed (READY -> SENDING) by at most one pull,
-    under the lock, and the engine releases only READY leases past their deadline and DONE
-    ones, so no block is released while it is being read. A send is bounded by the lease's
-    deadline: a decoder that stops reading loses the connection when the lease ends.
+    Threads: `lease` and `reap` run on the engine's thread; an accept thread and one thread per
+    connection send leased chunks (host memory no one writes). A lease is claimed (READY ->
+    SENDING) by at most one pull, under the lock, and `reap` drops only READY leases past their
+    deadline and DONE ones. A send is bounded by the lease's deadline: a decoder that stops
+    reading loses the connection when the lease ends. `layout` is the engine's chunk layout
+    (`ChunkLayout.describe()`): a decoder of another one is refused.
     """
 
     def __init__(
         self,
-        reader: BlockReader,
+        layout: str,
         host: str,
         port: int,
         lease_s: float,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.reader = reader
+        self.layout = layout
         self.lease_s = lease_s
         self.clock = clock
         self._listener = socket.create_server((host, port))
@@ -167,17 +169,24 @@ class KVTransferServer:
         with self._lock:
             return len(self._leases)
 
-    def lease(self, transfer_id: str, block_hashes: list[bytes], block_ids: list[int]) -> bool:
-        """Hold blocks (already referenced by the caller) for one pull; False if the id is taken."""
+    @property
+    def num_bytes(self) -> int:
+        """Host memory the leased chunks hold."""
+        with self._lock:
+            return sum(lease.num_bytes for lease in self._leases.values())
+
+    def lease(self, transfer_id: str, chunk_keys: list[bytes], payloads: list[np.ndarray]) -> bool:
+        """Hold chunks (keys and payloads, in order) for one pull; False if the id is taken."""
+        assert len(chunk_keys) == len(payloads)
         with self._lock:
             if transfer_id in self._leases:
                 return False
             deadline = self.clock() + self.lease_s
-            self._leases[transfer_id] = Lease(transfer_id, list(block_hashes), list(block_ids), deadline)
+            self._leases[transfer_id] = Lease(transfer_id, list(chunk_keys), list(payloads), deadline)
             return True
 
     def reap(self) -> list[Lease]:
-        """Leases whose blocks may go back to the pool now: pulled, failed, or expired unclaimed."""
+        """Leases that end now (dropped): pulled, failed, or expired unclaimed."""
         now = self.clock()
         done = []
         with self._lock:
@@ -234,32 +243,41 @@ class KVTransferServer:
                 return
             sent = False
             try:
-                sent = self._send(conn, lease, request.block_hashes)
+                if request.layout == self.layout:
+                    sent = self._send(conn, lease, request.chunk_keys)
+                else:  # the lease was for this decoder: it ends
+                    conn.settimeout(max(lease.deadline - self.clock(), 0.001))
+                    send_frame(conn, PullReply(MISMATCH, self._mismatch(request.layout)))
             except (OSError, TransferError) as error:
                 log.warning("KV transfer %s failed or stalled past its lease: %s", lease.transfer_id, error)
             finally:
                 self._done(lease, sent)
 
     def _send(self, conn: socket.socket, lease: Lease, wanted: list[bytes]) -> bool:
-        position = {h: i for i, h in enumerate(lease.block_hashes)}
+        keys = lease.chunk_keys
+        position = {h: i for i, h in enumerate(keys)}
         first = position.get(wanted[0]) if wanted else None
         count = 0
         if first is not None:
-            while (
-                count < len(wanted)
-                and first + count < len(lease.block_hashes)
-                and lease.block_hashes[first + count] == wanted[count]
-            ):
+            while count < len(wanted) and first + count < len(keys) and keys[first + count] == wanted[count]:
                 count += 1
         conn.settimeout(max(lease.deadline - self.clock(), 0.001))  # sendall: a total bound
         if count == 0:
             send_frame(conn, PullReply(OK))
             return True
         assert first is not None
-        kv = np.ascontiguousarray(self.reader.read_blocks(0, lease.block_ids[first : first + count]))
-        send_frame(conn, PullReply(OK, num_blocks=count, dtype=str(kv.dtype), shape=list(kv.shape)))
-        conn.sendall(memoryview(kv).cast("B"))
+        payloads = lease.payloads[first : first + count]
+        send_frame(conn, PullReply(OK, sizes=[p.nbytes for p in payloads]))
+        for payload in payloads:
+            conn.settimeout(max(lease.deadline - self.clock(), 0.001))  # all of them by the deadline
+            conn.sendall(memoryview(np.ascontiguousarray(payload)).cast("B"))
         return True
+
+    def _mismatch(self, layout: str) -> str:
+        return (
+            f"the decoder's KV chunks ({layout}) are not the prefiller's ({self.layout}): both need the "
+            "same model, cache layout and kv_chunk_blocks"
+        )
 
     @staticmethod
     def _reply_quietly(conn: socket.socket, reply: PullReply) -> None:
@@ -287,29 +305,31 @@ class KVPuller:
         self.timeout_s = timeout_s
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kv-transfer-pull")
 
-    def pull(self, source: KVSource, block_hashes: list[bytes]) -> Future[np.ndarray | None]:
-        """The KV of the longest leading run of `block_hashes` the prefiller holds ([blocks,
-        block_bytes]; None for no blocks). Fails with TransferError or TimeoutError."""
-        return self._pool.submit(self._pull, source, list(block_hashes))
+    def pull(self, source: KVSource, chunk_keys: list[bytes], layout: str) -> Future[list[np.ndarray]]:
+        """The payloads (uint8) of the longest leading run of `chunk_keys` the prefiller holds,
+        chunks of `layout` (ChunkLayout.describe()); [] for none. Fails with TransferError or
+        TimeoutError."""
+        return self._pool.submit(self._pull, source, list(chunk_keys), layout)
 
-    def _pull(self, source: KVSource, block_hashes: list[bytes]) -> np.ndarray | None:
+    def _pull(self, source: KVSource, chunk_keys: list[bytes], layout: str) -> list[np.ndarray]:
         deadline = time.monotonic() + self.timeout_s
         host, port = split_address(source.address)
         try:
             with socket.create_connection((host, port), timeout=self.timeout_s) as sock:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 sock.settimeout(max(deadline - time.monotonic(), 0.001))
-                send_frame(sock, PullRequest(source.transfer_id, block_hashes))
+                send_frame(sock, PullRequest(source.transfer_id, chunk_keys, layout))
                 reply = _replies.decode(recv_frame(sock, deadline))
                 if reply.status != OK:
                     raise TransferError(
                         f"the prefill engine at {source.address} answered {reply.status}: {reply.message}"
                     )
-                if reply.num_blocks == 0:
-                    return None
-                kv = np.empty(reply.shape, dtype=np.dtype(reply.dtype))
-                recv_into(sock, memoryview(kv).cast("B"), deadline)
-                return kv
+                if len(reply.sizes) > len(chunk_keys) or any(size < 0 for size in reply.sizes):
+                    raise TransferError(f"the prefill engine at {source.address} sent chunks not asked for")
+                data = np.empty(sum(reply.sizes), dtype=np.uint8)
+                recv_into(sock, memoryview(data), deadline)
+                offsets = itertools.accumulate(reply.sizes, initial=0)
+                return [data[start:end] for start, end in itertools.pairwise(offsets)]
         except TimeoutError:
             raise TimeoutError(
                 f"the KV transfer from {source.address} took longer than {self.timeout_s:g} s"

@@ -237,17 +237,6 @@ def test_aborted_requests_leave_no_blocks(checkpoint):
     assert not llm.engine.has_unfinished_requests()
 
 
-def test_the_direct_pd_handoff_is_refused_for_the_hybrid_cache(checkpoint, tmp_path):
-    """The direct transfer moves one group's blocks: a hybrid cache is refused up front with the
-    option named. The store (test_kv_tiers.py) and the store handoff hold every group."""
-    with pytest.raises(ValueError, match=r"role=prefill with kv_transfer='direct': .* this model has 4"):
-        _llm(checkpoint, role="prefill")
-    with pytest.raises(ValueError, match=r"role=decode with kv_transfer='direct'"):
-        _llm(checkpoint, role="decode")
-    llm = _llm(checkpoint, role="prefill", kv_transfer="store", kv_store=str(tmp_path / "store"))
-    llm.close()
-
-
 @pytest.mark.parametrize(
     "options",
     [{"num_blocks": 256}, {"num_blocks": 48, "prefill_chunk_size": 32, "enable_prefix_caching": False}],

@@ -1,6 +1,7 @@
 """DeepSeek-V4's hybrid cache on the KV tiers beyond the device: a real file store reopened by a
-new engine (a restart), the host tier after device eviction, and namespaces that keep another
-model's chunks (Llama, DeepSeek-V3's MLA) from ever matching a V4 one.
+new engine (a restart), the host tier after device eviction, the prefill/decode handoff through
+the store and directly (chunks pulled over TCP), and namespaces that keep another model's chunks
+(Llama, DeepSeek-V3's MLA) from ever matching a V4 one.
 
 Chunks of 2 blocks (8 tokens, the lcm of the groups' blocks) under a 16-token window: a chunk's
 sliding part reaches into the chunk before it, and chunk boundaries fall inside the window and
@@ -19,7 +20,8 @@ from deepinfer.cache_layout import CacheGroup, CacheTensor, plan_cache_layout
 from deepinfer.engine.kv_cache.manager import KVCacheManager
 from deepinfer.engine.kv_cache.prefix import namespace_root
 from deepinfer.engine.kv_chunks import ChunkLayout
-from deepinfer.sequence import EngineRequest, Sequence
+from deepinfer.engine.outputs import KVHandoff
+from deepinfer.sequence import EngineRequest, KVSource, Sequence
 from deepinfer.store import TieredKVStore
 from deepinfer.store.file_backend import FileBackend
 from tests.deepseek_v4.test_engine import BLOCK, _blocks_in_use, _greedy, _llm, _prompts
@@ -125,6 +127,136 @@ def test_pd_handoff_through_the_store_carries_every_group(checkpoint, cases, tmp
     decode.close()
 
 
+DIRECT_CHUNK_BLOCKS = 4  # 16 tokens (two hit lengths of 8): a decoder's hit of 24 ends inside a chunk
+
+
+def _direct_llm(off: LLM, role: str, **options) -> LLM:
+    """An engine on the shared weights in a direct handoff (chunks of DIRECT_CHUNK_BLOCKS)."""
+    options.setdefault("kv_chunk_blocks", DIRECT_CHUNK_BLOCKS)
+    return LLM(
+        loaded=off.engine.core.loaded, block_size=BLOCK, num_threads=1, num_blocks=256, role=role, **options
+    )
+
+
+def _hand_off(prefill: LLM, transfer_id: str, prompt: list[int]) -> KVHandoff:
+    """What the router asks of the prefill engine: one token of `prompt`, then its KV leased."""
+    core = prefill.engine.core
+    once = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    core.add_request(EngineRequest(transfer_id, prompt, once, kv_handoff=transfer_id))
+    handoffs: list[KVHandoff] = []
+    deadline = time.monotonic() + 30
+    while not handoffs and time.monotonic() < deadline:
+        core.step() if core.has_work() else core.housekeeping()
+        handoffs += core.take_handoffs()
+    (handoff,) = handoffs
+    return handoff
+
+
+def _decode(
+    decode: LLM, request_id: str, prompt: list[int], source: KVSource | None
+) -> tuple[list[int], int, str | None]:
+    """Greedy tokens, cached prompt tokens and error of one request on the decode engine."""
+    core = decode.engine.core
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    core.add_request(EngineRequest(request_id, prompt, params, kv_source=source))
+    tokens: list[int] = []
+    cached, error = 0, None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for out in core.step() if core.has_work() else core.housekeeping():
+            tokens += out.new_token_ids
+            cached = max(cached, out.num_cached_tokens)
+            error = out.error or error
+            if out.finish_reason is not None:
+                return tokens, cached, error
+    raise AssertionError(f"{request_id} did not finish")
+
+
+def _direct_hits(prompt: list[int]) -> int:
+    """Tokens a direct handoff covers: up to the last hit length (8) before the last token."""
+    return (len(prompt) - 1) // BLOCK * BLOCK // 8 * 8
+
+
+def _leases(prefill: LLM) -> int:
+    core = prefill.engine.core
+    core.housekeeping()
+    return core.connector.metrics()["pd_leases"]
+
+
+def test_direct_pd_handoff_carries_every_group(checkpoint, cases):
+    """Prompts shorter than a chunk, of one chunk and a piece, of several chunks, and one the
+    decoder already holds 24 tokens of (inside its second chunk): the decoder pulls the chunks
+    it lacks over TCP and decodes what one engine decodes; no block stays in use on either."""
+    off, (base, partial, _), expected = cases
+    short = _prompts(checkpoint, [7, 13, 27], seed=34)
+    prompts = [*short, base]
+    want = _greedy(off, short, max_tokens=12) + expected[:1]
+    prefill = _direct_llm(off, "prefill")
+    decode = _direct_llm(off, "decode")
+    address = prefill.engine.core.kv_transfer_address
+    for i, (prompt, tokens) in enumerate(zip(prompts[:3], want)):
+        handoff = _hand_off(prefill, f"t{i}", prompt)
+        assert (handoff.error, handoff.num_tokens) == (None, _direct_hits(prompt))  # 0, 8, 24
+        assert _blocks_in_use(prefill) == 0  # the chunks wait in host memory
+        assert _decode(decode, f"r{i}", prompt, KVSource(address, f"t{i}")) == (
+            tokens,
+            _direct_hits(prompt),
+            None,
+        )
+        assert _leases(prefill) == 0 and _blocks_in_use(decode) == 0
+
+    # The decoder holds the first 24 tokens of `base`; the prefiller none (reset).
+    decode.reset_prefix_cache()
+    prefill.reset_prefix_cache()
+    assert _decode(decode, "local", partial, None)[0] == expected[1]
+    core = decode.engine.core
+    assert core.kv.find_cached_prefix(_sequence_of(core, base)).num_tokens == 24
+    received = core.connector.metrics()["pd_blocks_received"]
+    handoff = _hand_off(prefill, "t-base", base)
+    assert (handoff.error, handoff.num_tokens) == (None, 64)
+    assert _decode(decode, "r-base", base, KVSource(address, "t-base")) == (want[3], 64, None)
+    layout = ChunkLayout(core.kv.groups, BLOCK, DIRECT_CHUNK_BLOCKS)
+    every = sum(len(p.block_indices) for c, end in layout.pieces(64) for p in layout.parts(c, end))
+    assert 0 < core.connector.metrics()["pd_blocks_received"] - received < every  # chunks 1.. only
+    assert _leases(prefill) == 0 and _blocks_in_use(prefill) == _blocks_in_use(decode) == 0
+    prefill.close()
+    decode.close()
+
+
+def test_direct_pd_handoff_failures_recompute_or_fail(checkpoint, cases):
+    """A lease that ended before the decoder came, a decoder of other chunks and a prefiller
+    that is gone: the decoder recomputes (greedy output unchanged) or, with
+    kv_transfer_failure='fail', fails the request; no block stays in use on either engine."""
+    off, (base, _, _), expected = cases
+    prefill = _direct_llm(off, "prefill", kv_transfer_lease=0.3)
+    decode = _direct_llm(off, "decode")
+    strict = _direct_llm(off, "decode", kv_transfer_failure="fail")
+    address = prefill.engine.core.kv_transfer_address
+    assert _hand_off(prefill, "late", base).num_tokens == 64
+    time.sleep(0.4)
+    assert _leases(prefill) == 0 and prefill.engine.core.connector.metrics()["pd_leases_expired"] == 1
+    assert _decode(decode, "r-late", base, KVSource(address, "late")) == (expected[0], 0, None)
+    assert _decode(strict, "s-late", base, KVSource(address, "late"))[2] is not None
+
+    other = _direct_llm(off, "decode", kv_chunk_blocks=2)
+    assert _hand_off(prefill, "other", base).num_tokens == 64
+    assert _decode(other, "o-other", base, KVSource(address, "other")) == (expected[0], 0, None)
+    assert other.engine.core.connector.metrics()["pd_pulls_failed"] == 1
+    assert _leases(prefill) == 0 and _blocks_in_use(other) == 0  # the refused lease ended
+    other.close()
+
+    assert _hand_off(prefill, "gone", base).num_tokens == 64
+    prefill.close()  # the listener closes with the engine
+    decode.reset_prefix_cache()
+    assert _decode(decode, "r-gone", base, KVSource(address, "gone")) == (expected[0], 0, None)
+    _, _, error = _decode(strict, "s-gone", base, KVSource(address, "gone"))
+    assert "did not arrive from the prefill engine" in error
+    assert decode.engine.core.connector.metrics()["pd_pulls_failed"] == 2
+    assert _blocks_in_use(prefill) == _blocks_in_use(decode) == _blocks_in_use(strict) == 0
+    decode.close()
+    strict.close()
+
+
 def _sequence_of(core, prompt: list[int]) -> Sequence:
     root = namespace_root(core.fingerprint)
     return Sequence(-1, EngineRequest("probe", prompt, SamplingParams()), 0, list(prompt), len(prompt), root)
@@ -181,6 +313,23 @@ def test_a_chunk_keeps_the_last_window_and_its_own_compressed_entries(checkpoint
     ]
     groups = llm.engine.core.layout.groups
     assert [p.block_bytes for p in parts] == [g.block_bytes for g in groups]
+    llm.close()
+
+
+def test_the_direct_handoff_cuts_the_tail_at_the_last_hit_length(checkpoint):
+    """Chunks of 16 tokens, hits on multiples of 8: 28 usable tokens go as chunk 0 and the piece
+    of chunk 1 up to token 24, which keeps what a whole chunk ending there would."""
+    llm = _llm(checkpoint, num_blocks=32, role="decode", kv_chunk_blocks=DIRECT_CHUNK_BLOCKS)
+    chunks = llm.engine.core.connector.chunks
+    assert chunks.pieces(7) == [] and chunks.pieces(12) == [(0, 8)]
+    assert chunks.pieces(28) == [(0, 16), (1, 24)]
+    assert chunks.pieces(64) == [(0, 16), (1, 32), (2, 48), (3, 64)]
+    assert [(p.group, p.block_indices) for p in chunks.parts(1, 24)] == [
+        (0, range(2, 6)),  # the raw KV of positions 9..23 (window 16)
+        (1, range(4, 6)),  # the compressor and indexer rows of 17..23 (window 8)
+        (2, range(4, 6)),  # the piece's own CSA blocks
+        (3, range(2, 3)),  # and HCA block
+    ]
     llm.close()
 
 

@@ -1,5 +1,6 @@
-"""The direct KV transfer on loopback: leases, pulls by prefix hash, and the failures that must
-never pin a block (a decoder that never comes, one that stalls, a prefiller that is gone)."""
+"""The direct KV transfer on loopback: leases of chunks, pulls by chunk key, a decoder of another
+chunk layout, and the failures that must never hold a lease past its end (a decoder that never
+comes, one that stalls, a prefiller that is gone)."""
 
 from __future__ import annotations
 
@@ -18,15 +19,13 @@ from deepinfer.engine.kv_transfer import (
 )
 from deepinfer.sequence import KVSource
 
-TOKENS_PER_BLOCK = 4
+LAYOUT = "deepinfer-kv-chunk-v2|64|test"
 
 
-class FakeCaches:
-    """Blocks whose KV is their id: [2 tensors, tokens, 3] (reads only, like a prefiller's)."""
-
-    def read_blocks(self, group: int, block_ids: list[int]) -> np.ndarray:
-        rows = np.repeat(np.array(block_ids, dtype=np.float32), TOKENS_PER_BLOCK)
-        return np.broadcast_to(rows[None, :, None], (2, len(rows), 3)).copy()
+def payloads(values: list[int]) -> list[np.ndarray]:
+    """Chunks whose bytes are their value, of different sizes (a first chunk's sliding part is
+    shorter than a later one's)."""
+    return [np.full(8 + value, value, dtype=np.uint8) for value in values]
 
 
 def hashes(n: int) -> list[bytes]:
@@ -35,30 +34,43 @@ def hashes(n: int) -> list[bytes]:
 
 @pytest.fixture
 def server():
-    s = KVTransferServer(FakeCaches(), "127.0.0.1", 0, lease_s=2.0)
+    s = KVTransferServer(LAYOUT, "127.0.0.1", 0, lease_s=2.0)
     yield s
     s.close()
 
 
 def test_a_pull_gets_the_longest_run_it_asks_for_and_ends_the_lease(server) -> None:
-    assert server.lease("t1", hashes(5), [10, 11, 12, 13, 14])
+    assert server.lease("t1", hashes(5), payloads([10, 11, 12, 13, 14]))
+    assert server.num_bytes == sum(8 + v for v in range(10, 15))
     puller = KVPuller(timeout_s=5.0)
-    kv = puller.pull(KVSource(server.address, "t1"), [*hashes(5)[2:], b"\xff" * 32]).result()
-    assert kv.shape == (2, 3 * TOKENS_PER_BLOCK, 3)
-    assert kv[0, :, 0].tolist() == [12.0] * 4 + [13.0] * 4 + [14.0] * 4
-    # One pull per lease: the blocks are given back, a second pull finds nothing.
+    chunks = puller.pull(KVSource(server.address, "t1"), [*hashes(5)[2:], b"\xff" * 32], LAYOUT).result()
+    assert [(c.dtype, c.size, set(c.tolist())) for c in chunks] == [
+        (np.uint8, 8 + v, {v}) for v in (12, 13, 14)
+    ]
+    # One pull per lease: the chunks are dropped, a second pull finds nothing.
     deadline = time.monotonic() + 5
     while not (reaped := server.reap()) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert [lease.block_ids for lease in reaped] == [[10, 11, 12, 13, 14]]
+    assert [lease.transfer_id for lease in reaped] == ["t1"] and server.num_bytes == 0
     with pytest.raises(TransferError, match="unknown"):
-        puller.pull(KVSource(server.address, "t1"), hashes(5)).result()
+        puller.pull(KVSource(server.address, "t1"), hashes(5), LAYOUT).result()
     puller.close()
 
 
+def test_a_decoder_of_another_chunk_layout_is_refused_and_the_lease_ends(server) -> None:
+    server.lease("t7", hashes(2), payloads([1, 2]))
+    other = "deepinfer-kv-chunk-v2|32|test"  # another kv_chunk_blocks
+    with pytest.raises(TransferError, match=r"mismatch: .*kv_chunk_blocks"):
+        KVPuller(5.0).pull(KVSource(server.address, "t7"), hashes(2), other).result()
+    deadline = time.monotonic() + 5
+    while not (reaped := server.reap()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [lease.transfer_id for lease in reaped] == ["t7"] and server.num_failed == 1
+
+
 def test_an_empty_pull_releases_the_lease(server) -> None:
-    server.lease("t2", hashes(2), [1, 2])
-    assert KVPuller(5.0).pull(KVSource(server.address, "t2"), []).result() is None
+    server.lease("t2", hashes(2), payloads([1, 2]))
+    assert KVPuller(5.0).pull(KVSource(server.address, "t2"), [], LAYOUT).result() == []
     deadline = time.monotonic() + 5
     while server.num_leases and time.monotonic() < deadline:
         server.reap()
@@ -67,7 +79,7 @@ def test_an_empty_pull_releases_the_lease(server) -> None:
 
 
 def test_a_decoder_that_never_comes_loses_the_lease(server) -> None:
-    server.lease("t3", hashes(2), [1, 2])
+    server.lease("t3", hashes(2), payloads([1, 2]))
     assert server.reap() == []
     time.sleep(2.1)
     assert [lease.transfer_id for lease in server.reap()] == ["t3"]
@@ -75,15 +87,15 @@ def test_a_decoder_that_never_comes_loses_the_lease(server) -> None:
 
 
 def test_a_decoder_that_stalls_mid_transfer_loses_the_connection_when_the_lease_ends() -> None:
-    big = 1 << 16  # blocks: 2 * 64Ki * 4 * 3 * 4 bytes, far more than the socket buffers hold
-    server = KVTransferServer(FakeCaches(), "127.0.0.1", 0, lease_s=1.0)
+    many = 64  # chunks of 1 MiB: far more than the socket buffers hold
+    server = KVTransferServer(LAYOUT, "127.0.0.1", 0, lease_s=1.0)
     try:
-        many = [i.to_bytes(32, "big") for i in range(big)]
-        server.lease("t4", many, list(range(big)))
+        keys = [i.to_bytes(32, "big") for i in range(many)]
+        server.lease("t4", keys, [np.zeros(1 << 20, dtype=np.uint8)] * many)
         host, port = server.address.rsplit(":", 1)
         stalled = socket.create_connection((host, int(port)))
-        send_frame(stalled, PullRequest("t4", many))
-        # ...and never reads. The send is bounded by the lease: the blocks come back.
+        send_frame(stalled, PullRequest("t4", keys, LAYOUT))
+        # ...and never reads. The send is bounded by the lease: the lease ends.
         deadline = time.monotonic() + 10
         reaped = []
         while not reaped and time.monotonic() < deadline:
@@ -103,7 +115,7 @@ def test_a_prefiller_that_is_gone_fails_the_pull_at_once() -> None:
     probe.close()  # nothing listens there now
     started = time.monotonic()
     with pytest.raises(TransferError, match="unreachable"):
-        KVPuller(30.0).pull(KVSource(f"127.0.0.1:{port}", "t5"), hashes(1)).result()
+        KVPuller(30.0).pull(KVSource(f"127.0.0.1:{port}", "t5"), hashes(1), LAYOUT).result()
     assert time.monotonic() - started < 5
 
 
@@ -112,6 +124,6 @@ def test_a_pull_that_takes_too_long_times_out() -> None:
     try:
         address = f"127.0.0.1:{silent.getsockname()[1]}"
         with pytest.raises(TimeoutError, match="longer than"):
-            KVPuller(0.5).pull(KVSource(address, "t6"), hashes(1)).result()
+            KVPuller(0.5).pull(KVSource(address, "t6"), hashes(1), LAYOUT).result()
     finally:
         silent.close()

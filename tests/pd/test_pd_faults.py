@@ -16,10 +16,19 @@ import socket
 import time
 
 import httpx
+import msgspec
 import pytest
 
 from deepinfer.engine.kv_cache.prefix import extend_block_hashes, namespace_root
-from deepinfer.engine.kv_transfer import PullRequest, send_frame
+from deepinfer.engine.kv_transfer import (
+    KVPuller,
+    PullReply,
+    PullRequest,
+    TransferError,
+    recv_frame,
+    send_frame,
+)
+from deepinfer.sequence import KVSource
 from tests.pd.apis import ask
 from tests.pd.cluster import (
     MODEL,
@@ -89,13 +98,15 @@ def prefill_directly(cluster, transfer_id: str, token_ids: list[int]) -> dict:
     return reply.json()
 
 
-def test_a_decoder_that_never_comes_does_not_pin_the_blocks(cluster) -> None:
+def test_a_decoder_that_never_comes_does_not_hold_the_kv(cluster) -> None:
     handoff = prefill_directly(cluster, "never-pulled", tokens_of(cluster, DOCUMENT))
     assert handoff["num_blocks"] > 0 and handoff["address"]
-    assert blocks_in_use(cluster["prefill"]) == handoff["num_blocks"]  # leased, waiting
-    started = time.monotonic()
-    wait_all_blocks_free([cluster["prefill"]], timeout_s=LEASE_S + 5)
-    assert elapsed(started) < LEASE_S + 5
+    assert blocks_in_use(cluster["prefill"]) == 0  # the leased chunks wait in host memory
+    time.sleep(LEASE_S + 0.5)
+    layout = engine_info(cluster["prefill"])["kv_transfer_layout"]
+    source = KVSource(handoff["address"], "never-pulled")
+    with pytest.raises(TransferError, match="unknown"):  # the lease ended
+        KVPuller(5.0).pull(source, [], layout).result()
 
 
 def test_a_transfer_that_stalls_past_the_lease(cluster) -> None:
@@ -105,13 +116,25 @@ def test_a_transfer_that_stalls_past_the_lease(cluster) -> None:
     hashes: list[bytes] = []
     usable = (len(token_ids) - 1) // info["block_size"] * info["block_size"]
     extend_block_hashes(hashes, namespace_root(info["fingerprint"]), token_ids[:usable], info["block_size"])
+    # The chunk keys: whole chunks of --kv-chunk-blocks' default 16 blocks, then the tail's piece.
+    keys = hashes[15::16] + ([hashes[-1]] if len(hashes) % 16 else [])
     host, port = handoff["address"].rsplit(":", 1)
     # A decoder that asks for the KV (megabytes: more than the socket buffers) and stops reading.
     stalled = socket.create_connection((host, int(port)))
     stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     try:
-        send_frame(stalled, PullRequest("stalled", hashes))
-        wait_all_blocks_free([cluster["prefill"]], timeout_s=LEASE_S + 5)
+        send_frame(stalled, PullRequest("stalled", keys, info["kv_transfer_layout"]))
+        time.sleep(LEASE_S + 1)
+        # The prefiller gave up the send when the lease ended: the connection ends short.
+        reply = msgspec.msgpack.decode(recv_frame(stalled, time.monotonic() + 10), type=PullReply)
+        expected, received = sum(reply.sizes), 0
+        stalled.settimeout(10)
+        try:
+            while data := stalled.recv(1 << 20):
+                received += len(data)
+        except ConnectionResetError:
+            pass
+        assert 0 < received < expected
     finally:
         stalled.close()
     # A decoder that comes for it now finds no lease and recomputes: same answer, no leak.

@@ -126,6 +126,7 @@ def engine_info(
         kv_events_endpoint=publisher.endpoint if publisher is not None else None,
         kv_store=config.store.identity,
         kv_chunk_blocks=config.store.kv_chunk_blocks if config.store.kv_store is not None else 0,
+        kv_transfer_layout=core.kv_transfer_layout,
     )
 
 

@@ -88,6 +88,7 @@ class EngineInfo(msgspec.Struct, array_like=True):
     kv_events_endpoint: str | None = None
     kv_store: str | None = None  # the shared store's identity (a path or redis host/db), no secrets
     kv_chunk_blocks: int = 0  # blocks per stored chunk (0: no shared store)
+    kv_transfer_layout: str | None = None  # the chunks a direct handoff moves (prefill/decode roles)
 
 
 class EngineReady(msgspec.Struct, tag="ready", array_like=True):

@@ -93,6 +93,7 @@ class DataParallelEngine:
     # Roles, KV events and the store are refused over several ranks (EngineConfig), so there is
     # no transfer listener, no connector to poll and nothing to hand off or publish.
     kv_transfer_address: str | None = None
+    kv_transfer_layout: str | None = None
     connector_busy = False
 
     def housekeeping(self) -> list[SequenceOutput]:
