@@ -265,26 +265,40 @@ def deepseek(tmp_path_factory) -> types.SimpleNamespace:
     )
 
 
-def _deepseek_modules(deepseek, state: dict[str, torch.Tensor]) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """DeepSeek's ViT and projector at the tiny sizes, loaded through DeepSeek's name map."""
-    vit_ns = deepseek.vit
-    vit_ns |= {"EMBED_DIM": SPEC.hidden_size, "DEPTH": SPEC.num_layers, "NUM_HEADS": SPEC.num_heads}
-    # Its SwiGLU width rule, round_up(int(width * ratio), multiple), made to give 64.
-    vit_ns |= {"MLP_RATIO": 1.0, "MULTIPLE_OF": SPEC.intermediate_size, "MAX_GRID_SIZE": 16}
-    vit = vit_ns["VisionTransformer"](recomputing_every_layer=2)  # also the unfused residual path
+def _deepseek_tower(
+    deepseek, arch: DeepseekV41Arch, **constants: Any
+) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """DeepSeek's ViT (its file's constants, some replaced) and projector for this arch."""
+    deepseek.vit |= deepseek.vit_defaults | constants
+    vit = deepseek.vit["VisionTransformer"](recomputing_every_layer=2)  # also the unfused residual path
     cfg = _AttrDict(
         projector_type="downsample_mlp_gelu",
-        input_dim=SPEC.hidden_size,
-        hidden_size=ARCH.hidden_size,
+        input_dim=arch.vision.hidden_size,
+        hidden_size=arch.hidden_size,
         depth=2,
-        downsample_ratio=SPEC.downsample_ratio,
+        downsample_ratio=arch.vision.downsample_ratio,
     )
-    projector = deepseek.projector(cfg)
+    return vit, deepseek.projector(cfg)
+
+
+_TOWER_PREFIXES = ("vision_pipeline.aligner.visual_encoder.", "vision_pipeline.aligner.aligner.")
+
+
+def _deepseek_modules(deepseek, state: dict[str, torch.Tensor]) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """DeepSeek's ViT and projector at the tiny sizes, loaded through DeepSeek's name map."""
+    # Its SwiGLU width rule, round_up(int(width * ratio), multiple), made to give 64.
+    vit, projector = _deepseek_tower(
+        deepseek,
+        ARCH,
+        EMBED_DIM=SPEC.hidden_size,
+        DEPTH=SPEC.num_layers,
+        NUM_HEADS=SPEC.num_heads,
+        MLP_RATIO=1.0,
+        MULTIPLE_OF=SPEC.intermediate_size,
+        MAX_GRID_SIZE=16,
+    )
     mapped = {deepseek.to_model(name): t for name, t in state.items() if name not in SPECIAL_EMBEDDINGS}
-    for module, prefix in (
-        (vit, "vision_pipeline.aligner.visual_encoder."),
-        (projector, "vision_pipeline.aligner.aligner."),
-    ):
+    for module, prefix in zip((vit, projector), _TOWER_PREFIXES, strict=True):
         module.load_state_dict(
             {n.removeprefix(prefix): t for n, t in mapped.items() if n.startswith(prefix)}, strict=True
         )
@@ -380,21 +394,31 @@ def test_merge_equals_deepseeks_downsample(deepseek, ratio):
 
 
 def test_default_tower_is_deepseeks(deepseek):
-    """vision_config without the optional keys gives the ViT DeepSeek fixes in code."""
+    """vision_config without the optional keys gives the ViT DeepSeek fixes in code, and at that
+    full size every checkpoint name maps onto its modules' parameters with the same shape."""
     defaults = deepseek.vit_defaults
-    raw = tiny_config()
+    raw = tiny_config(hidden_size=4096)
     raw["vision_config"] = {"hidden_size": defaults["EMBED_DIM"], "downsample_ratio": 2, "patch_size": 14}
-    spec = DeepseekV41Arch.from_raw(raw).vision
-    with torch.device("meta"):
-        swiglu = deepseek.vit["SwiGLU"](
-            spec.hidden_size, int(spec.hidden_size * defaults["MLP_RATIO"]), defaults["MULTIPLE_OF"]
-        )
-    assert (spec.num_layers, spec.num_heads, spec.patch_size) == (
+    arch = DeepseekV41Arch.from_raw(raw)
+    spec = arch.vision
+    assert (spec.num_layers, spec.num_heads, spec.patch_size, spec.intermediate_size) == (
         defaults["DEPTH"],
         defaults["NUM_HEADS"],
         defaults["PATCH_SIZE"],
+        2816,  # round_up(int(1024 * 2.7), 128)
     )
-    assert 2 * spec.intermediate_size == swiglu.linear1.weight.shape[0] == 2 * 2816
+    with torch.device("meta"):
+        modules = _deepseek_tower(deepseek, arch)
+        ours = VisionEncoderV41(spec, arch.hidden_size)
+    theirs = {
+        prefix + name: tuple(t.shape)
+        for module, prefix in zip(modules, _TOWER_PREFIXES, strict=True)
+        for name, t in module.state_dict().items()
+    }
+    expected = expected_vision_tensors(arch)
+    assert {deepseek.to_model(name): spec.shape for name, spec in expected.items()} == theirs
+    own = {name: tuple(t.shape) for name, t in ours.state_dict().items() if name not in SPECIAL_EMBEDDINGS}
+    assert own == {name: spec.shape for name, spec in expected.items()}
 
 
 # ---------------------------------------------------------------- (3) from the checkpoint
