@@ -20,6 +20,8 @@ each moved here so that a bad config fails before any weight is read, with the k
 - MoE keys: sqrtsoftplus scores, noaux_tc top-k, normalized top-k probabilities.
 - `dspark_*`: the DSpark draft layers (`num_nextn_predict_layers` of them).
 - `engram_*`: Engram layers with their prime-sized hashed tables.
+- `vision_config`: the ViT's width, patch size (14 only) and merge ratio; depth, heads and MLP
+  width default to the values DeepSeek's engine fixes in code.
 
 Stricter than DeepSeek's parser in one respect: a layer id outside the backbone (in the sharing,
 DSpark target or Engram lists), which DeepSeek's silently ignores, is an error here.
@@ -39,6 +41,12 @@ COMPRESS_RATIOS = (SLIDING, C1, C2)
 INDEX_ROPE_DIM = 64  # DeepSeek's indexer applies RoPE to exactly 64 channels
 CANDIDATE_MAX_BLOCK_SIZE = 16
 CANDIDATE_TOPK_MULTIPLE = 8
+# DeepSeek's V4.1 ViT, fixed in its code: patch size, depth, heads, SwiGLU width rule.
+VISION_PATCH_SIZE = 14
+VISION_LAYERS = 32
+VISION_HEADS = 16
+VISION_MLP_RATIO = 2.7
+VISION_MLP_MULTIPLE = 128
 _FIXED_TEXT = {
     "hidden_act": "silu",
     "attention_bias": False,
@@ -115,8 +123,18 @@ class EngramSpec:
 
 @dataclass(slots=True, frozen=True)
 class VisionSpec:
+    """The vision tower: a ViT over 14-pixel patches, then d x d patches merged into one LM token."""
+
     hidden_size: int
-    downsample_ratio: int
+    downsample_ratio: int  # d
+    patch_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int  # the SwiGLU's hidden width
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
 
 
 @dataclass(slots=True, frozen=True)
@@ -643,5 +661,30 @@ def _is_prime(n: int) -> bool:
 
 
 def _vision(vision: dict[str, Any]) -> VisionSpec:
+    """DeepSeek's engine reads only the widths and the patch geometry from vision_config and fixes
+    the rest of its ViT in code (32 blocks, 16 heads, a SwiGLU of 2.7 x the width rounded up to a
+    multiple of 128); those are the defaults of the optional keys here, so that tiny test towers
+    can be smaller."""
     v = _Reader(vision, "vision_config")
-    return VisionSpec(hidden_size=v.positive("hidden_size"), downsample_ratio=v.positive("downsample_ratio"))
+    hidden = v.positive("hidden_size")
+    patch = v.positive("patch_size")
+    if patch != VISION_PATCH_SIZE:
+        raise ValueError(
+            f"config.json: vision_config.patch_size={patch} is not supported (DeepSeek's ViT takes "
+            f"{VISION_PATCH_SIZE}-pixel patches)"
+        )
+    heads = v.positive("num_attention_heads", VISION_HEADS)
+    if hidden % heads or (hidden // heads) % 4:
+        raise ValueError(
+            f"config.json: vision_config.num_attention_heads={heads} must split hidden_size={hidden} into heads "
+            "of a multiple of 4 channels (2-D RoPE rotates channel pairs, half by row and half by column)"
+        )
+    default_mlp = -(-int(hidden * VISION_MLP_RATIO) // VISION_MLP_MULTIPLE) * VISION_MLP_MULTIPLE
+    return VisionSpec(
+        hidden_size=hidden,
+        downsample_ratio=v.positive("downsample_ratio"),
+        patch_size=patch,
+        num_layers=v.positive("num_hidden_layers", VISION_LAYERS),
+        num_heads=heads,
+        intermediate_size=v.positive("intermediate_size", default_mlp),
+    )

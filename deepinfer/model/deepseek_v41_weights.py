@@ -15,12 +15,14 @@ Names (optionally under `model.`), as DeepSeek's engine maps them:
   first with `main_proj` / `main_norm` (the projection of the target layers' features), the last
   with `norm`, `markov_head.{embed,head}`, `confidence_head.proj` (and `hc_head_*` unless
   shifted); embedding and head are the backbone's, stored once.
-- `vision.*` / `aligner.*`: the vision tower, listed but not loaded (no vision model yet).
+- `vision.*`: the ViT (`patch_embed.proj`, per block `blocks.{i}.{norm1, attn.wqkv, attn.wo,
+  norm2, mlp.w1, mlp.w2}`, the final `norm`) and `aligner.{w1, w2}`: the projector to the LM's
+  width; all of them or none (a text-only checkpoint).
 
 Storage: FP8 e4m3 matrices with a UE8M0 scale (`X.scale`) per 32x32 block; routed experts FP4
 e2m1 (two per byte, the even column in the low nibble) with a UE8M0 scale per 32 inputs; Engram
 tables FP8 with a scale per row and 32 columns; hyper-connection mixers, sinks and routing
-biases float32; the rest bfloat16.
+biases float32; the rest (the vision tower too) bfloat16.
 
 Dequantized at load: this is a CPU float32 engine, where FP8 and FP4 matrix products have no
 kernel and would be emulated by dequantizing on every step; dequantizing once costs memory, not
@@ -90,7 +92,7 @@ class EngramTable:
 class V41Weights:
     tensors: dict[str, torch.Tensor]  # HF name (no `model.`) -> float32, dequantized
     engram_tables: dict[int, EngramTable]  # backbone layer -> its table
-    vision: tuple[str, ...]  # vision-tower tensors present, not loaded
+    vision: dict[str, torch.Tensor]  # vision tower, HF name -> float32; empty: a text-only checkpoint
 
 
 def expected_tensors(arch: DeepseekV41Arch) -> dict[str, TensorSpec]:
@@ -125,6 +127,33 @@ def expected_tensors(arch: DeepseekV41Arch) -> dict[str, TensorSpec]:
             specs[prefix + "hc_head_base"] = TensorSpec((m,), FP32)
             specs[prefix + "hc_head_fn"] = TensorSpec((m, m * hidden), FP32)
             specs[prefix + "hc_head_scale"] = TensorSpec((1,), FP32)
+    return specs
+
+
+def expected_vision_tensors(arch: DeepseekV41Arch) -> dict[str, TensorSpec]:
+    """The vision tower's tensors: the ViT's linears with biases, its SwiGLUs without (`mlp.w1` is
+    the gate and up projections stacked), and the two-layer projector from d x d merged patches."""
+    v = arch.vision
+    width, inter, merged = v.hidden_size, v.intermediate_size, v.hidden_size * v.downsample_ratio**2
+    specs = {
+        "vision.patch_embed.proj.weight": TensorSpec((width, 3 * v.patch_size**2), FLOAT),
+        "vision.patch_embed.proj.bias": TensorSpec((width,), FLOAT),
+        "vision.norm.weight": TensorSpec((width,), FLOAT),
+        "aligner.w1.weight": TensorSpec((arch.hidden_size, merged), FLOAT),
+        "aligner.w1.bias": TensorSpec((arch.hidden_size,), FLOAT),
+        "aligner.w2.weight": TensorSpec((arch.hidden_size, arch.hidden_size), FLOAT),
+        "aligner.w2.bias": TensorSpec((arch.hidden_size,), FLOAT),
+    }
+    for i in range(v.num_layers):
+        block = f"vision.blocks.{i}."
+        specs[block + "norm1.weight"] = TensorSpec((width,), FLOAT)
+        specs[block + "attn.wqkv.weight"] = TensorSpec((3 * width, width), FLOAT)
+        specs[block + "attn.wqkv.bias"] = TensorSpec((3 * width,), FLOAT)
+        specs[block + "attn.wo.weight"] = TensorSpec((width, width), FLOAT)
+        specs[block + "attn.wo.bias"] = TensorSpec((width,), FLOAT)
+        specs[block + "norm2.weight"] = TensorSpec((width,), FLOAT)
+        specs[block + "mlp.w1.weight"] = TensorSpec((2 * inter, width), FLOAT)
+        specs[block + "mlp.w2.weight"] = TensorSpec((width, inter), FLOAT)
     return specs
 
 
@@ -279,9 +308,9 @@ def load_v41_weights(directory: str | Path, arch: DeepseekV41Arch) -> V41Weights
             f"separate hyper-connection norm tensors {_some(unfolded)}: DeepSeek-V4.1 checkpoints fold them "
             "into hc_*_fn"
         )
-    vision = tuple(sorted(n for n in names if n.startswith(VISION_PREFIXES)))
     scales = {n for n in names if n.endswith(".scale")}
-    stored = names - scales - set(vision)
+    vision_names = {n for n in names - scales if n.startswith(VISION_PREFIXES)}
+    stored = names - scales - vision_names
     specs = expected_tensors(arch)
     missing = sorted(set(specs) - stored)
     if missing:
@@ -324,7 +353,26 @@ def load_v41_weights(directory: str | Path, arch: DeepseekV41Arch) -> V41Weights
             allowed = (torch.float32,) if spec.storage == FP32 else _FLOATS
             _check(name, value, spec.shape, allowed)
             tensors[name] = value.float() if value.dtype != torch.float32 else value.clone()
+    vision = _load_vision(shards, arch, vision_names) if vision_names else {}
     return V41Weights(tensors=tensors, engram_tables=tables, vision=vision)
+
+
+def _load_vision(shards: MappedShards, arch: DeepseekV41Arch, names: set[str]) -> dict[str, torch.Tensor]:
+    specs = expected_vision_tensors(arch)
+    missing = sorted(set(specs) - names)
+    if missing:
+        raise ValueError(f"vision tensors missing from the checkpoint: {_some(missing)}")
+    unexpected = sorted(names - set(specs))
+    if unexpected:
+        raise ValueError(
+            f"unexpected vision tensors for this config.json's vision_config: {_some(unexpected)}"
+        )
+    tensors = {}
+    for name, spec in specs.items():
+        value = shards.tensor(name)
+        _check(name, value, spec.shape, _FLOATS)
+        tensors[name] = value.float() if value.dtype != torch.float32 else value.clone()
+    return tensors
 
 
 def _scale_name(weight_name: str) -> str:

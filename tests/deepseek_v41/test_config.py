@@ -44,7 +44,9 @@ def test_tiny_config_parses_to_its_architecture(tmp_path):
     assert e.layer_table_sizes(1) == ((53, 59), (61, 67))
     assert e.layer_table_sizes(4) == ((71, 73), (79, 83))
     assert {layer: e.layer_rows(layer) for layer in e.layer_ids} == engram_rows(tiny_config()["text_config"])
-    assert (arch.vision.hidden_size, arch.vision.downsample_ratio) == (48, 2)
+    v = arch.vision
+    assert (v.hidden_size, v.downsample_ratio, v.patch_size) == (48, 2, 14)
+    assert (v.num_layers, v.num_heads, v.head_dim, v.intermediate_size) == (2, 4, 12, 64)
     assert arch.fp8_block == (32, 32)
     with pytest.raises(AttributeError):
         arch.num_layers = 3  # frozen
@@ -99,6 +101,12 @@ MALFORMED = [
     ("quantization_config.activation_scheme", "static", "quantization_config.activation_scheme"),
     ("vision_config", _DELETE, "vision_config"),
     ("vision_config.downsample_ratio", 0, "vision_config.downsample_ratio"),
+    ("vision_config.patch_size", _DELETE, "vision_config.patch_size"),
+    ("vision_config.patch_size", 16, "vision_config.patch_size"),
+    ("vision_config.num_attention_heads", 5, "vision_config.num_attention_heads"),  # 48 / 5
+    ("vision_config.num_attention_heads", 8, "vision_config.num_attention_heads"),  # heads of 6
+    ("vision_config.num_hidden_layers", 0, "vision_config.num_hidden_layers"),
+    ("vision_config.intermediate_size", "64", "vision_config.intermediate_size"),
     ("pad_token_id", _DELETE, "pad_token_id"),
     (_T + "hidden_act", "gelu", _T + "hidden_act"),
     (_T + "num_key_value_heads", 4, _T + "num_key_value_heads"),

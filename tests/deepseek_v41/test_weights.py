@@ -31,7 +31,8 @@ def loaded(tiny):
 
 def test_tiny_checkpoint_loads_every_tensor(tiny, loaded):
     engram = {name for name in tiny.values if name.endswith("engram.embed.weight")}
-    assert set(loaded.tensors) == set(tiny.values) - engram
+    vision = {name for name in tiny.values if name.startswith(("vision.", "aligner."))}
+    assert set(loaded.tensors) == set(tiny.values) - engram - vision
     assert {v.dtype for v in loaded.tensors.values()} == {torch.float32}
     assert [n for n, v in loaded.tensors.items() if not torch.equal(v, tiny.values[n])] == []
     assert set(loaded.engram_tables) == {1, 4}
@@ -39,7 +40,9 @@ def test_tiny_checkpoint_loads_every_tensor(tiny, loaded):
         expected = tiny.values[f"layers.{layer}.engram.embed.weight"]
         rows = torch.tensor([[0, 5], [len(expected) - 1, 17]])
         assert torch.equal(table.lookup(rows), expected[rows])
-    assert loaded.vision == ()
+    assert set(loaded.vision) == vision
+    assert [n for n, v in loaded.vision.items() if not torch.equal(v, tiny.values[n])] == []
+    assert {v.dtype for v in loaded.vision.values()} == {torch.float32}
 
 
 def test_layer_kinds_hold_their_own_tensors(loaded):
@@ -153,13 +156,14 @@ def test_dequantization_matches_deepseeks_reference(tiny, loaded, reference):
         assert torch.equal(loaded.tensors[name], expected), name
 
 
-def test_model_prefix_and_vision_tensors(tiny, tmp_path):
+def test_model_prefix_and_text_only_checkpoints(tiny, tmp_path):
     stored = {f"model.{name}": t for name, t in tiny.stored.items()}
-    stored["vision.blocks.0.attn.wqkv.weight"] = torch.zeros(3, 2, dtype=torch.bfloat16)
     write_checkpoint(tmp_path, tiny.config, stored)
     weights = load_v41_weights(tmp_path, DeepseekV41Arch.from_file(tmp_path))
-    assert "embed.weight" in weights.tensors
-    assert weights.vision == ("vision.blocks.0.attn.wqkv.weight",)
+    assert "embed.weight" in weights.tensors and "vision.norm.weight" in weights.vision
+    text_only = {n: t for n, t in tiny.stored.items() if not n.startswith(("vision.", "aligner."))}
+    write_checkpoint(tmp_path, tiny.config, text_only)
+    assert load_v41_weights(tmp_path, DeepseekV41Arch.from_file(tmp_path)).vision == {}
 
 
 def _drop(name: str):

@@ -11,6 +11,8 @@ own, not taken from the loader under test:
 - FP8 e4m3 weights with UE8M0 scales per 32x32 block, routed experts as FP4 e2m1 pairs with a
   UE8M0 scale per 32 inputs, Engram tables FP8 with a scale per row and 32 columns;
 - hyper-connection mixers, sinks and routing biases in float32, everything else bfloat16;
+- a two-block vision tower (`vision.*`, 4 heads of 12 channels, 14-pixel patches) and its
+  projector (`aligner.*`, 2 x 2 patches per token), bfloat16 like DeepSeek's;
 - two shards and model.safetensors.index.json.
 The float32 values each quantized tensor stands for are returned next to the files.
 """
@@ -109,7 +111,14 @@ def tiny_config(**text_overrides: Any) -> dict[str, Any]:
             "scale_fmt": "ue8m0",
         },
         "text_config": text,
-        "vision_config": {"hidden_size": 48, "downsample_ratio": 2},
+        "vision_config": {
+            "hidden_size": 48,
+            "downsample_ratio": 2,
+            "patch_size": 14,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "intermediate_size": 64,
+        },
     }
 
 
@@ -253,6 +262,34 @@ def tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], st
             shapes[p + "hc_head_base"] = ((m,), "f32")
             shapes[p + "hc_head_fn"] = ((m, m * hidden), "f32")
             shapes[p + "hc_head_scale"] = ((1,), "f32")
+    shapes.update(vision_shapes(config))
+    return shapes
+
+
+def vision_shapes(config: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The vision tower's names as DeepSeek's name map gives them, shapes from its modules: linears
+    with biases in the ViT's attention, patch embedding and projector, none in its SwiGLUs."""
+    v, hidden = config["vision_config"], config["text_config"]["hidden_size"]
+    width, inter, patch, d = v["hidden_size"], v["intermediate_size"], v["patch_size"], v["downsample_ratio"]
+    shapes: dict[str, tuple[tuple[int, ...], str]] = {
+        "vision.patch_embed.proj.weight": ((width, 3 * patch * patch), "bf16"),
+        "vision.patch_embed.proj.bias": ((width,), "bf16"),
+    }
+    for i in range(v["num_hidden_layers"]):
+        b = f"vision.blocks.{i}."
+        shapes[b + "norm1.weight"] = ((width,), "bf16")
+        shapes[b + "attn.wqkv.weight"] = ((3 * width, width), "bf16")
+        shapes[b + "attn.wqkv.bias"] = ((3 * width,), "bf16")
+        shapes[b + "attn.wo.weight"] = ((width, width), "bf16")
+        shapes[b + "attn.wo.bias"] = ((width,), "bf16")
+        shapes[b + "norm2.weight"] = ((width,), "bf16")
+        shapes[b + "mlp.w1.weight"] = ((2 * inter, width), "bf16")
+        shapes[b + "mlp.w2.weight"] = ((width, inter), "bf16")
+    shapes["vision.norm.weight"] = ((width,), "bf16")
+    shapes["aligner.w1.weight"] = ((hidden, width * d * d), "bf16")
+    shapes["aligner.w1.bias"] = ((hidden,), "bf16")
+    shapes["aligner.w2.weight"] = ((hidden, hidden), "bf16")
+    shapes["aligner.w2.bias"] = ((hidden,), "bf16")
     return shapes
 
 
