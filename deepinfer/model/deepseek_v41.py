@@ -21,8 +21,9 @@ input (DeepSeek's `yoco_swa_share_hidden` is off), that changes the prompt's las
 truncation a prompt would no longer equal its tokens fed one by one.
 The attention's KV is kept in float32: DeepSeek's engine stores the sliding KV as FP8 and the
 compressed KV as FP4 (or FP8), which is not emulated (the index keys' FP4 is, as it decides the
-top-k). Not built: DSpark (`mtp.*`), the vision tower and image tokens (`gate.bias_vl`, Engram's image
-mask), and the engine integration (paged cache groups); the model is not registered.
+top-k). DSpark's draft layers (`mtp.*`) are model/dspark_v41.py, fed by `forward`'s `features`.
+Not built: the vision tower and image tokens (`gate.bias_vl`, Engram's image mask), and the
+engine integration (paged cache groups); the model is not registered.
 """
 
 from __future__ import annotations

@@ -20,7 +20,12 @@ from deepinfer.model.deepseek_v41 import DeepseekV41ForCausalLM
 from deepinfer.model.deepseek_v41_config import DeepseekV41Arch
 from deepinfer.model.deepseek_v41_weights import load_v41_weights
 from deepinfer.model.dspark_v41 import DSparkV41
-from deepinfer.speculative.dspark import draft
+from deepinfer.runner.sampler import SampledToken, SamplingRow
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.sequence import EngineRequest, Sequence
+from deepinfer.speculative.dspark import DSparkProposer, draft
+from deepinfer.speculative.proposer import DraftRequest
+from deepinfer.step import ScheduledSequence, SchedulerOutput
 from tests.deepseek_v41.reference import ENGINE_SDIST, reference_file
 from tests.deepseek_v41.tiny_v41 import TinyV41, build_v41, tiny_config
 
@@ -415,3 +420,98 @@ def test_confidences_are_probabilities_that_ignore_their_own_draft(models):
         float(drafter.confidence(hidden[:, 1], drafter.markov(torch.tensor([t]))[0], 1)) for t in range(96)
     ]
     assert len({round(c, 6) for c in values}) > 48
+
+
+# -- the proposer --------------------------------------------------------------------------------------
+
+
+def _decode_item(seq: Sequence, k: int) -> ScheduledSequence:
+    return ScheduledSequence(seq, 1 + k, len(seq.token_ids) - 1, True, num_draft_tokens=k, speculative=True)
+
+
+def _request(seq: Sequence, item: ScheduledSequence, params: SamplingParams, seed: int = 0) -> DraftRequest:
+    outputs = seq.token_ids[seq.num_prompt_tokens :]
+    row = SamplingRow(params, seq.token_ids[: seq.num_prompt_tokens], outputs)
+    row.generator = torch.Generator().manual_seed(seed)
+    return DraftRequest(item, row, [])
+
+
+def test_proposer_drafts_what_draft_does_and_speculation_stays_exact(models):
+    """Through the Proposer interface (features handed in after_step, as the runner would): each
+    round drafts exactly draft()'s tokens and head confidences from the kept window, and greedy
+    verification of them gives the target's greedy output."""
+    target, drafter = models
+    proposer = DSparkProposer(drafter)
+    prompt = _prompt(13, 6).tolist()
+    greedy = SamplingParams(temperature=0.0)
+    seq = Sequence(1, EngineRequest("r", prompt, greedy), 0, list(prompt), len(prompt), b"")
+    cache = ContiguousV41Cache(target.arch)
+    handle = cache.add_sequence()
+    logits, features = _forward(target, cache, handle, torch.tensor(prompt))
+    history = drafter.target_features(features)
+    seq.token_ids.append(int(logits[-1].argmax()))
+    prefill = ScheduledSequence(seq, len(prompt), 0, True)
+    proposer.after_step([prefill], history, [0], {1: [SampledToken(seq.token_ids[-1])]})
+    while len(seq.token_ids) - len(prompt) < 32:
+        item = _decode_item(seq, K)
+        request = _request(seq, item, greedy)
+        proposer.propose(SchedulerOutput([item], [], []), [request])
+        p = item.start
+        tokens, confidences = draft(
+            drafter, _context(drafter, [history], [p]), torch.tensor([seq.token_ids[p]]), torch.tensor([p]), K
+        )
+        assert request.token_ids == tokens[0].tolist()
+        assert (
+            max(abs(a - b) for a, b in zip(request.confidences, confidences[0].tolist(), strict=True)) < TOL
+        )
+        logits, features = _forward(
+            target, cache, handle, torch.tensor([seq.token_ids[p], *request.token_ids])
+        )
+        best = logits.argmax(dim=-1).tolist()
+        n = 0
+        while n < K and request.token_ids[n] == best[n]:
+            n += 1
+        new = [*request.token_ids[:n], best[n]]
+        seq.token_ids += new
+        cache.truncate(handle, p + 1 + n)
+        step_features = drafter.target_features(features)
+        history = torch.cat((history, step_features[: 1 + n]))
+        proposer.after_step([item], step_features, [0], {1: [SampledToken(t) for t in new]})
+    assert seq.token_ids[len(prompt) : len(prompt) + 32] == _greedy(target, torch.tensor(prompt), 32)
+
+
+def test_proposer_sampled_drafts_carry_q_and_the_heads_confidence(models):
+    """A sampled request gets q with each draft and the head's confidence (not sum q^2); a
+    sequence whose features stop short of its last token drafts nothing."""
+    target, drafter = models
+    proposer = DSparkProposer(drafter)
+    prompt = _prompt(10, 7).tolist()
+    sampled = SamplingParams(temperature=0.8)
+    seq = Sequence(1, EngineRequest("r", prompt, sampled), 0, [*prompt, 9], len(prompt), b"")
+    cache = ContiguousV41Cache(target.arch)
+    _, features = _forward(target, cache, cache.add_sequence(), torch.tensor(prompt))
+    history = drafter.target_features(features)
+    proposer.after_step([ScheduledSequence(seq, len(prompt), 0, True)], history, [0], {1: [SampledToken(9)]})
+    item = _decode_item(seq, K)
+    request = _request(seq, item, sampled, seed=3)
+    proposer.propose(SchedulerOutput([item], [], []), [request])
+    assert len(request.token_ids) == K and len(request.probs) == K
+    tokens = torch.tensor([request.token_ids])
+    context = _context(drafter, [history], [item.start])
+    positions, visible = drafter.window(torch.tensor([item.start]))
+    hidden = drafter.block_hidden(
+        torch.tensor([9]), torch.tensor([item.start]), drafter.context_keys(context, positions), visible, K
+    )
+    previous = torch.cat((torch.tensor([9]), tokens[0, :-1]))
+    expected = [
+        float(drafter.confidence(hidden[:, j], drafter.markov(previous[j : j + 1])[0], j)) for j in range(K)
+    ]
+    assert max(abs(a - b) for a, b in zip(request.confidences, expected, strict=True)) < TOL
+    assert all(abs(c - float(q @ q)) > 1e-4 for c, q in zip(request.confidences, request.probs, strict=True))
+    behind = Sequence(2, EngineRequest("s", prompt, sampled), 0, [*prompt, 9, 9], len(prompt), b"")
+    proposer.after_step(
+        [ScheduledSequence(behind, len(prompt), 0, True)], history, [0], {2: [SampledToken(9)]}
+    )
+    late = _request(behind, _decode_item(behind, K), sampled)  # its features end one token early
+    proposer.propose(SchedulerOutput([late.item], [], []), [late])
+    assert late.token_ids == [] and late.stopped
