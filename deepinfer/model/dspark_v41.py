@@ -176,8 +176,13 @@ class DSparkV41(torch.nn.Module):
         self.confidence_proj = _param(1, hidden + rank)
         self.embed, self.head = embed, head  # plain tensors: not this module's parameters
         temps = confidence_temperature
-        self.confidence_temperatures = temps if isinstance(temps, tuple) else None
-        self.confidence_temperature = None if isinstance(temps, tuple) else float(temps)
+        if isinstance(temps, tuple) and len(temps) != spec.block_size:
+            raise ValueError(
+                f"confidence_temperature: {len(temps)} values for a block of {spec.block_size} drafts"
+            )
+        if min(temps if isinstance(temps, tuple) else (temps,)) <= 0:
+            raise ValueError(f"confidence_temperature={temps}: must be positive")
+        self.confidence_temperature = temps
         self._load(tensors)
 
     # -- context ---------------------------------------------------------------------------------
@@ -216,8 +221,9 @@ class DSparkV41(torch.nn.Module):
         num_drafts: int,
     ) -> torch.Tensor:  # [S, num_drafts, hidden] before the final norm
         seqs = last_tokens.shape[0]
-        tokens = torch.full((seqs, num_drafts), self.spec.noise_token_id, dtype=torch.long)
-        tokens = tokens.to(last_tokens.device)
+        tokens = torch.full(
+            (seqs, num_drafts), self.spec.noise_token_id, dtype=torch.long, device=last_tokens.device
+        )
         tokens[:, 0] = last_tokens
         positions = (
             last_positions.unsqueeze(1) + torch.arange(num_drafts, device=last_positions.device)
@@ -244,8 +250,8 @@ class DSparkV41(torch.nn.Module):
     def confidence(self, hidden: torch.Tensor, markov_embedding: torch.Tensor, position: int) -> torch.Tensor:
         """Draft position `position`'s confidence in [0, 1]: hidden [N, hidden] (before the final
         norm), the previous token's Markov embedding [N, r] -> [N]."""
-        temps = self.confidence_temperatures
-        temperature = temps[position] if temps is not None else self.confidence_temperature
+        temps = self.confidence_temperature
+        temperature = temps[position] if isinstance(temps, tuple) else temps
         z = F.linear(torch.cat((hidden, markov_embedding), dim=-1).float(), self.confidence_proj.float())
         return torch.sigmoid((z.squeeze(-1) / temperature).clamp(-CONFIDENCE_CLAMP, CONFIDENCE_CLAMP))
 

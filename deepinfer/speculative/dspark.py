@@ -1,6 +1,9 @@
 """DSpark drafting (DeepSeek-V4.1's draft layers, model/dspark_v41.py): one non-causal block
 forward gives every draft position's hidden state, then the drafts are drawn in order, each with
 the Markov correction of the draft before it, each with the confidence head's estimate.
+
+`draft` is the step on explicit tensors; `DSparkProposer` is the same step behind the Proposer
+interface, keeping each sequence's feature window between steps.
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ def draft(
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # drafts [S, k] (positions p + 1 ..), confidences [S, k]
     """Greedy (temperature 0: the argmax of the corrected logits) or sampled from
-    softmax(logits / temperature) with `generator`. Feature rows at negative positions are
-    ignored (any values)."""
+    softmax(logits / temperature) with `generator`. `num_drafts` is the block's length: the
+    block is non-causal, so a shorter block drafts differently (DeepSeek, like the proposer, runs
+    a fixed one). Feature rows at negative positions are ignored (any values)."""
     if num_drafts < 1:
         raise ValueError(f"num_drafts={num_drafts}: at least one draft")
     positions, visible = drafter.window(last_positions)

@@ -207,9 +207,13 @@ def _moe(v: dict, prefix: str, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _dense_draft(v: dict, features: torch.Tensor, last: int, p: int) -> tuple[list[int], list[float]]:
+def _dense_draft(
+    v: dict, features: torch.Tensor, last: int, p: int, shifted: bool
+) -> tuple[list[int], list[float]]:
     """One sequence's greedy drafts and confidences from the formulas, position by position:
-    features [W, 2 * 64] of positions p - 8 .. p - 1, last token `last` at p."""
+    features [W, 2 * 64] of positions p - 8 .. p - 1, last token `last` at p. Shifted mHC: a
+    sub-layer collapses the streams with the previous one's pre weights (stream 0 first, the
+    last one's at the end); plain: with its own, and the hyper head at the end."""
     heads, dim, window, noise = 4, 96, 8, 5
     ctx = [(i, p - window + i) for i in range(window) if p - window + i >= 0]
     main = [_rms(v["mtp.0.main_proj.weight"] @ features[i], v["mtp.0.main_norm.weight"]) for i, _ in ctx]
@@ -223,7 +227,8 @@ def _dense_draft(v: dict, features: torch.Tensor, last: int, p: int) -> tuple[li
             return _rope(_rms(v[a + "wkv.weight"] @ x, v[a + "kv_norm.weight"]), pos)
 
         mixed = [_mixes(v, f"mtp.{d}.hc_attn", s) for s in streams]
-        x = [_rms(carried[j] @ streams[j], v[f"mtp.{d}.attn_norm.weight"]) for j in range(K)]
+        attn_pre = carried if shifted else [m[0] for m in mixed]
+        x = [_rms(attn_pre[j] @ streams[j], v[f"mtp.{d}.attn_norm.weight"]) for j in range(K)]
         keys = [key(m, pos) for m, (_, pos) in zip(main, ctx, strict=True)] + [
             key(x[j], p + j) for j in range(K)
         ]
@@ -245,16 +250,19 @@ def _dense_draft(v: dict, features: torch.Tensor, last: int, p: int) -> tuple[li
             new.append(post.unsqueeze(1) * out + comb.t() @ streams[j])
         streams = new
         mixed_ffn = [_mixes(v, f"mtp.{d}.hc_ffn", s) for s in streams]
-        carried_ffn = [m[0] for m in mixed]  # the attention mix's pre carries to the FFN
+        ffn_pre = [m[0] for m in (mixed if shifted else mixed_ffn)]
         new = []
         for j in range(K):
-            h = _rms(carried_ffn[j] @ streams[j], v[f"mtp.{d}.ffn_norm.weight"])
+            h = _rms(ffn_pre[j] @ streams[j], v[f"mtp.{d}.ffn_norm.weight"])
             _, post, comb = mixed_ffn[j]
             new.append(post.unsqueeze(1) * _moe(v, f"mtp.{d}.ffn.", h) + comb.t() @ streams[j])
         streams = new
         carried = [m[0] for m in mixed_ffn]
     drafts, confidences, previous = [], [], last
     for j in range(K):
+        if not shifted:
+            mix = v["mtp.1.hc_head_fn"] @ _rms(streams[j].flatten(), None)
+            carried[j] = torch.sigmoid(mix * v["mtp.1.hc_head_scale"][0] + v["mtp.1.hc_head_base"]) + 1e-6
         h = carried[j] @ streams[j]
         m = v["mtp.1.markov_head.embed.weight"][previous]
         logits = v["head.weight"] @ _rms(h, v["mtp.1.norm.weight"]) + v["mtp.1.markov_head.head.weight"] @ m
@@ -265,9 +273,8 @@ def _dense_draft(v: dict, features: torch.Tensor, last: int, p: int) -> tuple[li
     return drafts, confidences
 
 
-def test_draft_step_equals_the_formulas(tiny, models):
+def _check_draft_step(tiny: TinyV41, target: DeepseekV41ForCausalLM, drafter: DSparkV41) -> None:
     """Two sequences, one with a window reaching before position 0 (rows masked), one full."""
-    target, drafter = models
     history, lasts, ps = [], [], []
     for n, seed in ((5, 1), (15, 2)):
         cache = ContiguousV41Cache(target.arch)
@@ -278,10 +285,41 @@ def test_draft_step_equals_the_formulas(tiny, models):
     context = _context(drafter, history, ps)
     tokens, confidences = draft(drafter, context, torch.tensor(lasts), torch.tensor(ps), K)
     for s in range(2):
-        dense_tokens, dense_conf = _dense_draft(tiny.values, context[s], lasts[s], ps[s])
-        assert tokens[s].tolist() == dense_tokens
-        assert (confidences[s] - torch.tensor(dense_conf)).abs().max() < TOL
+        dense = _dense_draft(tiny.values, context[s], lasts[s], ps[s], target.arch.hc_shifted)
+        assert tokens[s].tolist() == dense[0]
+        assert (confidences[s] - torch.tensor(dense[1])).abs().max() < TOL
     assert len(set(tokens.flatten().tolist())) > 2  # not degenerate
+
+
+def test_draft_step_equals_the_formulas(tiny, models):
+    _check_draft_step(tiny, *models)
+
+
+def test_draft_step_with_plain_mhc_equals_the_formulas(tmp_path):
+    """Unshifted hyper-connections: each sub-layer mixes with its own pre weights, and the last
+    draft layer's hyper head (`mtp.1.hc_head_*`) collapses the streams."""
+    tiny = build_v41(tmp_path / "plain", tiny_config(hc_shifted=False), seed=1)
+    arch = DeepseekV41Arch.from_file(tiny.path)
+    weights = load_v41_weights(tiny.path, arch)
+    target = DeepseekV41ForCausalLM(arch, weights)
+    drafter = DSparkV41(arch, weights.tensors, target.embed.data, target.head.data)
+    assert drafter.hc_head is not None
+    _check_draft_step(tiny, target, drafter)
+
+
+def test_confidence_temperature_per_position(tiny, models):
+    target, drafter = models
+    tensors = load_v41_weights(tiny.path, drafter.arch).tensors
+    with pytest.raises(ValueError, match="confidence_temperature: 3 values for a block of 4 drafts"):
+        DSparkV41(drafter.arch, tensors, target.embed.data, target.head.data, (1.0, 0.5, 2.0))
+    scaled = DSparkV41(drafter.arch, tensors, target.embed.data, target.head.data, (1.0, 0.5, 2.0, 1.0))
+    hidden = torch.randn(3, drafter.arch.hidden_size, generator=torch.Generator().manual_seed(2))
+    embedding, _ = drafter.markov(torch.tensor([4, 5, 6]))
+    z = torch.logit(drafter.confidence(hidden, embedding, 0))  # temperature 1: the raw logit
+    for position, temperature in enumerate((1.0, 0.5, 2.0, 1.0)):
+        assert (
+            scaled.confidence(hidden, embedding, position) - torch.sigmoid(z / temperature)
+        ).abs().max() < TOL
 
 
 # -- loading -----------------------------------------------------------------------------------------
@@ -515,3 +553,5 @@ def test_proposer_sampled_drafts_carry_q_and_the_heads_confidence(models):
     late = _request(behind, _decode_item(behind, K), sampled)  # its features end one token early
     proposer.propose(SchedulerOutput([late.item], [], []), [late])
     assert late.token_ids == [] and late.stopped
+    curve = proposer.profile_round(2, 1)  # seconds per draft position of a round of 1, 2 sequences
+    assert curve.counts == [1, 2] and all(t > 0 for t in curve.seconds)
