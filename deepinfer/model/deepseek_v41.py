@@ -21,8 +21,9 @@ input (DeepSeek's `yoco_swa_share_hidden` is off), that changes the prompt's las
 truncation a prompt would no longer equal its tokens fed one by one.
 The attention's KV is kept in float32: DeepSeek's engine stores the sliding KV as FP8 and the
 compressed KV as FP4 (or FP8), which is not emulated (the index keys' FP4 is, as it decides the
-top-k). Not built: DSpark (`mtp.*`), the vision tower and image tokens (`gate.bias_vl`, Engram's image
-mask), and the engine integration (paged cache groups); the model is not registered.
+top-k). DSpark's draft layers (`mtp.*`) are model/dspark_v41.py, fed by `forward`'s `features`.
+Not built: the vision tower and image tokens (`gate.bias_vl`, Engram's image mask), and the
+engine integration (paged cache groups); the model is not registered.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ class V41Block(torch.nn.Module):
             arch.hidden_size, arch.hc_mult, arch.hc_sinkhorn_iters, arch.hc_eps, eps
         )
         self.engram: Engram | None = None  # set at load on Engram layers (it holds the mapped table)
+        self.feeds_dspark = layer in arch.dspark.target_layer_ids
 
     def forward(
         self,
@@ -102,9 +104,12 @@ class V41Block(torch.nn.Module):
         step: V41Step,
         shared: CrossLayer,
         ngrams: torch.Tensor | None,  # [T, max_ngram_size] n-gram ids (Engram layers)
+        features: dict[int, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.engram is not None:
             streams = self.engram.forward_windows(streams, ngrams)
+        if features is not None and self.feeds_dspark:
+            features[self.layer] = streams.float().mean(dim=1)  # DSpark's feature: the streams' mean
         collapsed, post, comb, pre = self._mix(self.hc_attn, streams, pre)
         x = self.attn_norm(collapsed)
         if self.captures_shared_hidden:
@@ -164,7 +169,10 @@ class DeepseekV41ForCausalLM(torch.nn.Module):
         positions: torch.Tensor,  # [T], consecutive from each sequence's start in the layout
         layout: StepLayout,
         step: V41Step,
+        features: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:  # final hidden [T, hidden], normed
+        """`features`, when given, receives DSpark's target features: for each of
+        `arch.dspark.target_layer_ids`, the mean of the streams entering its attention [T, hidden]."""
         runs = [torch.arange(s, s + n) for s, n in zip(layout.starts, layout.query_lens, strict=True)]
         if not torch.equal(positions.cpu(), torch.cat(runs) if runs else positions.cpu()[:0]):
             raise ValueError("positions must run consecutively from each sequence's start in the step layout")
@@ -178,7 +186,7 @@ class DeepseekV41ForCausalLM(torch.nn.Module):
         pre = HyperConnection.first_pre(input_ids.shape[0], self.arch.hc_mult, input_ids.device)
         shared = CrossLayer()
         for layer in self.layers:
-            streams, pre = layer(streams, pre, input_ids, positions, layout, step, shared, ngrams)
+            streams, pre = layer(streams, pre, input_ids, positions, layout, step, shared, ngrams, features)
         step.finish(input_ids)
         hidden = HyperConnection.collapse(streams, pre) if self.hc_head is None else self.hc_head(streams)
         return self.norm(hidden)

@@ -82,10 +82,14 @@ def sampled_confidence(q: torch.Tensor) -> float:
     return float(torch.dot(q, q))
 
 
-def draw_drafts(logits: torch.Tensor, requests: list[DraftRequest]) -> None:
+def draw_drafts(
+    logits: torch.Tensor, requests: list[DraftRequest], confidences: list[float] | None = None
+) -> None:
     """Draft one token per request from draft logits [N, V], processed like the target's rows:
-    greedy requests take the argmax (confidence: its probability), sampled ones draw from q with
-    the draft's generator (confidence: `sampled_confidence`)."""
+    greedy requests take the argmax, sampled ones draw from q with the draft's generator.
+    `confidences` [N]: the proposer's own (a head trained for it, such as DSpark's), which must
+    depend on the drafts before this one only; without them, greedy drafts take the argmax's
+    probability and sampled ones `sampled_confidence`."""
     rows = [r.next_row() for r in requests]
     processed = process_logits(logits, rows)
     # Sampled rows are truncated and drawn in one batch, exactly as the sampler does.
@@ -95,13 +99,14 @@ def draw_drafts(logits: torch.Tensor, requests: list[DraftRequest]) -> None:
         q = truncated_probs_batch(processed[drawn], [rows[i].params for i in drawn])
         draws = dict(zip(drawn, zip(sample_rows(q, [rows[i].generator for i in drawn]), q)))
     for i, (request, row) in enumerate(zip(requests, rows)):
-        if row.params.greedy:
-            token = int(processed[i].argmax())
+        token, probs = (int(processed[i].argmax()), None) if row.params.greedy else draws[i]
+        if confidences is not None:
+            confidence = confidences[i]
+        elif probs is None:
             confidence = float(torch.softmax(processed[i], dim=-1)[token])
-            request.offer(token, None, confidence)
         else:
-            token, probs = draws[i]
-            request.offer(token, probs, sampled_confidence(probs))
+            confidence = sampled_confidence(probs)
+        request.offer(token, probs, confidence)
 
 
 class Proposer(Protocol):

@@ -39,3 +39,16 @@ def test_draw_drafts_greedy_takes_the_processed_argmax():
     draw_drafts(logits, [request])
     assert request.token_ids == [3] and request.probs == []
     assert request.confidences[0] == torch.softmax(logits[0], dim=-1)[3].item()
+
+
+def test_draw_drafts_takes_the_proposers_own_confidences():
+    """A proposer with a confidence head hands its values in; they replace the distribution's."""
+    greedy = _request(2, threshold=None, alphas=[1.0, 1.0])
+    sampled = _request(2, threshold=None, alphas=[1.0, 1.0])
+    sampled.base_row.params = SamplingParams(temperature=1.0)
+    sampled.base_row.generator = torch.Generator().manual_seed(0)
+    logits = torch.zeros(2, 10)
+    logits[:, 3] = 4.0
+    draw_drafts(logits, [greedy, sampled], [0.25, 0.75])
+    assert greedy.token_ids == [3] and greedy.confidences == [0.25]
+    assert len(sampled.probs) == 1 and sampled.confidences == [0.75]
