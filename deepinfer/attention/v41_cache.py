@@ -19,6 +19,7 @@ than that from the furthest position ever computed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -27,6 +28,22 @@ from deepinfer.model.deepseek_v41_config import C2, DeepseekV41Arch
 from deepinfer.model.layers.v41_compressor import ring_size
 
 DEFAULT_BACKTRACK = 16  # tokens a sequence may roll back (speculative drafts per step)
+
+
+class V41StepView(Protocol):
+    """A forward's only access to the kept state of its step's sequences (`seq`: the index in
+    the step's layout): `V41Step` over this contiguous store, `PagedV41Step` over the engine's
+    cache groups (attention/v41_paged.py)."""
+
+    def context(self, seq: int) -> list[int]: ...
+    def write_sliding(self, seq: int, layer: int, rows: torch.Tensor) -> None: ...
+    def sliding(self, seq: int, layer: int, first: int, last: int) -> torch.Tensor: ...
+    def ring(self, seq: int, layer: int) -> torch.Tensor | None: ...
+    def write_entries(self, seq: int, layer: int, first: int, rows: torch.Tensor) -> None: ...
+    def entries(self, seq: int, layer: int, index: torch.Tensor) -> torch.Tensor: ...
+    def write_index_keys(self, seq: int, layer: int, first: int, rows: torch.Tensor) -> None: ...
+    def index_keys(self, seq: int, layer: int) -> torch.Tensor: ...
+    def finish(self, input_ids: torch.Tensor) -> None: ...
 
 
 class _Rows:
@@ -129,7 +146,8 @@ class V41Step:
         return self.layout.starts[seq] + self.layout.query_lens[seq]
 
     def context(self, seq: int) -> list[int]:
-        """The token ids before this step's chunk."""
+        """The token ids before this step's chunk (all of them here; Engram reads the last
+        max_ngram_size - 1)."""
         return self.sequences[seq].tokens
 
     def write_sliding(self, seq: int, layer: int, rows: torch.Tensor) -> None:

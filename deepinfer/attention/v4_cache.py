@@ -19,6 +19,10 @@ compressed kind pools the rows of tokens w*m .. w*m + m - 1 (CSA also the previo
 is written by the step holding its last token, (w + 1) * m - 1. A step writes every row of its
 own tokens and entries before reading, and never reads past its last token, so rolling a
 sequence back (rejected draft tokens) needs no undo: the indices are written again.
+
+DeepSeek-V4.1 (attention/v41_paged.py) keeps the same kinds in its own widths (its C2 compressor
+state one [logits | latent] row per token, read back 1 position; its C1 entries one per token)
+and one more: `token_ids` (int64), the context its Engram n-grams read before a step.
 """
 
 from __future__ import annotations
@@ -36,6 +40,11 @@ class CacheKind(enum.StrEnum):
     COMPRESSED_KV = "compressed_kv"
     INDEXER_STATE = "indexer_state"
     INDEXER_KEYS = "indexer_keys"
+    TOKEN_IDS = "token_ids"
+
+
+# Kinds whose rows are integers (int64 in every cache dtype): the others are model values.
+INTEGER_KINDS = frozenset({CacheKind.TOKEN_IDS})
 
 
 @dataclass(slots=True, frozen=True)

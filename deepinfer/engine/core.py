@@ -24,7 +24,7 @@ from deepinfer.engine.scheduler import Scheduler, SequenceUpdate
 from deepinfer.engine.stats import EngineStats
 from deepinfer.model.base import CausalLM
 from deepinfer.model.layers.expert_parallel import ExpertBalancer
-from deepinfer.model.loader.load import LoadedModel, load_model
+from deepinfer.model.loader.load import LoadedModel, check_model_engine, load_model
 from deepinfer.runner.device import torch_device, torch_dtype
 from deepinfer.runner.kv_caches import KVCaches
 from deepinfer.runner.model_runner import ModelRunner, PreparedStep, StepResult
@@ -146,6 +146,10 @@ class EngineCore:
         dtype = torch_dtype(config.dtype, device)
         if parallel is not None and loaded is not None:
             raise ValueError("an engine over several ranks loads its own shards: `loaded` cannot be given")
+        if loaded is None:
+            check_model_engine(config)
+        else:
+            type(loaded.model).check_engine(loaded.config, config)
         self.loaded = loaded or load_model(
             config.model, dtype, device, config.quantization, parallel.model_parallel() if parallel else None
         )

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 import torch
 
 from deepinfer.attention.backend import AttentionBackend
 from deepinfer.attention.metadata import ForwardMetadata
 from deepinfer.cache_layout import CacheGroup, CacheTensor
-from deepinfer.config import ParallelConfig
+from deepinfer.config import EngineConfig, ParallelConfig
 from deepinfer.kernels.gguf_blocks import PackedMatrix
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.parallel import ModelParallel
@@ -37,9 +38,23 @@ class CausalLM(torch.nn.Module):
         raise NotImplementedError
 
     @classmethod
+    def from_checkpoint(
+        cls, directory: Path, config: ModelConfig, device: torch.device, dtype: torch.dtype
+    ) -> CausalLM | None:
+        """The model with its weights, for a model that reads its HF directory itself (mapping
+        its shards, keeping tensors memory-mapped); None (the default): the loader builds it
+        with `from_config` and fills it through `load_weights`."""
+        return None
+
+    @classmethod
     def check_parallel(cls, config: ModelConfig, parallel: ParallelConfig) -> None:
         """Refuse, with a ConfigError naming the option, a split over ranks this model does not
         support. Rank 0 calls it before any other rank starts; everything passes by default."""
+
+    @classmethod
+    def check_engine(cls, config: ModelConfig, engine: EngineConfig) -> None:
+        """Refuse, with a ConfigError naming the option, an engine feature this model does not
+        run. The engine calls it before loading any weight; everything passes by default."""
 
     def attention_shape(self) -> tuple[int, int, int]:
         """(query heads, KV heads, head dim) this rank's attention runs with."""

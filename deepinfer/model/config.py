@@ -31,6 +31,12 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        raw = cfg
+        if "num_attention_heads" not in cfg and isinstance(cfg.get("text_config"), dict):
+            # A multimodal wrapper (DeepSeek-V4.1): the language model's fields are in text_config,
+            # the special tokens at the top.
+            cfg = {**cfg["text_config"], **{k: v for k, v in cfg.items() if k.endswith("token_id")}}
+            cfg["model_type"] = raw.get("model_type", cfg.get("model_type"))
         model_type = cfg.get("model_type", "llama")
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
@@ -64,15 +70,15 @@ class ModelConfig:
             layer_windows=_layer_windows(cfg, model_type, num_layers),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
-            raw=dict(cfg),
+            raw=dict(raw),
         )
 
 
 def _layer_windows(cfg: dict[str, Any], model_type: str, num_layers: int) -> list[int | None]:
     """HF's sliding-window settings: `layer_types` where given; Qwen2's `use_sliding_window` for
     layers from `max_window_layers` on; Mistral's `sliding_window` on every layer."""
-    if model_type == "deepseek_v4":
-        return [None] * num_layers  # V4's hybrid layer types are read by deepseek_v4_config.py
+    if model_type in ("deepseek_v4", "deepseek_v41"):
+        return [None] * num_layers  # their hybrid layer types are read by their own config modules
     window = cfg.get("sliding_window")
     types = cfg.get("layer_types")
     if types is not None:

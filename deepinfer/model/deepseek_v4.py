@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from deepinfer.attention.backend import AttentionBackend
 from deepinfer.attention.metadata import ForwardMetadata
-from deepinfer.attention.v4_cache import CacheDecl, CacheKind, StepLayout, V4Cache
+from deepinfer.attention.v4_cache import INTEGER_KINDS, CacheDecl, CacheKind, StepLayout, V4Cache
 from deepinfer.attention.v4_paged import PagedTensor, PagedV4Cache, step_layout
 from deepinfer.cache_layout import CacheGroup
 from deepinfer.config import ConfigError, ParallelConfig
@@ -87,7 +87,7 @@ def group_declarations(decls: list[CacheDecl]) -> list[list[CacheDecl]]:
     """The declarations bucketed into engine cache groups, in order of first appearance: a
     windowed kind (one row per token, `lookback` positions read back) goes to the sliding group
     of window lookback + 1, a compressed kind (one entry per m tokens) to the compressed group of
-    rate m."""
+    rate m (`v4_cache_groups` makes rate 1, V4.1's C1 entries, a full group)."""
     buckets: dict[tuple[str, int], list[CacheDecl]] = {}
     for decl in decls:
         if decl.lookback is not None:
@@ -99,15 +99,24 @@ def group_declarations(decls: list[CacheDecl]) -> list[list[CacheDecl]]:
 
 
 def v4_cache_groups(decls: list[CacheDecl], dtype: torch.dtype, owner: str) -> list[CacheGroup]:
-    """One CacheGroup per bucket of `group_declarations`, a [slots, width] tensor per declaration."""
+    """One CacheGroup per bucket of `group_declarations`, a [slots, width] tensor per declaration
+    (in `dtype`, or int64 for the integer kinds)."""
     groups = []
     for bucket in group_declarations(decls):
         tensors = tuple(
-            cache_tensor(f"layers.{d.layer}.{d.kind.value}", (d.width,), dtype, owner) for d in bucket
+            cache_tensor(
+                f"layers.{d.layer}.{d.kind.value}",
+                (d.width,),
+                torch.int64 if d.kind in INTEGER_KINDS else dtype,
+                owner,
+            )
+            for d in bucket
         )
         first = bucket[0]
         if first.lookback is not None:
             groups.append(CacheGroup("sliding", tensors, window=first.lookback + 1))
+        elif first.tokens_per_row == 1:
+            groups.append(CacheGroup("full", tensors))
         else:
             groups.append(CacheGroup("compressed", tensors, tokens_per_entry=first.tokens_per_row))
     return groups

@@ -21,29 +21,49 @@ input (DeepSeek's `yoco_swa_share_hidden` is off), that changes the prompt's las
 truncation a prompt would no longer equal its tokens fed one by one.
 The attention's KV is kept in float32: DeepSeek's engine stores the sliding KV as FP8 and the
 compressed KV as FP4 (or FP8), which is not emulated (the index keys' FP4 is, as it decides the
-top-k). DSpark's draft layers (`mtp.*`) are model/dspark_v41.py, fed by `forward`'s `features`.
-Not built: the vision tower and image tokens (`gate.bias_vl`, Engram's image mask), and the
-engine integration (paged cache groups); the model is not registered.
+top-k). DSpark's draft layers (`mtp.*`) are model/dspark_v41.py, fed by `forward_cached`'s
+`features`. Not built: the vision tower's embeddings in the prompt and image tokens
+(`gate.bias_vl`, Engram's image mask).
+
+On the engine (registered as `deepseek_v41`): `forward_cached` runs a step over any V41StepView;
+`forward` is it over the engine's cache groups (`cache_groups`: attention/v41_paged.py's
+declarations grouped as V4's are), read through PagedV41Step. The loader hands the model its
+checkpoint directory (`from_checkpoint`: the shards are mapped, the Engram tables stay FP8 and
+memory-mapped). `check_engine` refuses, before any weight loads, what it does not run yet:
+speculative decoding (DSpark is not wired into the engine), the KV store and host tier and
+prefill/decode roles, several ranks, and a dtype or device other than float32 on the CPU.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import tokenizers
 import torch
 import torch.nn.functional as F
 
-from deepinfer.attention.v4_cache import StepLayout
-from deepinfer.attention.v41_cache import V41Step
+from deepinfer.attention.backend import AttentionBackend
+from deepinfer.attention.metadata import ForwardMetadata
+from deepinfer.attention.v4_cache import CacheDecl, StepLayout
+from deepinfer.attention.v4_paged import step_layout
+from deepinfer.attention.v41_cache import V41StepView
+from deepinfer.attention.v41_paged import PagedV41Step, cache_declarations
+from deepinfer.cache_layout import CacheGroup
+from deepinfer.config import ConfigError, EngineConfig, ParallelConfig
+from deepinfer.model.base import CausalLM
+from deepinfer.model.config import ModelConfig
+from deepinfer.model.deepseek_v4 import paged_tensors, v4_cache_groups
 from deepinfer.model.deepseek_v4_config import RopeSpec
 from deepinfer.model.deepseek_v41_config import DeepseekV41Arch
 from deepinfer.model.deepseek_v41_weights import V41Weights, load_v41_weights
-from deepinfer.model.layers.engram import Engram, EngramHashing
+from deepinfer.model.layers.engram import Engram, EngramHashing, compressed_vocabulary
 from deepinfer.model.layers.mhc import HyperConnection, HyperHead
 from deepinfer.model.layers.v4_moe import V4MoE
 from deepinfer.model.layers.v4_norm import Fp32RMSNorm
 from deepinfer.model.layers.v4_rotary import TrailingRope
 from deepinfer.model.layers.v41_attention import CrossLayer, V41Attention
+from deepinfer.model.registry import register_model
 
 
 def rope_specs(arch: DeepseekV41Arch) -> tuple[RopeSpec, RopeSpec]:
@@ -101,7 +121,7 @@ class V41Block(torch.nn.Module):
         token_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         layout: StepLayout,
-        step: V41Step,
+        step: V41StepView,
         shared: CrossLayer,
         ngrams: torch.Tensor | None,  # [T, max_ngram_size] n-gram ids (Engram layers)
         features: dict[int, torch.Tensor] | None = None,
@@ -128,14 +148,23 @@ class V41Block(torch.nn.Module):
         return collapsed, post, comb, None
 
 
-class DeepseekV41ForCausalLM(torch.nn.Module):
+@register_model("deepseek_v41")
+class DeepseekV41ForCausalLM(CausalLM):
     """Built with its weights (Engram layers keep their tables mapped from the checkpoint)."""
 
+    uses_attention_backend = False
+
     def __init__(
-        self, arch: DeepseekV41Arch, weights: V41Weights, vocab_map: torch.Tensor | None = None
+        self,
+        arch: DeepseekV41Arch,
+        weights: V41Weights,
+        vocab_map: torch.Tensor | None = None,
+        config: ModelConfig | None = None,
     ) -> None:
         super().__init__()
         self.arch = arch
+        if config is not None:
+            self.config = config
         main_spec, compress_spec = rope_specs(arch)
         main_rope = TrailingRope(arch.rope_head_dim, main_spec)
         compress_rope = TrailingRope(arch.rope_head_dim, compress_spec)
@@ -160,15 +189,88 @@ class DeepseekV41ForCausalLM(torch.nn.Module):
     ) -> DeepseekV41ForCausalLM:
         """A checkpoint directory (config.json and the shards); `vocab_map`: Engram's compressed
         vocabulary (layers/engram.py's compressed_vocabulary), when the config has one."""
-        arch = DeepseekV41Arch.from_file(directory)
-        return cls(arch, load_v41_weights(directory, arch), vocab_map)
+        raw = json.loads((Path(directory) / "config.json").read_text())
+        arch = DeepseekV41Arch.from_raw(raw)
+        return cls(arch, load_v41_weights(directory, arch), vocab_map, ModelConfig.from_hf(raw))
+
+    # -- the engine's side ---------------------------------------------------------------------
+
+    @classmethod
+    def from_checkpoint(
+        cls, directory: Path, config: ModelConfig, device: torch.device, dtype: torch.dtype
+    ) -> DeepseekV41ForCausalLM:
+        """The loader's entry: the weights from the directory's shards, Engram's compressed
+        vocabulary (when the config has one) from its tokenizer.json."""
+        if device.type != "cpu" or dtype != torch.float32:
+            raise ValueError(f"DeepSeek-V4.1 runs in float32 on the CPU, not {dtype} on {device}")
+        arch = DeepseekV41Arch.from_raw(config.raw)
+        vocab_map = None
+        if arch.engram is not None and arch.engram.compressed_vocab_size is not None:
+            vocab_map = compressed_vocabulary(
+                tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+            )
+        return cls(arch, load_v41_weights(directory, arch), vocab_map, config)
+
+    @classmethod
+    def check_parallel(cls, config: ModelConfig, parallel: ParallelConfig) -> None:
+        if parallel.world_size > 1:
+            raise ConfigError(
+                "tensor_parallel_size" if parallel.tensor_parallel_size > 1 else "data_parallel_size",
+                "DeepSeek-V4.1 runs on one rank (its layers have no split over ranks yet)",
+            )
+
+    @classmethod
+    def check_engine(cls, config: ModelConfig, engine: EngineConfig) -> None:
+        """What this model does not run yet, refused before any weight loads."""
+        cls.check_parallel(config, engine.parallel)
+        if engine.speculative.speculative_method is not None:
+            raise ConfigError(
+                "speculative_method",
+                "DeepSeek-V4.1 has no speculative decoding in the engine yet (its DSpark drafter is not wired in)",
+            )
+        if engine.store.enabled:
+            raise ConfigError(
+                "kv_store", "the KV store and host tier do not hold DeepSeek-V4.1's cache groups yet"
+            )
+        if engine.disaggregation.role != "both":
+            raise ConfigError("role", "prefill/decode disaggregation does not move DeepSeek-V4.1's cache yet")
+        if engine.dtype not in ("auto", "float32"):
+            raise ConfigError("dtype", f"DeepSeek-V4.1 computes in float32, not {engine.dtype}")
+        if engine.device not in ("auto", "cpu") or (engine.device == "auto" and torch.cuda.is_available()):
+            raise ConfigError(
+                "device",
+                "DeepSeek-V4.1 runs on the CPU only (its Engram tables are host-mapped): pass device='cpu'",
+            )
+
+    def cache_declarations(self) -> list[CacheDecl]:
+        return cache_declarations(self.arch)
+
+    def cache_groups(self, dtype: torch.dtype, owner: str = "target") -> list[CacheGroup]:
+        """The kept state as engine cache groups (model/deepseek_v4.py's `group_declarations`)."""
+        return v4_cache_groups(self.cache_declarations(), dtype, owner)
 
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[torch.Tensor],  # the tensors of cache_groups(), in order
+        meta: ForwardMetadata,  # one AttentionMetadata per cache group
+        backend: AttentionBackend,  # unused: the model reads its groups itself (OwnAttention)
+    ) -> torch.Tensor:  # final hidden [T, hidden], normed
+        layout = step_layout(meta)
+        tensors = paged_tensors(self.cache_declarations(), kv_caches)
+        return self.forward_cached(
+            input_ids, positions, layout, PagedV41Step(self.arch, tensors, meta, layout)
+        )
+
+    # -- the language model --------------------------------------------------------------------
+
+    def forward_cached(
+        self,
+        input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T], consecutive from each sequence's start in the layout
         layout: StepLayout,
-        step: V41Step,
+        step: V41StepView,
         features: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:  # final hidden [T, hidden], normed
         """`features`, when given, receives DSpark's target features: for each of

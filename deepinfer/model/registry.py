@@ -10,7 +10,12 @@ if TYPE_CHECKING:
 
 _REGISTRY: dict[str, type[CausalLM]] = {}
 # Modules that define models, imported lazily the first time a model_type is looked up.
-_MODEL_MODULES = ("deepinfer.model.llama", "deepinfer.model.deepseek_v3", "deepinfer.model.deepseek_v4")
+_MODEL_MODULES = (
+    "deepinfer.model.llama",
+    "deepinfer.model.deepseek_v3",
+    "deepinfer.model.deepseek_v4",
+    "deepinfer.model.deepseek_v41",
+)
 
 
 def register_model(*model_types: str):

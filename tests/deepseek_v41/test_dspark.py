@@ -82,7 +82,9 @@ def _forward(
     start, n = cache.length(seq), ids.shape[0]
     layout = StepLayout((start,), (n,))
     features: dict[int, torch.Tensor] = {}
-    hidden = target(ids, torch.arange(start, start + n), layout, cache.step([seq], layout), features)
+    hidden = target.forward_cached(
+        ids, torch.arange(start, start + n), layout, cache.step([seq], layout), features
+    )
     return target.compute_logits(hidden), features
 
 

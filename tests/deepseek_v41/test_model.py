@@ -59,7 +59,9 @@ def _step(
     """The next n tokens of `ids` for sequence `seq` -> their logits [n, vocab]."""
     start = cache.length(seq)
     layout = StepLayout((start,), (n,))
-    hidden = model(ids[start : start + n], torch.arange(start, start + n), layout, cache.step([seq], layout))
+    hidden = model.forward_cached(
+        ids[start : start + n], torch.arange(start, start + n), layout, cache.step([seq], layout)
+    )
     return model.compute_logits(hidden)
 
 
@@ -112,7 +114,7 @@ def test_a_batch_equals_each_sequence_alone(model):
     layout = StepLayout(starts, lens)
     flat = torch.cat([s[start:] for s, start in zip(ids, starts, strict=True)])
     positions = torch.cat([torch.arange(start, len(s)) for s, start in zip(ids, starts, strict=True)])
-    batched = model.compute_logits(model(flat, positions, layout, cache.step(seqs, layout)))
+    batched = model.compute_logits(model.forward_cached(flat, positions, layout, cache.step(seqs, layout)))
     first, second = batched.split(lens)
     assert (first - alone[0][starts[0] :]).abs().max() < TOL
     assert (second - alone[1][starts[1] :]).abs().max() < TOL
@@ -199,7 +201,7 @@ def test_a_step_must_continue_its_sequences(model):
         cache.step([seq], StepLayout((4,), (1,)))
     layout = StepLayout((5,), (2,))
     with pytest.raises(ValueError, match="consecutively"):
-        model(_prompt(2), torch.tensor([5, 7]), layout, cache.step([seq], layout))
+        model.forward_cached(_prompt(2), torch.tensor([5, 7]), layout, cache.step([seq], layout))
     with pytest.raises(ValueError, match="truncate a sequence of 5 tokens to 6"):
         cache.truncate(seq, 6)
 

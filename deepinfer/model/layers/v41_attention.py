@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from deepinfer.attention.v4_cache import StepLayout
 from deepinfer.attention.v4_sparse import attend_with_sink
-from deepinfer.attention.v41_cache import V41Step
+from deepinfer.attention.v41_cache import V41StepView
 from deepinfer.model.deepseek_v41_config import DeepseekV41Arch
 from deepinfer.model.layers.v4_norm import Fp32RMSNorm
 from deepinfer.model.layers.v4_rotary import TrailingRope
@@ -88,7 +88,7 @@ class V41Attention(torch.nn.Module):
         x: torch.Tensor,  # [T, hidden], normed
         positions: torch.Tensor,  # [T]
         layout: StepLayout,
-        step: V41Step,
+        step: V41StepView,
         shared: CrossLayer,
     ) -> torch.Tensor:  # [T, hidden]
         tokens = x.shape[0]
@@ -126,7 +126,7 @@ class V41Attention(torch.nn.Module):
         return F.linear(self._grouped_down(out), self.wo_b)
 
     def _compress(
-        self, source: torch.Tensor, layout: StepLayout, step: V41Step
+        self, source: torch.Tensor, layout: StepLayout, step: V41StepView
     ) -> list[tuple[int, torch.Tensor]]:
         """Compresses each sequence's chunk, stores the post-RoPE entries it completes and returns
         them before RoPE (what index keys are projected from)."""
@@ -147,7 +147,7 @@ class V41Attention(torch.nn.Module):
         x: torch.Tensor,
         positions: torch.Tensor,
         layout: StepLayout,
-        step: V41Step,
+        step: V41StepView,
         shared: CrossLayer,
     ) -> None:
         """This layer's own top-k (and, at the candidate source, the candidate blocks)."""
@@ -165,7 +165,7 @@ class V41Attention(torch.nn.Module):
             shared.candidates = selection.candidates
         shared.top = selection.top
 
-    def _window(self, step: V41Step, seq: int, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _window(self, step: V41StepView, seq: int, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of the raw window and which of them each query sees: keys at p - W < j <= p."""
         window = self.arch.sliding_window
         first, last = max(0, int(pos[0]) - window + 1), int(pos[-1])
@@ -174,7 +174,7 @@ class V41Attention(torch.nn.Module):
         distance = pos.unsqueeze(1) - key_pos.unsqueeze(0)
         return keys, (distance >= 0) & (distance < window)
 
-    def _picked(self, step: V41Step, seq: int, top: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _picked(self, step: V41StepView, seq: int, top: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """top [n, k] entry numbers (-1: none) -> the union of the picked entries [U, head_dim]
         (read once from the KV source) and which of them each query sees [n, U]."""
         picked = top >= 0

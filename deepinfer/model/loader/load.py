@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from deepinfer.config import ParallelConfig
+from deepinfer.config import EngineConfig, ParallelConfig
 from deepinfer.kernels.gguf_blocks import PackedMatrix, gguf_kernels
 from deepinfer.model.base import CausalLM
 from deepinfer.model.config import ModelConfig
@@ -100,6 +100,16 @@ def check_model_parallel(model: str | Path | None, parallel: ParallelConfig) -> 
     model_class(config.model_type).check_parallel(config, parallel)
 
 
+def check_model_engine(config: EngineConfig) -> None:
+    """Refuse before any weight loads an engine feature the model of an HF directory does not
+    run (its class's `check_engine`); GGUF files are the Llama family, which runs them all."""
+    path = resolve_model_path(config.model)
+    if not path.is_dir():
+        return
+    model_config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    model_class(model_config.model_type).check_engine(model_config, config)
+
+
 def allocate_weights(net: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
     """Give every meta parameter and buffer uninitialised storage on `device`, floating point
     ones in `dtype` (what `to_empty(device).to(dtype)` does, without its per-tensor empty_like,
@@ -156,12 +166,16 @@ def load_model(
     if not config.eos_token_ids:
         config.eos_token_ids = list(tokenizer.eos_token_ids)
     cls = model_class(config.model_type)
-    with torch.device("meta"):
-        net = cls.from_config(config) if parallel is None else cls.from_config(config, parallel)
-    # packed layers replace dense ones before anything is allocated
-    weights = adopt_packed_gguf(net, path, hf_config) if resolved == "gguf" else iter_safetensors(directory)
-    allocate_weights(net, device, dtype)
-    net.load_weights(weights)
+    net = cls.from_checkpoint(directory, config, device, dtype) if path.is_dir() and not split else None
+    if net is None:
+        with torch.device("meta"):
+            net = cls.from_config(config) if parallel is None else cls.from_config(config, parallel)
+        # packed layers replace dense ones before anything is allocated
+        weights = (
+            adopt_packed_gguf(net, path, hf_config) if resolved == "gguf" else iter_safetensors(directory)
+        )
+        allocate_weights(net, device, dtype)
+        net.load_weights(weights)
     net.eval()
     identity = f"{weights_id}:{config.model_type}"
     if resolved is not None:
