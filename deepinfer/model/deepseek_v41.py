@@ -130,22 +130,14 @@ class V41Block(torch.nn.Module):
             streams = self.engram.forward_windows(streams, ngrams)
         if features is not None and self.feeds_dspark:
             features[self.layer] = streams.float().mean(dim=1)  # DSpark's feature: the streams' mean
-        collapsed, post, comb, pre = self._mix(self.hc_attn, streams, pre)
+        collapsed, post, comb, pre = self.hc_attn.mix(streams, pre, self.shifted)
         x = self.attn_norm(collapsed)
         if self.captures_shared_hidden:
             shared.shared_hidden = x
         streams = HyperConnection.expand(streams, self.attn(x, positions, layout, step, shared), post, comb)
-        collapsed, post, comb, pre = self._mix(self.hc_ffn, streams, pre)
+        collapsed, post, comb, pre = self.hc_ffn.mix(streams, pre, self.shifted)
         out = self.ffn(self.ffn_norm(collapsed), token_ids)
         return HyperConnection.expand(streams, out, post, comb), pre
-
-    def _mix(
-        self, hc: HyperConnection, streams: torch.Tensor, pre: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        if self.shifted:
-            return hc.forward_shifted(streams, pre)
-        collapsed, post, comb = hc(streams)
-        return collapsed, post, comb, None
 
 
 @register_model("deepseek_v41")

@@ -127,20 +127,12 @@ class DSparkLayer(torch.nn.Module):
         context: torch.Tensor,  # [S, W, head_dim]
         visible: torch.Tensor,  # [S, W]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        collapsed, post, comb, pre = self._mix(self.hc_attn, streams, pre)
+        collapsed, post, comb, pre = self.hc_attn.mix(streams, pre, self.shifted)
         out = self.attn(self.attn_norm(collapsed), positions, context, visible)
         streams = HyperConnection.expand(streams, out, post, comb)
-        collapsed, post, comb, pre = self._mix(self.hc_ffn, streams, pre)
+        collapsed, post, comb, pre = self.hc_ffn.mix(streams, pre, self.shifted)
         out = self.ffn(self.ffn_norm(collapsed), token_ids)
         return HyperConnection.expand(streams, out, post, comb), pre
-
-    def _mix(
-        self, hc: HyperConnection, streams: torch.Tensor, pre: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        if self.shifted:
-            return hc.forward_shifted(streams, pre)
-        collapsed, post, comb = hc(streams)
-        return collapsed, post, comb, None
 
 
 class DSparkV41(torch.nn.Module):

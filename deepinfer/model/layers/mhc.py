@@ -56,6 +56,17 @@ class HyperConnection(torch.nn.Module):
         pre, post, comb = self.mixes(streams)
         return self.collapse(streams, carried_pre), post, comb, pre
 
+    def mix(
+        self, streams: torch.Tensor, pre: torch.Tensor | None, shifted: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Either form for a block: the shifted one collapses with the carried `pre` and returns
+        its own to carry on; the plain one carries nothing (None)."""
+        if shifted:
+            assert pre is not None, "a shifted block needs the previous block's pre weights"
+            return self.forward_shifted(streams, pre)
+        collapsed, post, comb = self(streams)
+        return collapsed, post, comb, None
+
     @staticmethod
     def first_pre(num_tokens: int, hc_mult: int, device: torch.device | None = None) -> torch.Tensor:
         """The pre weights the first shifted block collapses with: stream 0 alone. [T, N] fp32."""
