@@ -30,7 +30,7 @@ Gate (TileKernels' `engram_gate_fwd`), per token and stream h, D = hidden size:
 The signed square root flattens large scores so one strong match cannot saturate the gate.
 
 Image tokens (DeepSeek masks their hash rows and leaves their streams untouched) are not
-handled: there is no vision model yet.
+handled: images do not reach the language model yet (the vision encoder is model/vision_v41.py).
 """
 
 from __future__ import annotations
