@@ -30,8 +30,9 @@ On the engine (registered as `deepseek_v41`): `forward_cached` runs a step over 
 declarations grouped as V4's are), read through PagedV41Step. The loader hands the model its
 checkpoint directory (`from_checkpoint`: the shards are mapped, the Engram tables stay FP8 and
 memory-mapped). `check_engine` refuses, before any weight loads, what it does not run yet:
-speculative decoding (DSpark is not wired into the engine), the KV store and host tier and
-prefill/decode roles, several ranks, and a dtype or device other than float32 on the CPU.
+speculative decoding (DSpark is not wired into the engine), several ranks, and a dtype or
+device other than float32 on the CPU. The KV store, the host tier and both prefill/decode
+handoffs carry its cache groups as stored chunks (engine/kv_chunks.py), as for DeepSeek-V4.
 """
 
 from __future__ import annotations
@@ -220,12 +221,6 @@ class DeepseekV41ForCausalLM(CausalLM):
                 "speculative_method",
                 "DeepSeek-V4.1 has no speculative decoding in the engine yet (its DSpark drafter is not wired in)",
             )
-        if engine.store.enabled:
-            raise ConfigError(
-                "kv_store", "the KV store and host tier do not hold DeepSeek-V4.1's cache groups yet"
-            )
-        if engine.disaggregation.role != "both":
-            raise ConfigError("role", "prefill/decode disaggregation does not move DeepSeek-V4.1's cache yet")
         if engine.dtype not in ("auto", "float32"):
             raise ConfigError("dtype", f"DeepSeek-V4.1 computes in float32, not {engine.dtype}")
         if engine.device not in ("auto", "cpu") or (engine.device == "auto" and torch.cuda.is_available()):
