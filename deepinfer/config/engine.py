@@ -75,24 +75,25 @@ class SchedulerConfig:
         check_choice("scheduling_policy", self.scheduling_policy, ("fcfs", "priority"))
 
 
-SPECULATIVE_METHODS = ("ngram", "draft", "mtp")
+SPECULATIVE_METHODS = ("ngram", "draft", "mtp", "dspark")
 SPECULATIVE_LENGTHS = ("fixed", "dynamic", "confidence")
 # Proposers whose drafts carry a confidence (their `has_confidence`): the draft model's and MTP's
-# own probability of the token they propose. Prompt lookup has none.
-CONFIDENCE_METHODS = ("draft", "mtp")
+# own probability of the token they propose, DSpark's confidence head. Prompt lookup has none.
+CONFIDENCE_METHODS = ("draft", "mtp", "dspark")
 
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
-    speculative_method: Literal["ngram", "draft", "mtp"] | None = option(
+    speculative_method: Literal["ngram", "draft", "mtp", "dspark"] | None = option(
         None,
-        help="speculative decoding: ngram (prompt lookup), draft (a draft model) or mtp (DeepSeek MTP)",
+        help="speculative decoding: ngram (prompt lookup), draft (a draft model), mtp (DeepSeek MTP) "
+        "or dspark (DeepSeek-V4.1's DSpark layers)",
     )
     num_speculative_tokens: int = option(5, help="most draft tokens verified per step")
     speculative_length: Literal["fixed", "dynamic", "confidence"] = option(
         "dynamic",
         help="dynamic: per-step length from expected acceptance and the profiled step cost; "
-        "confidence (draft, mtp): lengths chosen after drafting from the drafts' confidences "
+        "confidence (draft, mtp, dspark): lengths chosen after drafting from the drafts' confidences "
         "and the profiled step cost; fixed: always the most",
     )
     speculative_model: str | None = option(

@@ -10,7 +10,7 @@ import torch
 from deepinfer.attention.backend import AttentionBackend
 from deepinfer.attention.metadata import ForwardMetadata
 from deepinfer.cache_layout import CacheGroup, CacheTensor
-from deepinfer.config import EngineConfig, ParallelConfig
+from deepinfer.config import ConfigError, EngineConfig, ParallelConfig
 from deepinfer.kernels.gguf_blocks import PackedMatrix
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.parallel import ModelParallel
@@ -54,7 +54,13 @@ class CausalLM(torch.nn.Module):
     @classmethod
     def check_engine(cls, config: ModelConfig, engine: EngineConfig) -> None:
         """Refuse, with a ConfigError naming the option, an engine feature this model does not
-        run. The engine calls it before loading any weight; everything passes by default."""
+        run. The engine calls it before loading any weight; everything passes by default but
+        DSpark, whose draft layers only DeepSeek-V4.1 has (its class checks the checkpoint)."""
+        if engine.speculative.speculative_method == "dspark":
+            raise ConfigError(
+                "speculative_method",
+                f"'dspark' drafts with DeepSeek-V4.1's DSpark layers; {config.model_type!r} has none",
+            )
 
     def attention_shape(self) -> tuple[int, int, int]:
         """(query heads, KV heads, head dim) this rank's attention runs with."""

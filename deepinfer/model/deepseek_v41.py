@@ -29,10 +29,11 @@ On the engine (registered as `deepseek_v41`): `forward_cached` runs a step over 
 `forward` is it over the engine's cache groups (`cache_groups`: attention/v41_paged.py's
 declarations grouped as V4's are), read through PagedV41Step. The loader hands the model its
 checkpoint directory (`from_checkpoint`: the shards are mapped, the Engram tables stay FP8 and
-memory-mapped). `check_engine` refuses, before any weight loads, what it does not run yet:
-speculative decoding (DSpark is not wired into the engine), several ranks, and a dtype or
-device other than float32 on the CPU. The KV store, the host tier and both prefill/decode
-handoffs carry its cache groups as stored chunks (engine/kv_chunks.py), as for DeepSeek-V4.
+memory-mapped). `check_engine` refuses, before any weight loads, what it does not run yet: a
+speculative method other than DSpark (`dspark`, built here as `self.dspark` when the checkpoint
+has its layers; `forward` fills the runner's `features`), several ranks, and a dtype or device
+other than float32 on the CPU. The KV store, the host tier and both prefill/decode handoffs
+carry its cache groups as stored chunks (engine/kv_chunks.py), as for DeepSeek-V4.
 """
 
 from __future__ import annotations
@@ -55,9 +56,9 @@ from deepinfer.config import ConfigError, EngineConfig, ParallelConfig
 from deepinfer.model.base import CausalLM
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.deepseek_v4 import paged_tensors, v4_cache_groups
-from deepinfer.model.deepseek_v4_config import RopeSpec
-from deepinfer.model.deepseek_v41_config import DeepseekV41Arch
+from deepinfer.model.deepseek_v41_config import DeepseekV41Arch, rope_specs
 from deepinfer.model.deepseek_v41_weights import V41Weights, load_v41_weights
+from deepinfer.model.dspark_v41 import DSparkV41
 from deepinfer.model.layers.engram import Engram, EngramHashing, compressed_vocabulary
 from deepinfer.model.layers.mhc import HyperConnection, HyperHead
 from deepinfer.model.layers.v4_moe import V4MoE
@@ -65,22 +66,6 @@ from deepinfer.model.layers.v4_norm import Fp32RMSNorm
 from deepinfer.model.layers.v4_rotary import TrailingRope
 from deepinfer.model.layers.v41_attention import CrossLayer, V41Attention
 from deepinfer.model.registry import register_model
-
-
-def rope_specs(arch: DeepseekV41Arch) -> tuple[RopeSpec, RopeSpec]:
-    """(sliding-only layers, compressed layers): plain RoPE at rope_theta; compress_rope_theta
-    with YaRN when the config scales, without magnitude correction (DeepSeek's mscale off)."""
-    yarn = None
-    if arch.yarn is not None:
-        yarn = {
-            "factor": arch.yarn.factor,
-            "original_max_position_embeddings": arch.yarn.original_max_position_embeddings,
-            "beta_fast": arch.yarn.beta_fast,
-            "beta_slow": arch.yarn.beta_slow,
-            "truncate": True,
-            "attention_factor": 1.0,
-        }
-    return RopeSpec(arch.rope_theta, None), RopeSpec(arch.compress_rope_theta, yarn)
 
 
 class V41Block(torch.nn.Module):
@@ -175,6 +160,12 @@ class DeepseekV41ForCausalLM(CausalLM):
         self.head = torch.nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size), requires_grad=False)
         self.hashing = EngramHashing.from_arch(arch, vocab_map) if arch.engram is not None else None
         self._load(weights)
+        # DSpark's draft layers (speculative_method="dspark"), sharing the embedding and head.
+        self.dspark = (
+            DSparkV41(arch, weights.tensors, self.embed.data, self.head.data)
+            if arch.dspark.num_layers
+            else None
+        )
 
     @classmethod
     def from_pretrained(
@@ -216,10 +207,16 @@ class DeepseekV41ForCausalLM(CausalLM):
     def check_engine(cls, config: ModelConfig, engine: EngineConfig) -> None:
         """What this model does not run yet, refused before any weight loads."""
         cls.check_parallel(config, engine.parallel)
-        if engine.speculative.speculative_method is not None:
+        method = engine.speculative.speculative_method
+        if method not in (None, "dspark"):
             raise ConfigError(
                 "speculative_method",
-                "DeepSeek-V4.1 has no speculative decoding in the engine yet (its DSpark drafter is not wired in)",
+                f"DeepSeek-V4.1 drafts with its DSpark layers ('dspark'), not {method!r}",
+            )
+        if method == "dspark" and not DeepseekV41Arch.from_raw(config.raw).dspark.num_layers:
+            raise ConfigError(
+                "speculative_method",
+                "'dspark' needs DSpark layers: this checkpoint has num_nextn_predict_layers=0",
             )
         if engine.dtype not in ("auto", "float32"):
             raise ConfigError("dtype", f"DeepSeek-V4.1 computes in float32, not {engine.dtype}")
@@ -243,11 +240,12 @@ class DeepseekV41ForCausalLM(CausalLM):
         kv_caches: list[torch.Tensor],  # the tensors of cache_groups(), in order
         meta: ForwardMetadata,  # one AttentionMetadata per cache group
         backend: AttentionBackend,  # unused: the model reads its groups itself (OwnAttention)
+        features: dict[int, torch.Tensor] | None = None,  # DSpark's target features (forward_cached)
     ) -> torch.Tensor:  # final hidden [T, hidden], normed
         layout = step_layout(meta)
         tensors = paged_tensors(self.cache_declarations(), kv_caches)
         return self.forward_cached(
-            input_ids, positions, layout, PagedV41Step(self.arch, tensors, meta, layout)
+            input_ids, positions, layout, PagedV41Step(self.arch, tensors, meta, layout), features
         )
 
     # -- the language model --------------------------------------------------------------------

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from deepinfer.model.deepseek_v4_config import RopeSpec
+
 ARCHITECTURE = "DeepseekV41ForCausalLM"
 MODEL_TYPE = "deepseek_v41"
 SLIDING, C1, C2 = 0, 1, 2
@@ -688,3 +690,19 @@ def _vision(vision: dict[str, Any]) -> VisionSpec:
         num_heads=heads,
         intermediate_size=v.positive("intermediate_size", default_mlp),
     )
+
+
+def rope_specs(arch: DeepseekV41Arch) -> tuple[RopeSpec, RopeSpec]:
+    """(sliding-only layers, compressed layers): plain RoPE at rope_theta; compress_rope_theta
+    with YaRN when the config scales, without magnitude correction (DeepSeek's mscale off)."""
+    yarn = None
+    if arch.yarn is not None:
+        yarn = {
+            "factor": arch.yarn.factor,
+            "original_max_position_embeddings": arch.yarn.original_max_position_embeddings,
+            "beta_fast": arch.yarn.beta_fast,
+            "beta_slow": arch.yarn.beta_slow,
+            "truncate": True,
+            "attention_factor": 1.0,
+        }
+    return RopeSpec(arch.rope_theta, None), RopeSpec(arch.compress_rope_theta, yarn)

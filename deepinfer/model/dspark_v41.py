@@ -27,8 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.attention.v4_sparse import attend_with_sink
-from deepinfer.model.deepseek_v41 import rope_specs
-from deepinfer.model.deepseek_v41_config import DeepseekV41Arch
+from deepinfer.model.deepseek_v41_config import DeepseekV41Arch, rope_specs
 from deepinfer.model.deepseek_v41_weights import expected_tensors
 from deepinfer.model.layers.mhc import HyperConnection, HyperHead
 from deepinfer.model.layers.v4_moe import V4MoE

@@ -108,6 +108,8 @@ class StepResult:
     hidden: torch.Tensor | None = None  # [T, hidden]
     items: list[ScheduledSequence] | None = None
     offsets: list[int] | None = None
+    # [T, len(feature_layers) * hidden]: the target features the runner was asked for (DSpark's)
+    features: torch.Tensor | None = None
 
     def token_ids(self) -> dict[int, list[int]]:
         """seq_id -> the ids of this step's tokens."""
@@ -144,15 +146,23 @@ class ModelRunner:
         self.sampler = Sampler()
         self.grammar_masks = grammar_masks
         self._generators: dict[int, torch.Generator] = {}
+        # Layers whose features every step keeps, concatenated in this order (set by a proposer
+        # that drafts from them: DSpark); the model fills a `features` dict when given one.
+        self.feature_layers: tuple[int, ...] = ()
 
     def release(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
             self._generators.pop(seq_id, None)
 
-    def forward(self, inputs: ForwardInputs) -> torch.Tensor:
-        """The target's hidden states [T, hidden] for `inputs`, writing their KV."""
+    def forward(self, inputs: ForwardInputs, features: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """The target's hidden states [T, hidden] for `inputs`, writing their KV; `features`, when
+        given, receives the model's per-layer features (a model that has some: DeepSeek-V4.1)."""
         prepare_backend(self.backend, inputs.meta)
-        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend)
+        if features is None:
+            return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend)
+        return self.model(
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend, features=features
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)
@@ -230,9 +240,12 @@ class ModelRunner:
         return RowSpan([list(table) for table in self.view.tables(seq)], item.start, tokens)
 
     @torch.inference_mode()
-    def run(self, work: ForwardWork) -> tuple[ForwardInputs, torch.Tensor, torch.Tensor | None]:
-        """What every rank of the group runs: block copies, the forward, and the logits of
-        `work.logit_rows` ([N, V], None without rows). Rank 0 hands `work` to its peers first."""
+    def run(
+        self, work: ForwardWork, features: dict[int, torch.Tensor] | None = None
+    ) -> tuple[ForwardInputs, torch.Tensor, torch.Tensor | None]:
+        """What every rank of the group runs: block copies, the forward (filling `features` when
+        given), and the logits of `work.logit_rows` ([N, V], None without rows). Rank 0 hands
+        `work` to its peers first."""
         if self.failed is not None:
             raise RuntimeError(f"the ranks are out of step since an earlier failure: {self.failed}")
         try:
@@ -240,7 +253,7 @@ class ModelRunner:
                 self.peers.submit(work)
             self.caches.copy_blocks(work.block_copies)
             inputs = self.view.inputs(work.spans)
-            hidden = self.forward(inputs)  # [T, hidden]
+            hidden = self.forward(inputs, features)  # [T, hidden]
             logits = None
             if work.logit_rows:
                 rows = torch.tensor(work.logit_rows, dtype=torch.long, device=self.device)
@@ -315,7 +328,8 @@ class ModelRunner:
         tokens accepted by the grammars). Mutates the KV caches, the grammar matchers and the
         seeded generators."""
         rows, owners = step.rows, step.owners
-        inputs, hidden, unique_logits = self.run(step.work)
+        features: dict[int, torch.Tensor] | None = {} if self.feature_layers else None
+        inputs, hidden, unique_logits = self.run(step.work, features)
         sampled: dict[int, list[SampledToken]] = {}
         failures: dict[str, str] = {}
         if rows:
@@ -337,4 +351,9 @@ class ModelRunner:
                 for seq, token in zip(owners, tokens)
                 if token is not None and seq.request_id not in failures
             }
-        return StepResult(sampled, failures, hidden, step.items, inputs.offsets)
+        kept = (
+            torch.cat([features[layer] for layer in self.feature_layers], dim=-1)
+            if features is not None
+            else None
+        )
+        return StepResult(sampled, failures, hidden, step.items, inputs.offsets, kept)

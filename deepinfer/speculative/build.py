@@ -21,6 +21,7 @@ from deepinfer.speculative.cost_model import (
 )
 from deepinfer.speculative.decoder import SpeculativeDecoder
 from deepinfer.speculative.draft_model import DraftModelProposer
+from deepinfer.speculative.dspark import DSparkProposer
 from deepinfer.speculative.length_policy import LengthPolicy
 from deepinfer.speculative.mtp import MTPProposer
 from deepinfer.speculative.ngram import NgramProposer
@@ -86,6 +87,8 @@ def build_speculative_decoder(
         proposer = NgramProposer(spec.speculative_ngram_min, spec.speculative_ngram_max)
     elif method == "mtp":
         proposer = MTPProposer(runner.model, caches.view("mtp"))
+    elif method == "dspark":
+        proposer = dspark_proposer(runner)
     else:
         assert draft is not None
         proposer = DraftModelProposer(draft.model, caches.view("draft"), config.attention_backend)
@@ -105,6 +108,18 @@ def build_speculative_decoder(
         runner.compute_logits,
         ConfidencePolicy(cost) if cost is not None and spec.speculative_length == "confidence" else None,
     )
+
+
+def dspark_proposer(runner: ModelRunner) -> DSparkProposer:
+    """DSpark over the target's own draft layers; every step then keeps the target features of
+    DSpark's layers for it (the runner asks the model for them)."""
+    drafter = getattr(runner.model, "dspark", None)
+    if drafter is None:  # check_engine refuses this first for an HF directory
+        raise ValueError(
+            f"speculative_method='dspark' needs DeepSeek-V4.1's DSpark layers; {type(runner.model).__name__} has none"
+        )
+    runner.feature_layers = drafter.spec.target_layer_ids
+    return DSparkProposer(drafter)
 
 
 def _target_forward(runner: ModelRunner):

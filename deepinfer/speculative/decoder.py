@@ -233,7 +233,9 @@ class SpeculativeDecoder:
                     self._observe(item.seq.seq_id, [], 0)
         self._requests = {}
         result.sampled.update(out)
-        self.proposer.after_step(items, hidden, offsets, result.sampled)
+        # A proposer that asked the runner for target features (DSpark) keeps those, not `hidden`.
+        states = hidden if result.features is None else result.features
+        self.proposer.after_step(items, states, offsets, result.sampled)
 
     def _observe(self, seq_id: int, accept_probs: list[float], num_verified: int) -> None:
         """Positions up to the first rejection are observed; those after it (verified but not

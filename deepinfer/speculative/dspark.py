@@ -79,10 +79,11 @@ class DSparkProposer:
     how many were asked for), then draws each sequence's drafts in order with the Markov
     correction and hands the confidence head's value with each draft.
 
-    Not wired into the engine: `after_step`'s `hidden` must be the step's target features
-    [T, n_targets * hidden] (DeepseekV41ForCausalLM's `features`, through
-    DSparkV41.target_features), which needs V4.1 in the runner. Rows the target never computed
-    for this sequence (a prefix-cache hit) are left out of the context: only acceptance suffers.
+    `speculative_method="dspark"` (build.py) has the runner keep every step's target features
+    [T, n_targets * hidden] (DeepseekV41ForCausalLM's `features` of `target_layer_ids`,
+    concatenated as DSparkV41.target_features does) and hand them to `after_step` as `hidden`.
+    Rows the target never computed for this sequence (a prefix-cache hit) are left out of the
+    context: only acceptance suffers.
     """
 
     name = "dspark"

@@ -111,7 +111,7 @@ def draw_drafts(
 
 class Proposer(Protocol):
     name: str
-    # True when every draft comes with a confidence (draft model, MTP): the dynamic policy may stop
+    # True when every draft comes with a confidence (draft model, MTP, DSpark): the dynamic policy may stop
     # drafting early, and the confidence policy chooses lengths from them.
     has_confidence: bool
 
@@ -130,7 +130,8 @@ class Proposer(Protocol):
         offsets: list[int],
         sampled: dict[int, list[SampledToken]],
     ) -> None:
-        """After the target forward: `hidden` [T, H] of the step, `offsets[i]` the first row of
+        """After the target forward: `hidden` [T, H] of the step (the target features the runner
+        keeps for the proposer when it asked for some: DSpark's), `offsets[i]` the first row of
         items[i], `sampled` the tokens each sampling sequence got (accepted drafts included)."""
         ...
 

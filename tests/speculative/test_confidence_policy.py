@@ -17,6 +17,7 @@ from deepinfer.config.engine import CONFIDENCE_METHODS, SPECULATIVE_METHODS
 from deepinfer.speculative.confidence_policy import ConfidencePolicy, least_slope
 from deepinfer.speculative.cost_model import CostCurve, StepCostModel
 from deepinfer.speculative.draft_model import DraftModelProposer
+from deepinfer.speculative.dspark import DSparkProposer
 from deepinfer.speculative.mtp import MTPProposer
 from deepinfer.speculative.ngram import NgramProposer
 from deepinfer.speculative.proposer import sampled_confidence
@@ -138,6 +139,11 @@ def test_the_confidence_policy_needs_a_proposer_with_confidences():
         SpeculativeConfig(speculative_method="ngram", speculative_length="confidence")
     for method in CONFIDENCE_METHODS:
         SpeculativeConfig(speculative_method=method, speculative_length="confidence")
-    proposers = {"ngram": NgramProposer, "draft": DraftModelProposer, "mtp": MTPProposer}
+    proposers = {
+        "ngram": NgramProposer,
+        "draft": DraftModelProposer,
+        "mtp": MTPProposer,
+        "dspark": DSparkProposer,
+    }
     assert set(proposers) == set(SPECULATIVE_METHODS)
     assert {m for m, cls in proposers.items() if cls.has_confidence} == set(CONFIDENCE_METHODS)
