@@ -13,6 +13,8 @@ import pytest
 
 from deepinfer.recipe.images import ImageInputError
 from deepinfer.recipe.images.fetch import FetchPolicy, _public, fetch_image
+from deepinfer.recipe.images.source import image_bytes
+from deepinfer.recipe.ir import ImagePart
 
 WHERE = "messages[0].content[0]"
 BODY = b"\x89PNG\r\n\x1a\n" + b"x" * 1000
@@ -144,3 +146,11 @@ def test_slow_and_trickling_servers_time_out(server: str) -> None:
 def test_http_errors_and_bad_schemes(server: str) -> None:
     assert "HTTP 404" in _refused(f"{server}/missing.png", OPEN)
     assert "http(s)" in _refused("file:///etc/passwd", OPEN)
+
+
+def test_an_image_part_by_url_is_fetched_only_under_the_policy(server: str) -> None:
+    part = ImagePart(url=f"{server}/a.png", path="input[0].content[2]")
+    with pytest.raises(ImageInputError) as refused:
+        image_bytes(part, FetchPolicy())
+    assert refused.value.param == "input[0].content[2]"
+    assert image_bytes(part, OPEN) == BODY

@@ -416,5 +416,8 @@ class DeepSeekV4Renderer:
 
 
 def images_of(conv: Conversation) -> list[ImagePart]:
-    """The images of a conversation in prompt order (the engine receives their sources)."""
-    return [p for m in conv.messages for p in m.content if isinstance(p, ImagePart)]
+    """The images of a conversation in the order of their placeholders in the prompt (the engine
+    receives their sources): tool results are written in the order of their calls, not the
+    order they came in, so their images are too."""
+    messages = prepare_messages(conv, images=True, extra_roles=("latest_reminder",))
+    return [p for m in messages if m.role in ("user", "tool") for p in m.content if isinstance(p, ImagePart)]
