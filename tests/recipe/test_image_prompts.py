@@ -13,7 +13,11 @@ import pytest
 from PIL import Image
 
 from deepinfer.recipe import Recipe
-from deepinfer.recipe.api import chat_completion_to_conversation, messages_to_conversation
+from deepinfer.recipe.api import (
+    chat_completion_to_conversation,
+    messages_to_conversation,
+    responses_to_conversation,
+)
 from deepinfer.recipe.images import preprocess
 from deepinfer.recipe.images.source import image_token_adjustment, prepare_image
 from tests.recipe.deepseek_reference import deepseek_recipe, reference
@@ -126,3 +130,81 @@ def test_prompt_length_counts_each_image_at_its_token_count() -> None:
     assert [x.webp for x in ours] == [x.data for x in theirs.images]
     assert image_token_adjustment(ours) == theirs.image_token_adjustment()
     assert ours[0].num_tokens == preprocess(base64.b64decode(WIDE.split(",", 1)[1]), "low").num_tokens
+
+
+def _parts(*items: str) -> list[dict[str, str]]:
+    return [
+        {"type": "input_image", "image_url": SMALL} if x == "IMG" else {"type": "input_text", "text": x}
+        for x in items
+    ]
+
+
+SYSTEM_CASES = [
+    (
+        "responses",
+        {
+            "input": [
+                {"role": "system", "content": _parts("a", "IMG", "b")},
+                {"role": "user", "content": "ho"},
+            ]
+        },
+    ),
+    (
+        "responses",
+        {
+            "input": [
+                {"role": "user", "content": "hi"},
+                {"role": "system", "content": _parts("a", "b")},
+                {"role": "user", "content": "ho"},
+            ]
+        },
+    ),
+    (
+        "responses",
+        {
+            "input": [
+                {"role": "user", "content": "hi"},
+                {"role": "developer", "content": _parts("IMG", "b")},
+                {"role": "user", "content": "ho"},
+            ]
+        },
+    ),
+    (
+        "chat",
+        {
+            "messages": [
+                {"role": "system", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                {"role": "user", "content": "ho"},
+            ]
+        },
+    ),
+    (
+        "messages",
+        {
+            "max_tokens": 10,
+            "system": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            "messages": [{"role": "user", "content": "ho"}],
+        },
+    ),
+]
+PARSERS = {
+    "chat": chat_completion_to_conversation,
+    "responses": responses_to_conversation,
+    "messages": messages_to_conversation,
+}
+
+
+@pytest.mark.parametrize("family", ["deepseek_v41", "deepseek_v4"])
+@pytest.mark.parametrize(("api", "body"), SYSTEM_CASES)
+def test_system_turns_with_several_parts_and_images_match_the_codec(
+    family: str, api: str, body: dict[str, Any]
+) -> None:
+    """A system (or V4.1 developer) message's parts are joined by a blank line, an image as its
+    placeholder (V4: `[Unsupported Image]`), like a user message's."""
+    parse = PARSERS[api]
+    ref = reference(api, body, family)
+    assert ref.error is None, ref.error
+    prompt = Recipe(family).render(parse({**body, "model": "m"}))
+    assert prompt.text == ref.prompt
+    expected_images = ref.prompt.count("<｜image｜>") if family == "deepseek_v41" else 0
+    assert len(prompt.images) == expected_images

@@ -56,12 +56,18 @@ def resize_cubic(image: np.ndarray, width: int, height: int) -> np.ndarray:
         return image.copy()
     x_index, x_weights = _cubic_taps(w, width)
     y_index, y_weights = _cubic_taps(h, height)
-    src = image.astype(np.int64)
-    rows = np.empty((h, width * cn), dtype=np.int64)  # horizontal pass, exact integers
-    for start in range(0, h, _ROW_CHUNK):
-        block = src[start : start + _ROW_CHUNK]
-        taps = block[:, x_index, :] * x_weights[None, :, :, None]
-        rows[start : start + _ROW_CHUNK] = taps.sum(axis=2).reshape(block.shape[0], width * cn)
+    # Only the source rows some output row reads go through the horizontal pass (a big shrink
+    # reads a fraction of them); `y_index` is renumbered into that list.
+    needed, y_index = np.unique(y_index, return_inverse=True)
+    y_index = y_index.reshape(height, 4)
+    weights = x_weights.astype(np.int32)[None, :, :, None]
+    rows = np.empty((len(needed), width * cn), dtype=np.int64)  # horizontal pass, exact integers
+    for start in range(0, len(needed), _ROW_CHUNK):
+        block = image[needed[start : start + _ROW_CHUNK]]
+        acc = np.zeros((block.shape[0], width, cn), dtype=np.int32)  # |sum| < 2**21
+        for k in range(4):
+            acc += block[:, x_index[:, k], :].astype(np.int32) * weights[:, :, k]
+        rows[start : start + _ROW_CHUNK] = acc.reshape(block.shape[0], width * cn)
     n = width * cn
     vec = (n // _SIMD_I16_LANES) * _SIMD_I16_LANES
     out = np.empty((height, n), dtype=np.int64)
