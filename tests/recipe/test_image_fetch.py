@@ -11,6 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from deepinfer.recipe.api import anthropic_error_from, openai_error_from
 from deepinfer.recipe.images import ImageInputError
 from deepinfer.recipe.images.fetch import FetchPolicy, _public, fetch_image
 from deepinfer.recipe.images.source import image_bytes
@@ -154,3 +155,16 @@ def test_an_image_part_by_url_is_fetched_only_under_the_policy(server: str) -> N
         image_bytes(part, FetchPolicy())
     assert refused.value.param == "input[0].content[2]"
     assert image_bytes(part, OPEN) == BODY
+
+
+def test_fetch_failures_are_400s_in_each_api_shape(server: str) -> None:
+    with pytest.raises(ImageInputError) as refused:
+        image_bytes(
+            ImagePart(url=f"{server}/a.png", path="messages[1].content[0]"), FetchPolicy(enabled=True)
+        )
+    openai = openai_error_from(refused.value)["error"]
+    assert (openai["type"], openai["param"]) == ("invalid_request_error", "messages[1].content[0]")
+    assert "non-public address" in openai["message"]
+    anthropic = anthropic_error_from(refused.value)
+    assert anthropic["error"]["type"] == "invalid_request_error"
+    assert anthropic["error"]["message"].startswith("messages[1].content[0]: ")
