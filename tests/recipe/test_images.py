@@ -106,7 +106,16 @@ def test_exif_orientation_is_ignored_like_the_codec() -> None:
 
 
 @pytest.mark.parametrize(
-    ("mode", "fmt"), [("L", "PNG"), ("P", "PNG"), ("1", "PNG"), ("L", "JPEG"), ("P", "GIF"), ("I;16", "PNG")]
+    ("mode", "fmt"),
+    [
+        ("L", "PNG"),
+        ("P", "PNG"),
+        ("1", "PNG"),
+        ("L", "JPEG"),
+        ("P", "GIF"),
+        ("I;16", "PNG"),
+        ("CMYK", "JPEG"),
+    ],
 )
 def test_other_pixel_formats_match_the_codec(mode: str, fmt: str) -> None:
     rgb = _noise(120, 90, 5)

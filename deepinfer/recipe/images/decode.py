@@ -93,4 +93,16 @@ def _rgb(image: Image.Image) -> np.ndarray:
         rgba = np.asarray(image.convert("RGBA"), dtype=np.int32)
         alpha = rgba[:, :, 3:]
         return ((rgba[:, :, :3] * alpha + 255 * (255 - alpha) + 127) // 255).astype(np.uint8)
+    if image.mode == "CMYK":
+        return _cmyk_as_opencv(image)
     return np.asarray(image.convert("RGB"), dtype=np.uint8)
+
+
+def _cmyk_as_opencv(image: Image.Image) -> np.ndarray:
+    """CMYK JPEG as the codec's OpenCV converts it (Pillow's own conversion differs by up to
+    15 levels): on the values as stored, which Adobe JPEGs store inverted and Pillow un-inverts,
+    each channel is k - ((255 - c) * k >> 8)."""
+    values = np.asarray(image, dtype=np.int32)
+    stored = 255 - values if "adobe" in image.info else values
+    k = stored[:, :, 3:]
+    return (k - ((255 - stored[:, :, :3]) * k >> 8)).astype(np.uint8)
