@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import io
 import random
+import zlib
 
 import numpy as np
 import pytest
@@ -235,3 +236,13 @@ def test_empty_image_and_unknown_detail_are_refused() -> None:
     assert "empty" in str(_refused(b""))
     with pytest.raises(ImageInputError, match="detail"):
         preprocess(_encode(_noise(4, 4, 1), "PNG"), "medium", WHERE)
+
+
+def test_empty_data_url_and_pixel_bomb_are_refused() -> None:
+    with pytest.raises(ImageInputError, match="empty"):
+        bytes_from_data_url("data:image/png;base64,", WHERE)
+    # A PNG header claiming 100000 x 100000 pixels: refused from the header, nothing decoded.
+    png = _encode(np.zeros((1, 1, 3), dtype=np.uint8), "PNG")
+    ihdr = b"IHDR" + (100000).to_bytes(4, "big") * 2 + png[24:29]
+    bomb = png[:12] + ihdr + zlib.crc32(ihdr).to_bytes(4, "big") + png[33:]
+    assert "8192 pixels a side" in str(_refused(bomb))

@@ -45,8 +45,9 @@ def bytes_from_data_url(url: str, where: str) -> bytes:
     if media_type and media_type.lower() not in MEDIA_TYPES:
         raise ImageInputError(where, f"unsupported image type {media_type!r} (png, jpeg, gif or webp)")
     if "base64" in (p.lower() for p in params):
-        return decode_base64(payload, where)
-    data = urllib.parse.unquote_to_bytes(payload)
+        data = decode_base64(payload, where)
+    else:
+        data = urllib.parse.unquote_to_bytes(payload)
     check_size(len(data), where)
     return data
 
@@ -65,7 +66,9 @@ def decode_rgb(data: bytes, where: str) -> np.ndarray:
         warnings.simplefilter("error", Image.DecompressionBombWarning)
         try:
             image = Image.open(io.BytesIO(data), formats=FORMATS)
-        except (OSError, ValueError, Image.DecompressionBombError, Image.DecompressionBombWarning):
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+            raise ImageInputError(where, f"the image has more than {MAX_DIMENSION} pixels a side") from None
+        except (OSError, ValueError):
             raise ImageInputError(where, "not a PNG, JPEG, GIF or WebP image") from None
         width, height = image.size
         if width > MAX_DIMENSION or height > MAX_DIMENSION:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 from PIL import Image
@@ -28,7 +27,6 @@ from deepinfer.recipe.images.errors import ImageInputError
 from deepinfer.recipe.images.geometry import PATCH, ImageLayout, contain, count_tokens, fit_image
 from deepinfer.recipe.images.resample import resize_area, resize_cubic
 
-Detail = Literal["low", "high", "original", "auto"]
 DETAILS: tuple[str, ...] = ("low", "high", "original", "auto")
 LOW_DETAIL_SIDE = 512
 PAD = 127  # int(0.5 * 255): the normalisation mean, so padding is 0 to the model
