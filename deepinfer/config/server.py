@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from deepinfer.config.fields import ConfigError, check_choice, check_positive, normalize_sizes, option
+from deepinfer.recipe.images.fetch import FetchPolicy
 from deepinfer.response_store.location import parse_response_store, parse_retention_overrides
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -71,6 +72,16 @@ class ServerConfig:
         help="key for the Responses API's encrypted reasoning (64 hex digits); default: a new key at every "
         "start (blobs from before a restart then fail to decrypt)",
     )
+    image_fetch: bool = option(
+        False,
+        help="fetch http(s) image URLs that requests give (off: images must come inline, as data URLs "
+        "or base64); fetches go to public addresses only, within --image-fetch-timeout and the image size limit",
+    )
+    image_fetch_allow_private: bool = option(
+        False,
+        help="let image fetches reach loopback, private and link-local addresses (a trusted network only)",
+    )
+    image_fetch_timeout: float = option(10.0, help="seconds one image fetch may take, redirects included")
     engine_mode: Literal["process", "thread"] = option(
         "process", help="run the engine core in its own process (default) or on a thread of the server"
     )
@@ -109,6 +120,7 @@ class ServerConfig:
         check_positive("default_max_tokens", self.default_max_tokens)
         if isinstance(self.default_max_tokens, float):
             raise ConfigError("default_max_tokens", "must be an integer")
+        check_positive("image_fetch_timeout", self.image_fetch_timeout, allow_none=False)
         check_choice("engine_mode", self.engine_mode, ("process", "thread"))
         check_choice("log_level", self.log_level, LOG_LEVELS)
         check_choice("hosted_tools", self.hosted_tools, ("drop", "reject"))
@@ -129,3 +141,10 @@ class ServerConfig:
             )
         if any(not key for key in self.api_keys):
             raise ConfigError("api_keys", "an API key must not be empty")
+
+    def image_fetch_policy(self) -> FetchPolicy:
+        return FetchPolicy(
+            enabled=self.image_fetch,
+            allow_private=self.image_fetch_allow_private,
+            timeout_s=float(self.image_fetch_timeout),
+        )

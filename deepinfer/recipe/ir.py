@@ -25,11 +25,17 @@ class TextPart:
 @dataclass(slots=True)
 class ImagePart:
     """An image: renderers that know images write a placeholder and carry the source to the
-    engine (RenderedPrompt.images); the others reject it."""
+    engine (RenderedPrompt.images); the others reject it.
+
+    `url` is a `data:` URL (checked when parsed) or an http(s) URL (fetched only when the
+    server allows it); `detail` is the client's (`low`, `high`, `auto`, `original`; None: not
+    given); `path` is where the part stands in the request (`messages[0].content[1]`), so a
+    failure later (fetching, decoding) names it."""
 
     url: str | None = None
     media_type: str | None = None
     detail: str | None = None
+    path: str | None = None
 
 
 ContentPart = TextPart | ImagePart

@@ -16,7 +16,7 @@ import deepinfer.recipe
 from deepinfer.recipe import Recipe, ModelInfo
 from deepinfer.recipe.ir import Conversation, Message, TextPart
 import deepinfer.recipe.render.chat_template, deepinfer.recipe.render.deepseek_v32
-import deepinfer.recipe.render.deepseek_v31, deepinfer.recipe.parse
+import deepinfer.recipe.render.deepseek_v31, deepinfer.recipe.parse, deepinfer.recipe.images
 recipe = Recipe("deepseek_v32")
 prompt = recipe.render(Conversation(messages=[Message(role="user", content=[TextPart("hi")])]))
 assert prompt.parse_completion("hello").content == "hello"

@@ -112,7 +112,11 @@ def test_full_request_from_sdk_maps_every_field() -> None:
                 role="user",
                 content=[
                     TextPart("Weather in Paris?"),
-                    ImagePart(url="data:image/png;base64,iVBORw0KGgo=", media_type="image/png"),
+                    ImagePart(
+                        url="data:image/png;base64,iVBORw0KGgo=",
+                        media_type="image/png",
+                        path="messages[2].content[1]",
+                    ),
                 ],
             ),
             Message(

@@ -140,7 +140,11 @@ def test_sdk_request_maps_blocks_to_turns() -> None:
                 role="user",
                 content=[
                     TextPart("Weather?"),
-                    ImagePart(url="data:image/png;base64,iVBO", media_type="image/png"),
+                    ImagePart(
+                        url="data:image/png;base64,iVBO",
+                        media_type="image/png",
+                        path="messages[0].content[1]",
+                    ),
                 ],
             ),
             Message(

@@ -154,7 +154,13 @@ def test_sdk_request_with_items_maps_to_turns() -> None:
                 tool_calls=[ToolCall(id="call_1", name="get_weather", arguments='{"city":"Paris"}')],
             ),
             Message(role="tool", content=[TextPart("18C")], tool_call_id="call_1", name="get_weather"),
-            Message(role="user", content=[TextPart("And this?"), ImagePart(url="https://example.com/a.png")]),
+            Message(
+                role="user",
+                content=[
+                    TextPart("And this?"),
+                    ImagePart(url="https://example.com/a.png", detail="auto", path="input[5].content[1]"),
+                ],
+            ),
         ],
         tools=[Tool(name="get_weather", parameters=WEATHER_SCHEMA)],
         tool_choice=ToolChoice(mode="named", name="get_weather"),

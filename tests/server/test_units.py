@@ -23,6 +23,7 @@ from deepinfer.engine.ipc.protocol import (
 )
 from deepinfer.engine.outputs import SequenceOutput, TokenLogprobs
 from deepinfer.engine.stats import EngineStats
+from deepinfer.recipe.images.fetch import FetchPolicy
 from deepinfer.recipe.ir import ResponseFormat
 from deepinfer.sampling_params import InvalidRequestError, SamplingParams
 from deepinfer.sequence import EngineRequest
@@ -217,3 +218,14 @@ def test_an_unset_output_bound_is_the_servers_then_the_encodings_then_the_contex
 def test_default_max_tokens_is_checked_with_the_other_options() -> None:
     with pytest.raises(ConfigError, match="default_max_tokens"):
         ServerConfig(default_max_tokens=0)
+
+
+def test_image_fetching_is_off_unless_configured() -> None:
+    assert ServerConfig().image_fetch_policy() == FetchPolicy()
+    assert not FetchPolicy().enabled and not FetchPolicy().allow_private
+    policy = ServerConfig(
+        image_fetch=True, image_fetch_allow_private=True, image_fetch_timeout=2.5
+    ).image_fetch_policy()
+    assert (policy.enabled, policy.allow_private, policy.timeout_s) == (True, True, 2.5)
+    with pytest.raises(ConfigError, match="image_fetch_timeout"):
+        ServerConfig(image_fetch_timeout=0)

@@ -9,6 +9,9 @@ from pydantic import Field
 
 from deepinfer.recipe.api._validation import ApiModel, require
 from deepinfer.recipe.errors import RecipeError
+from deepinfer.recipe.images.decode import bytes_from_data_url
+from deepinfer.recipe.images.fetch import check_image_url
+from deepinfer.recipe.images.preprocess import DETAILS
 from deepinfer.recipe.ir import ImagePart, Thinking
 
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
@@ -55,13 +58,18 @@ def arguments_text(value: str | dict[str, Any], param: str) -> str:
         raise RecipeError(f"{param}: arguments are not JSON-serializable", param=param) from error
 
 
-def image_from_url(url: str) -> ImagePart:
-    """An image given by URL; for `data:` URLs the media type is read from the header."""
-    media_type = None
+def image_part(url: str, detail: str | None, path: str, url_param: str) -> ImagePart:
+    """An image part given by URL, checked now so that a bad one is a 400 naming the field:
+    a `data:` URL must hold a supported image type in valid base64 within the size limit, any
+    other URL must be http(s) and not too long; `detail` must be one the model knows."""
+    if detail is not None and detail not in DETAILS:
+        raise RecipeError(f"{path}.detail: must be one of {', '.join(DETAILS)}", param=f"{path}.detail")
     if url.startswith("data:"):
-        header = url[5:].split(",", 1)[0]
-        media_type = header.split(";", 1)[0] or None
-    return ImagePart(url=url, media_type=media_type)
+        bytes_from_data_url(url, url_param)
+        media_type = url[5:].split(",", 1)[0].split(";", 1)[0] or None
+        return ImagePart(url=url, media_type=media_type, detail=detail, path=path)
+    check_image_url(url, url_param)
+    return ImagePart(url=url, detail=detail, path=path)
 
 
 def thinking_from_effort(effort: ReasoningEffort | None) -> Thinking:

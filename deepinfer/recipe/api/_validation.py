@@ -24,7 +24,9 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
 
 
 def _is_type_tag(segment: str) -> bool:
-    return segment in _TYPE_TAGS or "[" in segment or segment.startswith("function-")
+    # Union members that are models appear under their class name (ours are `_Private`).
+    model_name = segment.startswith("_") and segment[1:2].isupper()
+    return segment in _TYPE_TAGS or "[" in segment or segment.startswith("function-") or model_name
 
 
 def join_path(prefix: str, segment: str | int) -> str:

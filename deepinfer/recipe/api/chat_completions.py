@@ -13,7 +13,7 @@ from deepinfer.recipe.api._request import (
     ToolCallLedger,
     arguments_text,
     check_min_tokens,
-    image_from_url,
+    image_part,
     thinking_from_effort,
 )
 from deepinfer.recipe.api._validation import ApiModel, require, validate
@@ -202,9 +202,12 @@ def _content(content: str | list[dict[str, Any]] | None, role: str, path: str) -
             parts.append(TextPart(validate(_TextPartIn, raw, where).text))
         elif kind == "refusal" and role == "assistant":
             parts.append(TextPart(validate(_RefusalPartIn, raw, where).refusal))
-        elif kind == "image_url" and role == "user":
+        elif kind == "image_url" and role in ("user", "tool"):
             image = validate(_ImagePartIn, raw, where).image_url
-            parts.append(image_from_url(image if isinstance(image, str) else image.url))
+            if isinstance(image, str):
+                parts.append(image_part(image, None, where, f"{where}.image_url"))
+            else:
+                parts.append(image_part(image.url, image.detail, where, f"{where}.image_url.url"))
         else:
             raise RecipeError(
                 f"{where}.type: content part {kind!r} is not supported in a {role} message",

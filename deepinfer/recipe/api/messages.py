@@ -12,6 +12,7 @@ from deepinfer.recipe.api._request import (
     ToolCallLedger,
     arguments_text,
     check_min_tokens,
+    image_part,
 )
 from deepinfer.recipe.api._validation import ApiModel, require, validate
 from deepinfer.recipe.errors import RecipeError
@@ -43,6 +44,9 @@ class _MessageIn(ApiModel):
 
 class _TextBlock(ApiModel):
     text: str
+
+
+_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")  # Anthropic's list
 
 
 class _ImageSource(ApiModel):
@@ -258,10 +262,17 @@ def _image(raw: dict[str, Any], path: str) -> ImagePart:
     source = validate(_ImageBlock, raw, path).source
     if source.type == "url":
         require(bool(source.url), "is required for a url image", f"{path}.source.url")
-        return ImagePart(url=source.url, media_type=source.media_type)
+        require(not (source.url or "").startswith("data:"), "must be an http(s) URL", f"{path}.source.url")
+        return image_part(source.url or "", None, path, f"{path}.source.url")
     require(bool(source.data), "is required for a base64 image", f"{path}.source.data")
     require(bool(source.media_type), "is required for a base64 image", f"{path}.source.media_type")
-    return ImagePart(url=f"data:{source.media_type};base64,{source.data}", media_type=source.media_type)
+    require(
+        source.media_type in _MEDIA_TYPES,
+        f"must be one of {', '.join(_MEDIA_TYPES)}",
+        f"{path}.source.media_type",
+    )
+    url = f"data:{source.media_type};base64,{source.data}"
+    return image_part(url, None, path, f"{path}.source.data")
 
 
 def _blocks(content: str | list[dict[str, Any]]) -> list[dict[str, Any]]:

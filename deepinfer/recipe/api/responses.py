@@ -26,7 +26,7 @@ from deepinfer.recipe.api._request import (
     ToolCallLedger,
     arguments_text,
     check_min_tokens,
-    image_from_url,
+    image_part,
     thinking_from_effort,
 )
 from deepinfer.recipe.api._validation import ApiModel, require, validate
@@ -297,7 +297,7 @@ def _parts(content: str | list[dict[str, Any]], role: str, path: str) -> list[Co
         elif kind == "input_image" and role != "assistant":
             image = validate(_ImagePartIn, raw, where)
             require(image.image_url is not None, "only image_url images are supported", f"{where}.image_url")
-            parts.append(image_from_url(image.image_url or ""))
+            parts.append(image_part(image.image_url or "", image.detail, where, f"{where}.image_url"))
         else:
             raise RecipeError(
                 f"{where}.type: content part {kind!r} is not supported in a {role} message",

@@ -344,7 +344,7 @@ class DeepSeekV4Renderer:
         return suffix
 
     def _v4_system(self, conv: Conversation, messages: list[Message], thinking: bool, suffix: str) -> str:
-        texts = [m.text for m in messages if m.role == "system"]
+        texts = [self._content_text(m) for m in messages if m.role == "system"]
         block = "\n\n".join(texts) + suffix
         level = effort_level(conv) or "high"
         if thinking and level != "low":
@@ -365,9 +365,11 @@ class DeepSeekV4Renderer:
         return self._v41_system_head(conv, thinking) + suffix
 
     def _system_turn_text(self, msg: Message) -> str:
+        # A V4.1 system turn is written like a user one: parts joined by a blank line, images too.
+        text = self._content_text(msg)
         if msg.tools:
-            return msg.text + "\n\n" + updated_tools_section(msg.tools)
-        return msg.text
+            return text + "\n\n" + updated_tools_section(msg.tools)
+        return text
 
     # -- turns
 
@@ -416,5 +418,8 @@ class DeepSeekV4Renderer:
 
 
 def images_of(conv: Conversation) -> list[ImagePart]:
-    """The images of a conversation in prompt order (the engine receives their sources)."""
-    return [p for m in conv.messages for p in m.content if isinstance(p, ImagePart)]
+    """The images of a conversation in the order of their placeholders in the prompt (the engine
+    receives their sources): tool results are written in the order of their calls, not the
+    order they came in, so their images are too."""
+    messages = prepare_messages(conv, images=True, extra_roles=("latest_reminder",))
+    return [p for m in messages if m.role != "latest_reminder" for p in m.content if isinstance(p, ImagePart)]
