@@ -14,6 +14,7 @@ from deepinfer.config import EngineConfig, ParallelConfig
 from deepinfer.kernels.gguf_blocks import PackedMatrix
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.parallel import ModelParallel
+from deepinfer.model.yoco import refuse_truncation
 
 
 def cache_tensor(
@@ -54,7 +55,9 @@ class CausalLM(torch.nn.Module):
     @classmethod
     def check_engine(cls, config: ModelConfig, engine: EngineConfig) -> None:
         """Refuse, with a ConfigError naming the option, an engine feature this model does not
-        run. The engine calls it before loading any weight; everything passes by default."""
+        run. The engine calls it before loading any weight; everything passes by default but
+        YoCo's bounded replay, which only a YoCo model has."""
+        refuse_truncation(engine)
 
     def attention_shape(self) -> tuple[int, int, int]:
         """(query heads, KV heads, head dim) this rank's attention runs with."""

@@ -64,6 +64,7 @@ from deepinfer.model.layers.v4_norm import Fp32RMSNorm
 from deepinfer.model.layers.v4_rotary import TrailingRope
 from deepinfer.model.layers.v41_attention import CrossLayer, V41Attention
 from deepinfer.model.registry import register_model
+from deepinfer.model.yoco import BoundedReplay, check_keep_tokens, engine_backtrack, refuse_truncation
 
 
 def rope_specs(arch: DeepseekV41Arch) -> tuple[RopeSpec, RopeSpec]:
@@ -133,7 +134,14 @@ class V41Block(torch.nn.Module):
         collapsed, post, comb, pre = self._mix(self.hc_attn, streams, pre)
         x = self.attn_norm(collapsed)
         if self.captures_shared_hidden:
-            shared.shared_hidden = x
+            shared.shared_hidden = x  # every row: the consumer layers' compressors read it
+            replay = shared.replay
+            if replay is not None:  # bounded replay: from here on, the kept rows only
+                x, streams, post, comb, pre, token_ids = (
+                    replay.keep(t) for t in (x, streams, post, comb, pre, token_ids)
+                )
+                positions, layout = replay.positions, replay.layout
+                shared.top, shared.candidates = replay.keep(shared.top), replay.keep(shared.candidates)
         streams = HyperConnection.expand(streams, self.attn(x, positions, layout, step, shared), post, comb)
         collapsed, post, comb, pre = self._mix(self.hc_ffn, streams, pre)
         out = self.ffn(self.ffn_norm(collapsed), token_ids)
@@ -223,6 +231,16 @@ class DeepseekV41ForCausalLM(CausalLM):
     def check_engine(cls, config: ModelConfig, engine: EngineConfig) -> None:
         """What this model does not run yet, refused before any weight loads."""
         cls.check_parallel(config, engine.parallel)
+        if engine.yoco_prefill_truncation != "off":
+            arch = DeepseekV41Arch.from_raw(config.raw)
+            if arch.yoco_boundary is None:
+                refuse_truncation(engine, "this checkpoint's YoCo boundary is a DSpark layer: YoCo is off")
+            check_keep_tokens(engine.yoco_prefill_keep_tokens, arch.sliding_window, engine_backtrack(engine))
+            refuse_truncation(
+                engine,
+                "bounded replay runs in the standalone model (forward_cached) only; the engine does "
+                "not plan it for its steps yet",
+            )
         if engine.speculative.speculative_method is not None:
             raise ConfigError(
                 "speculative_method",
@@ -272,9 +290,15 @@ class DeepseekV41ForCausalLM(CausalLM):
         layout: StepLayout,
         step: V41StepView,
         features: dict[int, torch.Tensor] | None = None,
+        replay: BoundedReplay | None = None,
     ) -> torch.Tensor:  # final hidden [T, hidden], normed
         """`features`, when given, receives DSpark's target features: for each of
-        `arch.dspark.target_layer_ids`, the mean of the streams entering its attention [T, hidden]."""
+        `arch.dspark.target_layer_ids`, the mean of the streams entering its attention [T, hidden].
+        `replay` (model/yoco.py, planned for this layout) is YoCo's bounded replay: the layers
+        from the boundary on run only its kept rows, their windows clipped to its floors; the
+        rows they skip come back NaN, in the hidden and in the features of those layers."""
+        if replay is not None and self.arch.yoco_boundary is None:
+            raise ValueError("bounded replay needs a YoCo model: this one has no YoCo boundary")
         runs = [torch.arange(s, s + n) for s, n in zip(layout.starts, layout.query_lens, strict=True)]
         if not torch.equal(positions.cpu(), torch.cat(runs) if runs else positions.cpu()[:0]):
             raise ValueError("positions must run consecutively from each sequence's start in the step layout")
@@ -287,11 +311,29 @@ class DeepseekV41ForCausalLM(CausalLM):
         )
         pre = HyperConnection.first_pre(input_ids.shape[0], self.arch.hc_mult, input_ids.device)
         shared = CrossLayer()
+        ids = input_ids
         for layer in self.layers:
-            streams, pre = layer(streams, pre, input_ids, positions, layout, step, shared, ngrams, features)
+            if replay is not None and layer.captures_shared_hidden:
+                shared.replay = replay  # the boundary block switches to the kept rows
+            streams, pre = layer(streams, pre, ids, positions, layout, step, shared, ngrams, features)
+            if replay is not None and layer.captures_shared_hidden:
+                ids, positions, layout, ngrams = (
+                    replay.keep(ids),
+                    replay.positions,
+                    replay.layout,
+                    replay.keep(ngrams),
+                )
         step.finish(input_ids)
-        hidden = HyperConnection.collapse(streams, pre) if self.hc_head is None else self.hc_head(streams)
-        return self.norm(hidden)
+        hidden = self.norm(
+            HyperConnection.collapse(streams, pre) if self.hc_head is None else self.hc_head(streams)
+        )
+        if replay is None:
+            return hidden
+        if features is not None:
+            for index in features:
+                if index >= self.arch.yoco_boundary:
+                    features[index] = replay.spread(features[index])
+        return replay.spread(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab]."""

@@ -1,0 +1,202 @@
+"""YoCo's bounded replay (model/yoco.py) on the tiny V4.1 (float32; layers 3, 4, 5 past the
+boundary, window 8): the kept rows equal every row computed with the same clipped windows, and
+the unclipped model where the windows cannot reach the floor; chunks, decoding and rollbacks
+never read a skipped row; the option is refused where it cannot hold."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepinfer.attention.v4_cache import StepLayout
+from deepinfer.attention.v41_cache import ContiguousV41Cache
+from deepinfer.config import ConfigError, EngineConfig
+from deepinfer.model.base import CausalLM
+from deepinfer.model.config import ModelConfig
+from deepinfer.model.deepseek_v41 import DeepseekV41ForCausalLM
+from deepinfer.model.yoco import BoundedReplay, check_keep_tokens, prompt_floors
+from tests.deepseek_v41.tiny_v41 import build_v41, tiny_config
+
+PROMPT = 40
+TOL = 1e-5
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> DeepseekV41ForCausalLM:
+    path = tmp_path_factory.mktemp("v41_yoco") / "tiny"
+    build_v41(path, tiny_config(), seed=0)
+    return DeepseekV41ForCausalLM.from_pretrained(path)
+
+
+def _ids(n: int = PROMPT + 6) -> torch.Tensor:
+    return torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(5))
+
+
+def _step(
+    model: DeepseekV41ForCausalLM,
+    cache: ContiguousV41Cache,
+    seq: int,
+    ids: torch.Tensor,
+    n: int,
+    keep: int | None,
+) -> torch.Tensor:
+    """The next n tokens of `ids` (the prompt: its first PROMPT) -> logits [n, vocab]; `keep`:
+    bounded replay of the prompt's last `keep` tokens (None: off)."""
+    start = cache.length(seq)
+    layout = StepLayout((start,), (n,))
+    replay = None if keep is None else BoundedReplay.plan(layout, prompt_floors(layout, (PROMPT,), keep), CPU)
+    hidden = model.forward_cached(
+        ids[start : start + n],
+        torch.arange(start, start + n),
+        layout,
+        cache.step([seq], layout),
+        None,
+        replay,
+    )
+    return model.compute_logits(hidden)
+
+
+def _prefill(
+    model: DeepseekV41ForCausalLM, ids: torch.Tensor, chunks: list[int], keep: int | None, backtrack: int = 16
+) -> tuple[torch.Tensor, ContiguousV41Cache, int]:
+    """A prefill over a cache whose consumer sliding rows start as NaN: a read of a row no step
+    wrote (a skipped one) turns the output NaN."""
+    cache = ContiguousV41Cache(model.arch, backtrack=backtrack)
+    seq = cache.add_sequence()
+    _poison(model, cache, seq, len(ids))
+    return torch.cat([_step(model, cache, seq, ids, n, keep) for n in chunks]), cache, seq
+
+
+def _poison(model: DeepseekV41ForCausalLM, cache: ContiguousV41Cache, seq: int, count: int) -> None:
+    nan = torch.full((count, model.arch.head_dim), float("nan"))
+    for layer in range(model.arch.yoco_boundary, model.arch.num_layers):
+        cache._sequences[seq].sliding[layer].write(0, nan)
+
+
+def _masked(model: DeepseekV41ForCausalLM, ids: torch.Tensor, floor: int) -> torch.Tensor:
+    """DeepSeek's `mask` mode: every row through every layer, the same clipped windows."""
+    cache = ContiguousV41Cache(model.arch)
+    seq = cache.add_sequence()
+    _poison(model, cache, seq, PROMPT)
+    layout = StepLayout((0,), (PROMPT,))
+    positions = torch.arange(PROMPT)
+    every_row = BoundedReplay(layout, layout, positions, positions, (floor,))
+    hidden = model.forward_cached(ids[:PROMPT], positions, layout, cache.step([seq], layout), None, every_row)
+    return model.compute_logits(hidden)
+
+
+def test_kept_rows_equal_every_row_with_the_same_windows(model):
+    ids, keep = _ids(), 24
+    floor = PROMPT - keep
+    compact, _, _ = _prefill(model, ids, [PROMPT], keep)
+    assert compact[:floor].isnan().all() and torch.isfinite(compact[floor:]).all()  # skipped: not computed
+    masked = _masked(model, ids, floor)
+    assert torch.isfinite(masked[floor:]).all()  # no consumer window read before the floor
+    assert (compact[floor:] - masked[floor:]).abs().max() < TOL
+
+
+def test_kept_rows_equal_the_unclipped_model_where_no_window_reaches_the_floor(model):
+    """A row at p is exact once p >= floor + 3 * (W - 1): each consumer layer reaches W - 1
+    further back (three from the boundary on here); the rows near the floor differ, as in
+    DeepSeek (by less and less towards that bound: far keys weigh little)."""
+    ids, keep = _ids(), 30
+    floor = PROMPT - keep
+    exact_from = floor + 3 * (model.arch.sliding_window - 1)
+    compact, _, _ = _prefill(model, ids, [PROMPT], keep)
+    full, _, _ = _prefill(model, ids, [PROMPT], None)
+    assert (compact[exact_from:] - full[exact_from:]).abs().max() < TOL
+    assert (compact[floor : floor + 4] - full[floor : floor + 4]).abs().amax(dim=1).min() > 1e-3
+
+
+def test_chunks_equal_the_whole_prompt(model):
+    """A chunk before the floor runs only its last row; later chunks read the earlier kept rows."""
+    ids, keep = _ids(), 24
+    floor = PROMPT - keep
+    whole, _, _ = _prefill(model, ids, [PROMPT], keep)
+    chunked, cache, seq = _prefill(model, ids, [7, 7, 7, 7, 12], keep)
+    assert (chunked[floor:] - whole[floor:]).abs().max() < TOL
+    assert torch.isfinite(chunked[6]).all() and chunked[:6].isnan().all()  # 0..6: its last row runs
+    for layer in range(model.arch.yoco_boundary, model.arch.num_layers):  # but stores no row
+        assert cache._sequences[seq].sliding[layer].data[:floor].isnan().all()
+
+
+def test_decoding_after_replay_never_reads_a_skipped_row(model):
+    """With keep >= W + B, decoding (unclipped windows) after rolling back B prompt tokens reads
+    only kept rows: nothing turns NaN. Two tokens fewer would read a skipped one."""
+    ids, window, backtrack = _ids(), model.arch.sliding_window, 4
+
+    def decode_after_rollback(keep: int) -> torch.Tensor:
+        _, cache, seq = _prefill(model, ids, [PROMPT], keep, backtrack)  # skipped rows: NaN
+        cache.truncate(seq, PROMPT - backtrack)
+        return torch.cat([_step(model, cache, seq, ids, 1, None) for _ in range(backtrack + 6)])
+
+    assert torch.isfinite(decode_after_rollback(window + backtrack)).all()
+    assert decode_after_rollback(window + backtrack - 2).isnan().any()
+
+
+def test_decoding_after_replay_equals_decoding_after_the_full_prefill_when_keep_covers_the_reach(model):
+    ids, keep = _ids(), 30  # decoding at p >= 40 reaches back to p - 21 >= floor + 9
+    _, cache, seq = _prefill(model, ids, [PROMPT], keep)
+    _, full_cache, full_seq = _prefill(model, ids, [PROMPT], None)
+    replayed = torch.cat([_step(model, cache, seq, ids, 1, keep) for _ in range(6)])
+    full = torch.cat([_step(model, full_cache, full_seq, ids, 1, None) for _ in range(6)])
+    assert (replayed - full).abs().max() < TOL
+
+
+def test_off_changes_nothing(model):
+    ids = _ids()
+    off, _, _ = _prefill(model, ids, [PROMPT], None)
+    everything_kept, _, _ = _prefill(model, ids, [PROMPT], PROMPT)  # floor 0: nothing skipped or clipped
+    assert torch.equal(off, everything_kept)
+
+
+def test_keep_below_window_plus_backtrack_is_refused():
+    check_keep_tokens(24, 8, 16)
+    with pytest.raises(ConfigError, match=r"yoco_prefill_keep_tokens.*minimum 24"):
+        check_keep_tokens(23, 8, 16)
+
+
+def test_engine_option_is_validated_where_given():
+    assert EngineConfig().yoco_prefill_truncation == "off"
+    with pytest.raises(ConfigError, match="yoco_prefill_truncation"):
+        EngineConfig.from_kwargs(yoco_prefill_truncation="mask")
+    with pytest.raises(ConfigError, match="yoco_prefill_keep_tokens"):
+        EngineConfig.from_kwargs(yoco_prefill_truncation="compact")
+    with pytest.raises(ConfigError, match="yoco_prefill_keep_tokens"):
+        EngineConfig.from_kwargs(yoco_prefill_keep_tokens=140)
+
+
+def test_engine_refuses_replay_without_yoco_or_with_too_few_tokens(tmp_path):
+    compact = EngineConfig.from_kwargs(
+        yoco_prefill_truncation="compact", yoco_prefill_keep_tokens=7, device="cpu"
+    )
+    with pytest.raises(ConfigError, match=r"yoco_prefill_truncation.*no YoCo"):
+        CausalLM.check_engine(ModelConfig.from_hf(_llama_raw()), compact)
+    v41 = ModelConfig.from_hf(_v41_raw(tmp_path))
+    with pytest.raises(ConfigError, match=r"yoco_prefill_keep_tokens.*minimum 8"):
+        DeepseekV41ForCausalLM.check_engine(v41, compact)
+    with pytest.raises(ConfigError, match=r"yoco_prefill_truncation.*standalone model"):
+        DeepseekV41ForCausalLM.check_engine(v41, compact.replace(yoco_prefill_keep_tokens=8))
+    DeepseekV41ForCausalLM.check_engine(v41, EngineConfig.from_kwargs(device="cpu"))
+
+
+def _v41_raw(tmp_path: Path) -> dict:
+    import json
+
+    build_v41(tmp_path / "cfg", tiny_config(), seed=0)
+    return json.loads((tmp_path / "cfg" / "config.json").read_text())
+
+
+def _llama_raw() -> dict:
+    return {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "vocab_size": 128,
+    }
