@@ -13,12 +13,14 @@ weights collapse the final streams (no hyper head). Per block, in order:
   weights times routed_scaling_factor, one shared expert; V4.1 has no hash-routed layers).
 Then the final norm and the LM head.
 
-YoCo's prefill truncation is not done: this is DeepSeek's engine with its default
-(`DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE=off`), every layer running every token. Its `compact`
-mode runs the layers from the boundary on for only a prompt's last KEEP tokens, and both it and
-`mask` clip those tokens' sliding windows to the KEEP tokens; since a consumer layer's sliding KV comes from its own
-input (DeepSeek's `yoco_swa_share_hidden` is off), that changes the prompt's last rows, so with
-truncation a prompt would no longer equal its tokens fed one by one.
+YoCo's prefill truncation is off by default, as in DeepSeek's engine: every layer runs every
+token. `forward_cached`'s `replay` is its `compact` mode, bounded replay (model/yoco.py): the
+boundary block captures the shared hidden of every row, then it and every later layer run only
+a prompt's last KEEP tokens with their sliding windows clipped to them (the compressors still
+read every row's shared hidden). Since a consumer layer's sliding KV comes from its own input
+(DeepSeek's `yoco_swa_share_hidden` is off), the clipped windows change the prompt's last rows:
+they equal DeepSeek's `mask` mode, not the model run without truncation. The engine does not
+plan replay yet (`check_engine` refuses it).
 The attention's KV is kept in float32: DeepSeek's engine stores the sliding KV as FP8 and the
 compressed KV as FP4 (or FP8), which is not emulated (the index keys' FP4 is, as it decides the
 top-k). DSpark's draft layers (`mtp.*`) are model/dspark_v41.py, fed by `forward_cached`'s
@@ -30,8 +32,9 @@ On the engine (registered as `deepseek_v41`): `forward_cached` runs a step over 
 declarations grouped as V4's are), read through PagedV41Step. The loader hands the model its
 checkpoint directory (`from_checkpoint`: the shards are mapped, the Engram tables stay FP8 and
 memory-mapped). `check_engine` refuses, before any weight loads, what it does not run yet:
-speculative decoding (DSpark is not wired into the engine), the KV store and host tier and
-prefill/decode roles, several ranks, and a dtype or device other than float32 on the CPU.
+YoCo's bounded replay (after checking its keep length), speculative decoding (DSpark is not
+wired into the engine), the KV store and host tier and prefill/decode roles, several ranks, and
+a dtype or device other than float32 on the CPU.
 """
 
 from __future__ import annotations
