@@ -140,11 +140,13 @@ class V41Block(torch.nn.Module):
             shared.shared_hidden = x  # every row: the consumer layers' compressors read it
             replay = shared.replay
             if replay is not None:  # bounded replay: from here on, the kept rows only
+                # No top-k or candidate blocks cross into it: the boundary (the first C1 layer)
+                # is a KV source and sharing keeps to one compress ratio, so the later layers'
+                # come from it or after it, already on the kept rows.
                 x, streams, post, comb, pre, token_ids = (
                     replay.keep(t) for t in (x, streams, post, comb, pre, token_ids)
                 )
                 positions, layout = replay.positions, replay.layout
-                shared.top, shared.candidates = replay.keep(shared.top), replay.keep(shared.candidates)
         streams = HyperConnection.expand(streams, self.attn(x, positions, layout, step, shared), post, comb)
         collapsed, post, comb, pre = self._mix(self.hc_ffn, streams, pre)
         out = self.ffn(self.ffn_norm(collapsed), token_ids)
@@ -332,9 +334,9 @@ class DeepseekV41ForCausalLM(CausalLM):
         )
         if replay is None:
             return hidden
-        if features is not None:
+        if features is not None:  # the boundary's own feature is taken before it drops rows
             for index in features:
-                if index >= self.arch.yoco_boundary:
+                if index > self.arch.yoco_boundary:
                     features[index] = replay.spread(features[index])
         return replay.spread(hidden)
 

@@ -16,6 +16,7 @@ from deepinfer.config import ConfigError, EngineConfig
 from deepinfer.model.base import CausalLM
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.deepseek_v41 import DeepseekV41ForCausalLM
+from deepinfer.model.loader.load import check_model_engine
 from deepinfer.model.yoco import BoundedReplay, check_keep_tokens, prompt_floors
 from tests.deepseek_v41.tiny_v41 import build_v41, tiny_config
 
@@ -146,6 +147,25 @@ def test_decoding_after_replay_equals_decoding_after_the_full_prefill_when_keep_
     assert (replayed - full).abs().max() < TOL
 
 
+def test_dspark_features_keep_the_step_rows(model, monkeypatch):
+    """Features up to the boundary (its own: taken before it drops rows) are every row's; later
+    ones are NaN where the row was skipped."""
+    monkeypatch.setattr(model.layers[3], "feeds_dspark", True)  # the boundary too (tiny: 1, 4)
+    ids, keep = _ids(), 24
+    floor = PROMPT - keep
+    layout = StepLayout((0,), (PROMPT,))
+    got = {}
+    for replay, features in ((None, {}), (BoundedReplay.plan(layout, (floor,), CPU), {})):
+        cache = ContiguousV41Cache(model.arch)
+        step = cache.step([cache.add_sequence()], layout)
+        model.forward_cached(ids[:PROMPT], torch.arange(PROMPT), layout, step, features, replay)
+        got[replay is None] = features
+    full, compact = got[True], got[False]
+    assert sorted(compact) == [1, 3, 4]
+    assert torch.equal(compact[1], full[1]) and torch.equal(compact[3], full[3])
+    assert compact[4][:floor].isnan().all() and torch.isfinite(compact[4][floor:]).all()
+
+
 def test_off_changes_nothing(model):
     ids = _ids()
     off, _, _ = _prefill(model, ids, [PROMPT], None)
@@ -175,6 +195,10 @@ def test_engine_refuses_replay_without_yoco_or_with_too_few_tokens(tmp_path):
     )
     with pytest.raises(ConfigError, match=r"yoco_prefill_truncation.*no YoCo"):
         CausalLM.check_engine(ModelConfig.from_hf(_llama_raw()), compact)
+    gguf = tmp_path / "model.gguf"  # a GGUF file is the Llama family: refused before it is read
+    gguf.touch()
+    with pytest.raises(ConfigError, match=r"yoco_prefill_truncation.*no YoCo"):
+        check_model_engine(compact.replace(model=str(gguf)))
     v41 = ModelConfig.from_hf(_v41_raw(tmp_path))
     with pytest.raises(ConfigError, match=r"yoco_prefill_keep_tokens.*minimum 8"):
         DeepseekV41ForCausalLM.check_engine(v41, compact)
