@@ -59,6 +59,10 @@ class CausalLM(torch.nn.Module):
         YoCo's bounded replay, which only a YoCo model has."""
         refuse_truncation(engine)
 
+    def configure(self, engine: EngineConfig) -> None:
+        """Take the engine options the forward runs by, once `check_engine` passed them; none
+        by default."""
+
     def attention_shape(self) -> tuple[int, int, int]:
         """(query heads, KV heads, head dim) this rank's attention runs with."""
         cfg = self.config

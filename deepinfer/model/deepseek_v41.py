@@ -19,8 +19,8 @@ boundary block captures the shared hidden of every row, then it and every later 
 a prompt's last KEEP tokens with their sliding windows clipped to them (the compressors still
 read every row's shared hidden). Since a consumer layer's sliding KV comes from its own input
 (DeepSeek's `yoco_swa_share_hidden` is off), the clipped windows change the prompt's last rows:
-they equal DeepSeek's `mask` mode, not the model run without truncation. The engine does not
-plan replay yet (`check_engine` refuses it).
+they equal DeepSeek's `mask` mode, not the model run without truncation. On the engine,
+`forward` plans it from each span's prompt length once `configure` took the options.
 The attention's KV is kept in float32: DeepSeek's engine stores the sliding KV as FP8 and the
 compressed KV as FP4 (or FP8), which is not emulated (the index keys' FP4 is, as it decides the
 top-k). DSpark's draft layers (`mtp.*`) are model/dspark_v41.py, fed by `forward_cached`'s
@@ -32,7 +32,7 @@ On the engine (registered as `deepseek_v41`): `forward_cached` runs a step over 
 declarations grouped as V4's are), read through PagedV41Step. The loader hands the model its
 checkpoint directory (`from_checkpoint`: the shards are mapped, the Engram tables stay FP8 and
 memory-mapped). `check_engine` refuses, before any weight loads, what it does not run yet:
-YoCo's bounded replay (after checking its keep length), speculative decoding (DSpark is not
+bounded replay with prefix caching (or too few kept tokens), speculative decoding (DSpark is not
 wired into the engine), the KV store and host tier and prefill/decode roles, several ranks, and
 a dtype or device other than float32 on the CPU.
 """
@@ -67,7 +67,13 @@ from deepinfer.model.layers.v4_norm import Fp32RMSNorm
 from deepinfer.model.layers.v4_rotary import TrailingRope
 from deepinfer.model.layers.v41_attention import CrossLayer, V41Attention
 from deepinfer.model.registry import register_model
-from deepinfer.model.yoco import BoundedReplay, check_keep_tokens, engine_backtrack, refuse_truncation
+from deepinfer.model.yoco import (
+    BoundedReplay,
+    check_keep_tokens,
+    engine_backtrack,
+    prompt_floors,
+    refuse_truncation,
+)
 
 
 def rope_specs(arch: DeepseekV41Arch) -> tuple[RopeSpec, RopeSpec]:
@@ -194,6 +200,7 @@ class DeepseekV41ForCausalLM(CausalLM):
         self.norm = Fp32RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.head = torch.nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size), requires_grad=False)
         self.hashing = EngramHashing.from_arch(arch, vocab_map) if arch.engram is not None else None
+        self.replay_keep: int | None = None  # bounded replay on the engine (`configure`)
         self._load(weights)
 
     @classmethod
@@ -241,11 +248,13 @@ class DeepseekV41ForCausalLM(CausalLM):
             if arch.yoco_boundary is None:
                 refuse_truncation(engine, "this checkpoint's YoCo boundary is a DSpark layer: YoCo is off")
             check_keep_tokens(engine.yoco_prefill_keep_tokens, arch.sliding_window, engine_backtrack(engine))
-            refuse_truncation(
-                engine,
-                "bounded replay runs in the standalone model (forward_cached) only; the engine does "
-                "not plan it for its steps yet",
-            )
+            if engine.cache.enable_prefix_caching:
+                raise ConfigError(
+                    "enable_prefix_caching",
+                    "YoCo's bounded replay leaves the consumer layers' rows before a prompt's last "
+                    "yoco_prefill_keep_tokens unwritten, which a prefix hit would read: turn prefix "
+                    "caching off with yoco_prefill_truncation='compact'",
+                )
         if engine.speculative.speculative_method is not None:
             raise ConfigError(
                 "speculative_method",
@@ -265,6 +274,11 @@ class DeepseekV41ForCausalLM(CausalLM):
                 "DeepSeek-V4.1 runs on the CPU only (its Engram tables are host-mapped): pass device='cpu'",
             )
 
+    def configure(self, engine: EngineConfig) -> None:
+        """YoCo's bounded replay: `forward` keeps each prompt's last yoco_prefill_keep_tokens."""
+        compact = engine.yoco_prefill_truncation == "compact"
+        self.replay_keep = engine.yoco_prefill_keep_tokens if compact else None
+
     def cache_declarations(self) -> list[CacheDecl]:
         return cache_declarations(self.arch)
 
@@ -282,8 +296,15 @@ class DeepseekV41ForCausalLM(CausalLM):
     ) -> torch.Tensor:  # final hidden [T, hidden], normed
         layout = step_layout(meta)
         tensors = paged_tensors(self.cache_declarations(), kv_caches)
+        replay = None
+        if self.replay_keep is not None:
+            # The floor comes from the prompt's length, not the sequence's: a recompute after
+            # preemption repeats the rows and windows of the first run.
+            floors = prompt_floors(layout, tuple(meta.prompt_lens), self.replay_keep)
+            if any(floors):
+                replay = BoundedReplay.plan(layout, floors, input_ids.device)
         return self.forward_cached(
-            input_ids, positions, layout, PagedV41Step(self.arch, tensors, meta, layout)
+            input_ids, positions, layout, PagedV41Step(self.arch, tensors, meta, layout), replay=replay
         )
 
     # -- the language model --------------------------------------------------------------------

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from deepinfer import LLM, SamplingParams
 from deepinfer.attention.v4_cache import StepLayout
 from deepinfer.attention.v41_cache import ContiguousV41Cache
 from deepinfer.config import ConfigError, EngineConfig
@@ -18,11 +19,15 @@ from deepinfer.model.config import ModelConfig
 from deepinfer.model.deepseek_v41 import DeepseekV41ForCausalLM
 from deepinfer.model.loader.load import check_model_engine
 from deepinfer.model.yoco import BoundedReplay, check_keep_tokens, prompt_floors
+from deepinfer.runner.inputs import ForwardWork, RowSpan
+from deepinfer.sequence import EngineRequest, Sequence
+from tests.deepseek.tiny_checkpoint import build_tokenizer
 from tests.deepseek_v41.tiny_v41 import build_v41, tiny_config
 
 PROMPT = 40
 TOL = 1e-5
 CPU = torch.device("cpu")
+ENGINE_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +178,117 @@ def test_off_changes_nothing(model):
     assert torch.equal(off, everything_kept)
 
 
+def _engine_greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=ENGINE_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def _standalone_greedy(model: DeepseekV41ForCausalLM, prompt: list[int], keep: int) -> list[int]:
+    """The prompt in one step under bounded replay, then greedy decoding one token at a time."""
+    cache = ContiguousV41Cache(model.arch)
+    seq = cache.add_sequence()
+    out: list[int] = []
+    chunk = prompt
+    while len(out) < ENGINE_TOKENS:
+        start = cache.length(seq)
+        layout = StepLayout((start,), (len(chunk),))
+        replay = BoundedReplay.plan(layout, prompt_floors(layout, (len(prompt),), keep), CPU)
+        with torch.no_grad():
+            hidden = model.forward_cached(
+                torch.tensor(chunk),
+                torch.arange(start, start + len(chunk)),
+                layout,
+                cache.step([seq], layout),
+                None,
+                replay,
+            )
+        out.append(int(model.compute_logits(hidden[-1:]).argmax()))
+        chunk = out[-1:]
+    return out
+
+
+def test_engine_replays_as_the_standalone_model(tmp_path, monkeypatch):
+    """On the paged cache, whole, in chunks of 7 and under preemption (recomputed with the same
+    floors: the prompt's, not the sequence's length). Greedy tokens are robust on this model
+    (off gives the same ones), so the planned replays are checked to skip rows."""
+    vocab = build_tokenizer(tmp_path)
+    tiny = build_v41(tmp_path, tiny_config(vocab_size=vocab), seed=4)
+    keep = 8
+    skipped = []
+    plan = BoundedReplay.plan
+
+    def spy(layout: StepLayout, floors: tuple[int, ...], device: torch.device) -> BoundedReplay:
+        replay = plan(layout, floors, device)
+        skipped.append(sum(layout.query_lens) - sum(replay.layout.query_lens))
+        return replay
+
+    def engine(**options: int) -> LLM:
+        options.setdefault("num_blocks", 256)
+        return LLM(
+            model=str(tiny.path),
+            block_size=4,
+            num_threads=1,
+            enable_prefix_caching=False,
+            yoco_prefill_truncation="compact",
+            yoco_prefill_keep_tokens=keep,
+            **options,
+        )
+
+    llm = engine()
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in (5, 23, 41, 64, 9)]
+    expected = [_standalone_greedy(llm.engine.core.loaded.model, p, keep) for p in prompts]
+    monkeypatch.setattr(BoundedReplay, "plan", staticmethod(spy))
+    assert _engine_greedy(llm, prompts) == expected
+    assert sum(skipped) == sum(len(p) - keep for p in prompts if len(p) > keep)  # one step: all
+    _check_paged_logits(llm, prompts[3] + expected[3][:4], len(prompts[3]), keep)
+    assert _engine_greedy(engine(prefill_chunk_size=7), prompts) == expected
+    tight = engine(num_blocks=40, max_num_batched_tokens=32)
+    assert _engine_greedy(tight, prompts) == expected
+    assert tight.engine.core.num_preemptions > 0
+
+
+def _check_paged_logits(llm: LLM, ids: list[int], prompt_len: int, keep: int) -> None:
+    """The prompt in chunks of 7, then its continuation one by one, through the engine's runner
+    and paged cache: the kept rows' and the continuation's logits within 1e-5 of the standalone
+    model's (the prompt whole, then one by one)."""
+    core = llm.engine.core
+    seq = Sequence(-1, EngineRequest("paged", ids, SamplingParams()), 0, list(ids), prompt_len, b"")
+    sizes = [7] * (prompt_len // 7) + [prompt_len % 7] + [1] * (len(ids) - prompt_len)
+    got = []
+    for size in filter(None, sizes):
+        start = seq.num_computed_tokens
+        core.kv.allocate(seq, size)
+        span = RowSpan(core.runner.view.tables(seq), start, ids[start : start + size], prompt_len)
+        _, _, logits = core.runner.run(ForwardWork([span], core.kv.take_copies(), list(range(size))))
+        seq.num_computed_tokens += size
+        got.append(logits)
+    core.kv.free(seq)
+    model = core.loaded.model
+    cache = ContiguousV41Cache(model.arch)
+    index = cache.add_sequence()
+    expected = []
+    for size in (prompt_len, *[1] * (len(ids) - prompt_len)):
+        start = cache.length(index)
+        layout = StepLayout((start,), (size,))
+        replay = BoundedReplay.plan(layout, prompt_floors(layout, (prompt_len,), keep), CPU)
+        step = cache.step([index], layout)
+        with torch.no_grad():
+            hidden = model.forward_cached(
+                torch.tensor(ids[start : start + size]),
+                torch.arange(start, start + size),
+                layout,
+                step,
+                None,
+                replay,
+            )
+        expected.append(model.compute_logits(hidden))
+    got_all, expected_all, floor = torch.cat(got), torch.cat(expected), prompt_len - keep
+    assert got_all[:floor].isnan().any()  # skipped (chunks before the floor ran their last rows)
+    torch.testing.assert_close(got_all[floor:], expected_all[floor:], atol=TOL, rtol=0)
+
+
 def test_keep_below_window_plus_backtrack_is_refused():
     check_keep_tokens(24, 8, 16)
     with pytest.raises(ConfigError, match=r"yoco_prefill_keep_tokens.*minimum 24"):
@@ -202,9 +318,11 @@ def test_engine_refuses_replay_without_yoco_or_with_too_few_tokens(tmp_path):
     v41 = ModelConfig.from_hf(_v41_raw(tmp_path))
     with pytest.raises(ConfigError, match=r"yoco_prefill_keep_tokens.*minimum 8"):
         DeepseekV41ForCausalLM.check_engine(v41, compact)
-    with pytest.raises(ConfigError, match=r"yoco_prefill_truncation.*standalone model"):
+    with pytest.raises(ConfigError, match=r"enable_prefix_caching.*bounded replay"):
         DeepseekV41ForCausalLM.check_engine(v41, compact.replace(yoco_prefill_keep_tokens=8))
-    DeepseekV41ForCausalLM.check_engine(v41, EngineConfig.from_kwargs(device="cpu"))
+    DeepseekV41ForCausalLM.check_engine(
+        v41, compact.replace(yoco_prefill_keep_tokens=8, enable_prefix_caching=False)
+    )
 
 
 def _v41_raw(tmp_path: Path) -> dict:
