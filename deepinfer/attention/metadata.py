@@ -52,6 +52,9 @@ class ForwardMetadata:
     """A step's metadata for every cache group of the model (in the model's group order)."""
 
     groups: list[AttentionMetadata]
+    # Per sequence in layout order, its prompt's length (0: none given, as for draft rows or
+    # scoring); YoCo's bounded replay clips a prompt's rows relative to its end.
+    prompt_lens: list[int] = field(default_factory=list)
 
     @property
     def query_lens(self) -> list[int]:

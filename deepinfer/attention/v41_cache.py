@@ -36,7 +36,7 @@ class V41StepView(Protocol):
     cache groups (attention/v41_paged.py)."""
 
     def context(self, seq: int) -> list[int]: ...
-    def write_sliding(self, seq: int, layer: int, rows: torch.Tensor) -> None: ...
+    def write_sliding(self, seq: int, layer: int, first: int, rows: torch.Tensor) -> None: ...
     def sliding(self, seq: int, layer: int, first: int, last: int) -> torch.Tensor: ...
     def ring(self, seq: int, layer: int) -> torch.Tensor | None: ...
     def write_entries(self, seq: int, layer: int, first: int, rows: torch.Tensor) -> None: ...
@@ -150,9 +150,10 @@ class V41Step:
         max_ngram_size - 1)."""
         return self.sequences[seq].tokens
 
-    def write_sliding(self, seq: int, layer: int, rows: torch.Tensor) -> None:
-        """rows [n, head_dim] of this step's tokens."""
-        self.sequences[seq].sliding[layer].write(self.layout.starts[seq], rows)
+    def write_sliding(self, seq: int, layer: int, first: int, rows: torch.Tensor) -> None:
+        """rows [n, head_dim] of this step's tokens at positions first .. first + n - 1 (all of
+        the step's, or, under YoCo's bounded replay, its last ones)."""
+        self.sequences[seq].sliding[layer].write(first, rows)
 
     def sliding(self, seq: int, layer: int, first: int, last: int) -> torch.Tensor:
         """Rows of positions first .. last [last - first + 1, head_dim]."""

@@ -93,8 +93,10 @@ class PagedV41Step:
         rows = self.cache.read(seq, self._tokens_layer, CacheKind.TOKEN_IDS, self._positions(first, start))
         return rows[:, 0].tolist()
 
-    def write_sliding(self, seq: int, layer: int, rows: torch.Tensor) -> None:
-        self.cache.write(seq, layer, CacheKind.SLIDING_KV, self._own(seq), rows)
+    def write_sliding(self, seq: int, layer: int, first: int, rows: torch.Tensor) -> None:
+        self.cache.write(
+            seq, layer, CacheKind.SLIDING_KV, self._positions(first, first + rows.shape[0]), rows
+        )
 
     def sliding(self, seq: int, layer: int, first: int, last: int) -> torch.Tensor:
         """Rows of positions first .. last [last - first + 1, head_dim]."""

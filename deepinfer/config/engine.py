@@ -409,6 +409,17 @@ class EngineConfig:
         help="seconds a structured-output grammar (JSON schema, forced tool call) may take to compile; "
         "slower ones are refused (400)",
     )
+    yoco_prefill_truncation: Literal["off", "compact"] = option(
+        "off",
+        help="YoCo models (DeepSeek-V4.1): compact runs the layers from the YoCo boundary on over only "
+        "a prompt's last --yoco-prefill-keep-tokens tokens, their sliding windows clipped to them "
+        "(DeepSeek's bounded replay: less prefill work, the prompt's last rows change); off: every token",
+    )
+    yoco_prefill_keep_tokens: int | None = option(
+        None,
+        help="prompt tokens --yoco-prefill-truncation compact keeps: at least the sliding window plus "
+        "the tokens a sequence may roll back (the model checks it)",
+    )
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
@@ -425,6 +436,7 @@ class EngineConfig:
         if self.quantization is not None:
             check_choice("quantization", self.quantization, ("none", "int8", "gguf"))
         check_positive("grammar_compile_timeout", self.grammar_compile_timeout, allow_none=False)
+        self._check_yoco()
         if self.parallel.world_size > 1:
             if self.speculative.enabled:
                 raise ConfigError(
@@ -455,6 +467,24 @@ class EngineConfig:
             raise ConfigError(
                 "kv_transfer", f"kv_transfer='store' needs a shared --kv-store on the {pd.role} engine"
             )
+
+    def _check_yoco(self) -> None:
+        """The values alone; the model checks the keep length against its window (check_engine)."""
+        check_choice("yoco_prefill_truncation", self.yoco_prefill_truncation, ("off", "compact"))
+        keep = self.yoco_prefill_keep_tokens
+        if self.yoco_prefill_truncation == "off":
+            if keep is not None:
+                raise ConfigError(
+                    "yoco_prefill_keep_tokens", "only used with yoco_prefill_truncation='compact'"
+                )
+            return
+        if keep is None:
+            raise ConfigError(
+                "yoco_prefill_keep_tokens",
+                "yoco_prefill_truncation='compact' needs the number of tokens to keep",
+            )
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ConfigError("yoco_prefill_keep_tokens", f"must be an integer >= 1, got {keep!r}")
 
     def _check_async_scheduling(self) -> None:
         """What async scheduling does not cover: features that read or write the KV cache or the

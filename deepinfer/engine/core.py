@@ -154,6 +154,7 @@ class EngineCore:
             config.model, dtype, device, config.quantization, parallel.model_parallel() if parallel else None
         )
         check_model_options(config, self.loaded)
+        self.loaded.model.configure(config)
         model = self.loaded.model
         kv_dtype = kv_cache_dtype(config, dtype)
         max_positions = self.loaded.config.max_position_embeddings

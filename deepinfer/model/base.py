@@ -14,6 +14,7 @@ from deepinfer.config import ConfigError, EngineConfig, ParallelConfig
 from deepinfer.kernels.gguf_blocks import PackedMatrix
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.parallel import ModelParallel
+from deepinfer.model.yoco import refuse_truncation
 
 
 def cache_tensor(
@@ -55,12 +56,18 @@ class CausalLM(torch.nn.Module):
     def check_engine(cls, config: ModelConfig, engine: EngineConfig) -> None:
         """Refuse, with a ConfigError naming the option, an engine feature this model does not
         run. The engine calls it before loading any weight; everything passes by default but
-        DSpark, whose draft layers only DeepSeek-V4.1 has (its class checks the checkpoint)."""
+        DSpark, whose draft layers only DeepSeek-V4.1 has (its class checks the checkpoint), and
+        YoCo's bounded replay, which only a YoCo model has."""
         if engine.speculative.speculative_method == "dspark":
             raise ConfigError(
                 "speculative_method",
                 f"'dspark' drafts with DeepSeek-V4.1's DSpark layers; {config.model_type!r} has none",
             )
+        refuse_truncation(engine)
+
+    def configure(self, engine: EngineConfig) -> None:
+        """Take the engine options the forward runs by, once `check_engine` passed them; none
+        by default."""
 
     def attention_shape(self) -> tuple[int, int, int]:
         """(query heads, KV heads, head dim) this rank's attention runs with."""

@@ -13,12 +13,14 @@ weights collapse the final streams (no hyper head). Per block, in order:
   weights times routed_scaling_factor, one shared expert; V4.1 has no hash-routed layers).
 Then the final norm and the LM head.
 
-YoCo's prefill truncation is not done: this is DeepSeek's engine with its default
-(`DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE=off`), every layer running every token. Its `compact`
-mode runs the layers from the boundary on for only a prompt's last KEEP tokens, and both it and
-`mask` clip those tokens' sliding windows to the KEEP tokens; since a consumer layer's sliding KV comes from its own
-input (DeepSeek's `yoco_swa_share_hidden` is off), that changes the prompt's last rows, so with
-truncation a prompt would no longer equal its tokens fed one by one.
+YoCo's prefill truncation is off by default, as in DeepSeek's engine: every layer runs every
+token. `forward_cached`'s `replay` is its `compact` mode, bounded replay (model/yoco.py): the
+boundary block captures the shared hidden of every row, then it and every later layer run only
+a prompt's last KEEP tokens with their sliding windows clipped to them (the compressors still
+read every row's shared hidden). Since a consumer layer's sliding KV comes from its own input
+(DeepSeek's `yoco_swa_share_hidden` is off), the clipped windows change the prompt's last rows:
+they equal DeepSeek's `mask` mode, not the model run without truncation. On the engine,
+`forward` plans it from each span's prompt length once `configure` took the options.
 The attention's KV is kept in float32: DeepSeek's engine stores the sliding KV as FP8 and the
 compressed KV as FP4 (or FP8), which is not emulated (the index keys' FP4 is, as it decides the
 top-k). DSpark's draft layers (`mtp.*`) are model/dspark_v41.py, fed by `forward_cached`'s
@@ -29,11 +31,12 @@ On the engine (registered as `deepseek_v41`): `forward_cached` runs a step over 
 `forward` is it over the engine's cache groups (`cache_groups`: attention/v41_paged.py's
 declarations grouped as V4's are), read through PagedV41Step. The loader hands the model its
 checkpoint directory (`from_checkpoint`: the shards are mapped, the Engram tables stay FP8 and
-memory-mapped). `check_engine` refuses, before any weight loads, what it does not run yet: a
-speculative method other than DSpark (`dspark`, built here as `self.dspark` when the checkpoint
-has its layers; `forward` fills the runner's `features`), several ranks, and a dtype or device
-other than float32 on the CPU. The KV store, the host tier and both prefill/decode handoffs
-carry its cache groups as stored chunks (engine/kv_chunks.py), as for DeepSeek-V4.
+memory-mapped). `check_engine` refuses, before any weight loads, what it does not run yet:
+bounded replay with prefix caching or the KV tiers (or too few kept tokens), a speculative method other than
+DSpark (`dspark`, built here as `self.dspark` when the checkpoint has its layers; `forward` fills
+the runner's `features`), several ranks, and a dtype or device other than float32 on the CPU.
+The KV store, the host tier and both prefill/decode handoffs carry its cache groups as stored
+chunks (engine/kv_chunks.py), as for DeepSeek-V4.
 """
 
 from __future__ import annotations
@@ -66,6 +69,13 @@ from deepinfer.model.layers.v4_norm import Fp32RMSNorm
 from deepinfer.model.layers.v4_rotary import TrailingRope
 from deepinfer.model.layers.v41_attention import CrossLayer, V41Attention
 from deepinfer.model.registry import register_model
+from deepinfer.model.yoco import (
+    BoundedReplay,
+    check_keep_tokens,
+    engine_backtrack,
+    prompt_floors,
+    refuse_truncation,
+)
 
 
 class V41Block(torch.nn.Module):
@@ -119,7 +129,16 @@ class V41Block(torch.nn.Module):
         collapsed, post, comb, pre = self.hc_attn.mix(streams, pre, self.shifted)
         x = self.attn_norm(collapsed)
         if self.captures_shared_hidden:
-            shared.shared_hidden = x
+            shared.shared_hidden = x  # every row: the consumer layers' compressors read it
+            replay = shared.replay
+            if replay is not None:  # bounded replay: from here on, the kept rows only
+                # No top-k or candidate blocks cross into it: the boundary (the first C1 layer)
+                # is a KV source and sharing keeps to one compress ratio, so the later layers'
+                # come from it or after it, already on the kept rows.
+                x, streams, post, comb, pre, token_ids = (
+                    replay.keep(t) for t in (x, streams, post, comb, pre, token_ids)
+                )
+                positions, layout = replay.positions, replay.layout
         streams = HyperConnection.expand(streams, self.attn(x, positions, layout, step, shared), post, comb)
         collapsed, post, comb, pre = self.hc_ffn.mix(streams, pre, self.shifted)
         out = self.ffn(self.ffn_norm(collapsed), token_ids)
@@ -159,6 +178,7 @@ class DeepseekV41ForCausalLM(CausalLM):
         self.norm = Fp32RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.head = torch.nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size), requires_grad=False)
         self.hashing = EngramHashing.from_arch(arch, vocab_map) if arch.engram is not None else None
+        self.replay_keep: int | None = None  # bounded replay on the engine (`configure`)
         self._load(weights)
         # DSpark's draft layers (speculative_method="dspark"), sharing the embedding and head.
         self.dspark = (
@@ -207,6 +227,25 @@ class DeepseekV41ForCausalLM(CausalLM):
     def check_engine(cls, config: ModelConfig, engine: EngineConfig) -> None:
         """What this model does not run yet, refused before any weight loads."""
         cls.check_parallel(config, engine.parallel)
+        if engine.yoco_prefill_truncation != "off":
+            arch = DeepseekV41Arch.from_raw(config.raw)
+            if arch.yoco_boundary is None:
+                refuse_truncation(engine, "this checkpoint's YoCo boundary is a DSpark layer: YoCo is off")
+            check_keep_tokens(engine.yoco_prefill_keep_tokens, arch.sliding_window, engine_backtrack(engine))
+            if engine.cache.enable_prefix_caching:
+                raise ConfigError(
+                    "enable_prefix_caching",
+                    "YoCo's bounded replay leaves the consumer layers' rows before a prompt's last "
+                    "yoco_prefill_keep_tokens unwritten, which a prefix hit would read: turn prefix "
+                    "caching off with yoco_prefill_truncation='compact'",
+                )
+            if engine.store.enabled:
+                raise ConfigError(
+                    "kv_store",
+                    "YoCo's bounded replay leaves rows of the consumer layers unwritten, which a stored "
+                    "chunk would carry to another request: no KV store or host tier with "
+                    "yoco_prefill_truncation='compact'",
+                )
         method = engine.speculative.speculative_method
         if method not in (None, "dspark"):
             raise ConfigError(
@@ -226,6 +265,11 @@ class DeepseekV41ForCausalLM(CausalLM):
                 "DeepSeek-V4.1 runs on the CPU only (its Engram tables are host-mapped): pass device='cpu'",
             )
 
+    def configure(self, engine: EngineConfig) -> None:
+        """YoCo's bounded replay: `forward` keeps each prompt's last yoco_prefill_keep_tokens."""
+        compact = engine.yoco_prefill_truncation == "compact"
+        self.replay_keep = engine.yoco_prefill_keep_tokens if compact else None
+
     def cache_declarations(self) -> list[CacheDecl]:
         return cache_declarations(self.arch)
 
@@ -244,8 +288,20 @@ class DeepseekV41ForCausalLM(CausalLM):
     ) -> torch.Tensor:  # final hidden [T, hidden], normed
         layout = step_layout(meta)
         tensors = paged_tensors(self.cache_declarations(), kv_caches)
+        replay = None
+        if self.replay_keep is not None:
+            # The floor comes from the prompt's length, not the sequence's: a recompute after
+            # preemption repeats the rows and windows of the first run.
+            floors = prompt_floors(layout, tuple(meta.prompt_lens), self.replay_keep)
+            if any(floors):
+                replay = BoundedReplay.plan(layout, floors, input_ids.device)
         return self.forward_cached(
-            input_ids, positions, layout, PagedV41Step(self.arch, tensors, meta, layout), features
+            input_ids,
+            positions,
+            layout,
+            PagedV41Step(self.arch, tensors, meta, layout),
+            features,
+            replay=replay,
         )
 
     # -- the language model --------------------------------------------------------------------
@@ -257,9 +313,15 @@ class DeepseekV41ForCausalLM(CausalLM):
         layout: StepLayout,
         step: V41StepView,
         features: dict[int, torch.Tensor] | None = None,
+        replay: BoundedReplay | None = None,
     ) -> torch.Tensor:  # final hidden [T, hidden], normed
         """`features`, when given, receives DSpark's target features: for each of
-        `arch.dspark.target_layer_ids`, the mean of the streams entering its attention [T, hidden]."""
+        `arch.dspark.target_layer_ids`, the mean of the streams entering its attention [T, hidden].
+        `replay` (model/yoco.py, planned for this layout) is YoCo's bounded replay: the layers
+        from the boundary on run only its kept rows, their windows clipped to its floors; the
+        rows they skip come back NaN, in the hidden and in the features of those layers."""
+        if replay is not None and self.arch.yoco_boundary is None:
+            raise ValueError("bounded replay needs a YoCo model: this one has no YoCo boundary")
         runs = [torch.arange(s, s + n) for s, n in zip(layout.starts, layout.query_lens, strict=True)]
         if not torch.equal(positions.cpu(), torch.cat(runs) if runs else positions.cpu()[:0]):
             raise ValueError("positions must run consecutively from each sequence's start in the step layout")
@@ -272,11 +334,29 @@ class DeepseekV41ForCausalLM(CausalLM):
         )
         pre = HyperConnection.first_pre(input_ids.shape[0], self.arch.hc_mult, input_ids.device)
         shared = CrossLayer()
+        ids = input_ids
         for layer in self.layers:
-            streams, pre = layer(streams, pre, input_ids, positions, layout, step, shared, ngrams, features)
+            if replay is not None and layer.captures_shared_hidden:
+                shared.replay = replay  # the boundary block switches to the kept rows
+            streams, pre = layer(streams, pre, ids, positions, layout, step, shared, ngrams, features)
+            if replay is not None and layer.captures_shared_hidden:
+                ids, positions, layout, ngrams = (
+                    replay.keep(ids),
+                    replay.positions,
+                    replay.layout,
+                    replay.keep(ngrams),
+                )
         step.finish(input_ids)
-        hidden = HyperConnection.collapse(streams, pre) if self.hc_head is None else self.hc_head(streams)
-        return self.norm(hidden)
+        hidden = self.norm(
+            HyperConnection.collapse(streams, pre) if self.hc_head is None else self.hc_head(streams)
+        )
+        if replay is None:
+            return hidden
+        if features is not None:  # the boundary's own feature is taken before it drops rows
+            for index in features:
+                if index > self.arch.yoco_boundary:
+                    features[index] = replay.spread(features[index])
+        return replay.spread(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab]."""

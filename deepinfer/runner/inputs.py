@@ -24,6 +24,7 @@ class RowSpan:
     block_tables: list[list[int]]
     start: int
     token_ids: list[int]
+    prompt_len: int = 0  # the sequence's prompt length (0: not a scheduled sequence's rows)
 
 
 @dataclass(slots=True)
@@ -111,7 +112,8 @@ def build_inputs(spans: list[RowSpan], groups: list[GroupLayout], device: torch.
         [
             _group_metadata(ordered, g, layout, positions, query_lens, seq_lens, device)
             for g, layout in enumerate(groups)
-        ]
+        ],
+        [s.prompt_len for s in ordered],
     )
     return ForwardInputs(
         torch.tensor(token_ids, dtype=torch.long, device=device),

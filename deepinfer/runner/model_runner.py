@@ -237,7 +237,9 @@ class ModelRunner:
         tokens = (
             seq.token_ids[item.start : item.start + num_real] + item.draft_token_ids[: item.num_draft_tokens]
         )
-        return RowSpan([list(table) for table in self.view.tables(seq)], item.start, tokens)
+        return RowSpan(
+            [list(table) for table in self.view.tables(seq)], item.start, tokens, seq.num_prompt_tokens
+        )
 
     @torch.inference_mode()
     def run(

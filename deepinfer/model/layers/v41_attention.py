@@ -34,6 +34,7 @@ from deepinfer.model.layers.v4_norm import Fp32RMSNorm
 from deepinfer.model.layers.v4_rotary import TrailingRope
 from deepinfer.model.layers.v41_compressor import Compressor
 from deepinfer.model.layers.v41_indexer import V41Indexer
+from deepinfer.model.yoco import BoundedReplay
 
 # Queries attended per block within a sequence (bounds a long prefill's score tensors).
 QUERY_BLOCK = 256
@@ -52,6 +53,9 @@ class CrossLayer:
     pre_rope: list[tuple[int, torch.Tensor]] | None = None  # per sequence: (first entry, [m, head_dim])
     top: torch.Tensor | None = None  # [T, index_topk] entry numbers, -1 padded
     candidates: torch.Tensor | None = None  # [T, candidate_topk_blocks] from the candidate source
+    # Bounded replay (model/yoco.py), set from the YoCo boundary on: those layers run its kept
+    # rows (T above is then theirs), windows clipped to its floors; compressors read every row.
+    replay: BoundedReplay | None = None
 
 
 class V41Attention(torch.nn.Module):
@@ -97,15 +101,23 @@ class V41Attention(torch.nn.Module):
         q = self.rope(q, positions)
         kv = self.rope(self.kv_norm(F.linear(x, self.wkv)), positions)  # [T, head_dim]
         offsets = layout.offsets
-        for seq in range(len(layout.starts)):
-            step.write_sliding(seq, self.layer, kv[offsets[seq] : offsets[seq + 1]])
+        floors = self._floors(shared, layout)
+        for seq, (start, floor) in enumerate(zip(layout.starts, floors, strict=True)):
+            # a replay's placeholder row (before its floor) is never read: not stored
+            skip = min(max(floor - start, 0), layout.query_lens[seq])
+            step.write_sliding(seq, self.layer, start + skip, kv[offsets[seq] + skip : offsets[seq + 1]])
         top = None
         if self.ratio:
             if self.compressor is not None:
-                source = shared.shared_hidden if self.compresses_shared_hidden else x
+                # Under bounded replay `x` holds the kept rows only, the boundary's too: every
+                # compressor from the boundary on reads the shared hidden (the boundary's own
+                # input, every row).
+                replay = shared.replay
+                source = shared.shared_hidden if self.compresses_shared_hidden or replay is not None else x
                 if source is None:
                     raise RuntimeError(f"layer {self.layer}: the YoCo shared hidden was not captured")
-                shared.pre_rope = self._compress(source, layout, step)
+                source_layout = layout if replay is None else replay.full_layout
+                shared.pre_rope = self._compress(source, source_layout, step)
             if self.indexer is not None:
                 self._select(q_latent, x, positions, layout, step, shared)
             top = shared.top
@@ -117,7 +129,7 @@ class V41Attention(torch.nn.Module):
                 count = min(QUERY_BLOCK, layout.query_lens[seq] - block)
                 rows = slice(offsets[seq] + block, offsets[seq] + block + count)
                 pos = torch.arange(start + block, start + block + count, device=x.device)
-                keys, mask = self._window(step, seq, pos)
+                keys, mask = self._window(step, seq, pos, floors[seq])
                 if top is not None:
                     entries, entry_mask = self._picked(step, seq, top[rows])
                     keys, mask = torch.cat((keys, entries)), torch.cat((mask, entry_mask), dim=1)
@@ -165,10 +177,21 @@ class V41Attention(torch.nn.Module):
             shared.candidates = selection.candidates
         shared.top = selection.top
 
-    def _window(self, step: V41StepView, seq: int, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows of the raw window and which of them each query sees: keys at p - W < j <= p."""
+    @staticmethod
+    def _floors(shared: CrossLayer, layout: StepLayout) -> tuple[int, ...]:
+        """Per sequence, the first position this layer's windows may read (0: unclipped)."""
+        return shared.replay.floors if shared.replay is not None else (0,) * len(layout.starts)
+
+    def _window(
+        self, step: V41StepView, seq: int, pos: torch.Tensor, floor: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of the raw window and which of them each query sees: keys at p - W < j <= p and
+        j >= floor (a query before the floor, a replay's placeholder, sees none)."""
         window = self.arch.sliding_window
-        first, last = max(0, int(pos[0]) - window + 1), int(pos[-1])
+        first, last = max(0, floor, int(pos[0]) - window + 1), int(pos[-1])
+        if first > last:
+            keys = torch.zeros((0, self.head_dim), device=pos.device)
+            return keys, torch.zeros((pos.shape[0], 0), dtype=torch.bool, device=pos.device)
         keys = step.sliding(seq, self.layer, first, last)
         key_pos = torch.arange(first, last + 1, device=pos.device)
         distance = pos.unsqueeze(1) - key_pos.unsqueeze(0)
