@@ -24,8 +24,10 @@ they equal DeepSeek's `mask` mode, not the model run without truncation. On the 
 The attention's KV is kept in float32: DeepSeek's engine stores the sliding KV as FP8 and the
 compressed KV as FP4 (or FP8), which is not emulated (the index keys' FP4 is, as it decides the
 top-k). DSpark's draft layers (`mtp.*`) are model/dspark_v41.py, fed by `forward_cached`'s
-`features`. Not built: the vision tower's embeddings in the prompt and image tokens
-(`gate.bias_vl`, Engram's image mask).
+`features`. Image tokens (`image_mask`; DeepSeek's engine marks every position of an image's
+embeddings, `image_start` / `image_newline` / `image_end` included) choose their experts with the
+routers' `gate.bias_vl` instead of `gate.bias`; without a mask every token is text. Not built:
+the vision tower's embeddings in the prompt, Engram's image mask.
 
 On the engine (registered as `deepseek_v41`): `forward_cached` runs a step over any V41StepView;
 `forward` is it over the engine's cache groups (`cache_groups`: attention/v41_paged.py's
@@ -100,6 +102,7 @@ class V41Block(torch.nn.Module):
             moe.routed_scaling_factor,
             arch.swiglu_limit,
             None,
+            image_bias=True,
         )
         self.hc_attn = HyperConnection(
             arch.hidden_size, arch.hc_mult, arch.hc_sinkhorn_iters, arch.hc_eps, eps
@@ -121,6 +124,7 @@ class V41Block(torch.nn.Module):
         shared: CrossLayer,
         ngrams: torch.Tensor | None,  # [T, max_ngram_size] n-gram ids (Engram layers)
         features: dict[int, torch.Tensor] | None = None,
+        image_mask: torch.Tensor | None = None,  # [T] bool, None: all text
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.engram is not None:
             streams = self.engram.forward_windows(streams, ngrams)
@@ -141,7 +145,7 @@ class V41Block(torch.nn.Module):
                 positions, layout = replay.positions, replay.layout
         streams = HyperConnection.expand(streams, self.attn(x, positions, layout, step, shared), post, comb)
         collapsed, post, comb, pre = self.hc_ffn.mix(streams, pre, self.shifted)
-        out = self.ffn(self.ffn_norm(collapsed), token_ids)
+        out = self.ffn(self.ffn_norm(collapsed), token_ids, image_mask)
         return HyperConnection.expand(streams, out, post, comb), pre
 
 
@@ -285,6 +289,7 @@ class DeepseekV41ForCausalLM(CausalLM):
         meta: ForwardMetadata,  # one AttentionMetadata per cache group
         backend: AttentionBackend,  # unused: the model reads its groups itself (OwnAttention)
         features: dict[int, torch.Tensor] | None = None,  # DSpark's target features (forward_cached)
+        image_mask: torch.Tensor | None = None,  # [T] bool, None: all text
     ) -> torch.Tensor:  # final hidden [T, hidden], normed
         layout = step_layout(meta)
         tensors = paged_tensors(self.cache_declarations(), kv_caches)
@@ -302,6 +307,7 @@ class DeepseekV41ForCausalLM(CausalLM):
             PagedV41Step(self.arch, tensors, meta, layout),
             features,
             replay=replay,
+            image_mask=image_mask,
         )
 
     # -- the language model --------------------------------------------------------------------
@@ -314,14 +320,21 @@ class DeepseekV41ForCausalLM(CausalLM):
         step: V41StepView,
         features: dict[int, torch.Tensor] | None = None,
         replay: BoundedReplay | None = None,
+        image_mask: torch.Tensor | None = None,  # [T] bool, None: all text
     ) -> torch.Tensor:  # final hidden [T, hidden], normed
         """`features`, when given, receives DSpark's target features: for each of
         `arch.dspark.target_layer_ids`, the mean of the streams entering its attention [T, hidden].
         `replay` (model/yoco.py, planned for this layout) is YoCo's bounded replay: the layers
         from the boundary on run only its kept rows, their windows clipped to its floors; the
-        rows they skip come back NaN, in the hidden and in the features of those layers."""
+        rows they skip come back NaN, in the hidden and in the features of those layers.
+        `image_mask` marks the image tokens, which the MoE routes with `bias_vl`."""
         if replay is not None and self.arch.yoco_boundary is None:
             raise ValueError("bounded replay needs a YoCo model: this one has no YoCo boundary")
+        if image_mask is not None and (image_mask.dtype != torch.bool or image_mask.shape != input_ids.shape):
+            raise ValueError(
+                f"image_mask must be bool of the tokens' shape {tuple(input_ids.shape)}, "
+                f"not {image_mask.dtype} {tuple(image_mask.shape)}"
+            )
         runs = [torch.arange(s, s + n) for s, n in zip(layout.starts, layout.query_lens, strict=True)]
         if not torch.equal(positions.cpu(), torch.cat(runs) if runs else positions.cpu()[:0]):
             raise ValueError("positions must run consecutively from each sequence's start in the step layout")
@@ -338,13 +351,16 @@ class DeepseekV41ForCausalLM(CausalLM):
         for layer in self.layers:
             if replay is not None and layer.captures_shared_hidden:
                 shared.replay = replay  # the boundary block switches to the kept rows
-            streams, pre = layer(streams, pre, ids, positions, layout, step, shared, ngrams, features)
+            streams, pre = layer(
+                streams, pre, ids, positions, layout, step, shared, ngrams, features, image_mask
+            )
             if replay is not None and layer.captures_shared_hidden:
-                ids, positions, layout, ngrams = (
+                ids, positions, layout, ngrams, image_mask = (
                     replay.keep(ids),
                     replay.positions,
                     replay.layout,
                     replay.keep(ngrams),
+                    replay.keep(image_mask),
                 )
         step.finish(input_ids)
         hidden = self.norm(
@@ -367,14 +383,14 @@ class DeepseekV41ForCausalLM(CausalLM):
     def _load(self, weights: V41Weights) -> None:
         """HF names onto the modules: a name is a parameter's path, or its path with `.weight`
         dropped where the module keeps a bare parameter; experts are stacked, the shared
-        expert's gate and up rows fused; Engram layers get their module; image-token routing
-        biases (`gate.bias_vl`) and the image embeddings are not used without a vision model.
-        DSpark's (`mtp.*`) tensors are not loaded."""
-        params = dict(self.named_parameters())
+        expert's gate and up rows fused; Engram layers get their module; the image embeddings are
+        not used without a vision model. DSpark's (`mtp.*`) tensors are not loaded. The buffers
+        (the routers' `bias_vl`) are filled as the parameters are."""
+        params = dict(self.named_parameters()) | dict(self.named_buffers())
         filled: set[str] = set()
         arch = self.arch
         for name, value in weights.tensors.items():
-            if name.startswith("mtp.") or name.endswith("gate.bias_vl") or name.startswith("image_"):
+            if name.startswith("mtp.") or name.startswith("image_"):
                 continue
             if ".engram." in name:
                 continue

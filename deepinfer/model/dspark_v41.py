@@ -112,6 +112,7 @@ class DSparkLayer(torch.nn.Module):
             moe.routed_scaling_factor,
             arch.swiglu_limit,
             None,
+            image_bias=True,  # loaded as the checkpoint has it; drafted tokens are text
         )
         mhc = (arch.hidden_size, arch.hc_mult, arch.hc_sinkhorn_iters, arch.hc_eps, eps)
         self.hc_attn = HyperConnection(*mhc)
@@ -257,11 +258,9 @@ class DSparkV41(torch.nn.Module):
                 raise ValueError(f"{name}: DSpark tensor missing from the checkpoint")
             if tuple(tensors[name].shape) != spec.shape:
                 raise ValueError(f"{name}: shape {tuple(tensors[name].shape)}, DSpark expects {spec.shape}")
-        params = dict(self.named_parameters())
+        params = dict(self.named_parameters()) | dict(self.named_buffers())  # buffers: routers' bias_vl
         filled: set[str] = set()
         for name in specs:
-            if name.endswith("gate.bias_vl"):  # image-token routing: no vision model
-                continue
             filled.update(_assign(params, _target(name), tensors[name].float()))
         unfilled = sorted(set(params) - filled)
         if unfilled:  # a parameter the checkpoint layout does not name: a bug here, not in the file
