@@ -22,7 +22,9 @@ truncation a prompt would no longer equal its tokens fed one by one.
 The attention's KV is kept in float32: DeepSeek's engine stores the sliding KV as FP8 and the
 compressed KV as FP4 (or FP8), which is not emulated (the index keys' FP4 is, as it decides the
 top-k). DSpark's draft layers (`mtp.*`) are model/dspark_v41.py, fed by `forward_cached`'s
-`features`. Not built: the vision tower's embeddings in the prompt and image tokens
+`features`. Images: with a vision tower (`self.vision`, model/vision_v41.py) the forward takes
+`image_embeds` for the rows `image_mask` marks and puts them in place of those rows' token
+embeddings; the mask is kept for the image-token side of the layers, not built here yet
 (`gate.bias_vl`, Engram's image mask).
 
 On the engine (registered as `deepseek_v41`): `forward_cached` runs a step over any V41StepView;
@@ -65,7 +67,9 @@ from deepinfer.model.layers.v4_moe import V4MoE
 from deepinfer.model.layers.v4_norm import Fp32RMSNorm
 from deepinfer.model.layers.v4_rotary import TrailingRope
 from deepinfer.model.layers.v41_attention import CrossLayer, V41Attention
+from deepinfer.model.layers.vision_vit import PatchGrid
 from deepinfer.model.registry import register_model
+from deepinfer.model.vision_v41 import PREPROCESSED_MERGE, VisionEncoderV41
 
 
 class V41Block(torch.nn.Module):
@@ -166,6 +170,11 @@ class DeepseekV41ForCausalLM(CausalLM):
             if arch.dspark.num_layers
             else None
         )
+        # After _load: its check that every parameter was filled covers the language model only.
+        self.vision = VisionEncoderV41.from_weights(arch, weights) if weights.vision else None
+        # Requests' images are laid out by the preprocessing for 3 x 3 merges; a tower that merges
+        # otherwise (the tiny test checkpoints') still loads, but the engine takes no images for it.
+        self.accepts_images = self.vision is not None and arch.vision.downsample_ratio == PREPROCESSED_MERGE
 
     @classmethod
     def from_pretrained(
@@ -241,12 +250,27 @@ class DeepseekV41ForCausalLM(CausalLM):
         meta: ForwardMetadata,  # one AttentionMetadata per cache group
         backend: AttentionBackend,  # unused: the model reads its groups itself (OwnAttention)
         features: dict[int, torch.Tensor] | None = None,  # DSpark's target features (forward_cached)
+        image_mask: torch.Tensor | None = None,  # [T] bool: rows that are image tokens
+        image_embeds: torch.Tensor | None = None,  # [image_mask.sum(), hidden], in row order
     ) -> torch.Tensor:  # final hidden [T, hidden], normed
         layout = step_layout(meta)
         tensors = paged_tensors(self.cache_declarations(), kv_caches)
         return self.forward_cached(
-            input_ids, positions, layout, PagedV41Step(self.arch, tensors, meta, layout), features
+            input_ids,
+            positions,
+            layout,
+            PagedV41Step(self.arch, tensors, meta, layout),
+            features,
+            image_mask=image_mask,
+            image_embeds=image_embeds,
         )
+
+    def embed_images(self, patches: torch.Tensor, grids: list[tuple[int, int]]) -> torch.Tensor:
+        """patches [P, 3, 14, 14] of images end to end, each image's (rows, cols) of patches ->
+        their token embeddings [sum of image_token_count, hidden] (start, rows + newline, end)."""
+        if self.vision is None:
+            raise ValueError("this checkpoint has no vision tower")
+        return self.vision.embed_patches(patches, [PatchGrid(rows, cols) for rows, cols in grids])
 
     # -- the language model --------------------------------------------------------------------
 
@@ -257,9 +281,15 @@ class DeepseekV41ForCausalLM(CausalLM):
         layout: StepLayout,
         step: V41StepView,
         features: dict[int, torch.Tensor] | None = None,
+        *,
+        image_mask: torch.Tensor | None = None,  # [T] bool
+        image_embeds: torch.Tensor | None = None,  # [image_mask.sum(), hidden]
     ) -> torch.Tensor:  # final hidden [T, hidden], normed
         """`features`, when given, receives DSpark's target features: for each of
-        `arch.dspark.target_layer_ids`, the mean of the streams entering its attention [T, hidden]."""
+        `arch.dspark.target_layer_ids`, the mean of the streams entering its attention [T, hidden].
+        `image_embeds` replace the token embeddings of the rows `image_mask` marks (the vision
+        tower's output for them). `image_mask` is also what the image-token side of the layers
+        will read (the MoE's `bias_vl` routing, Engram's masking): not passed on to them yet."""
         runs = [torch.arange(s, s + n) for s, n in zip(layout.starts, layout.query_lens, strict=True)]
         if not torch.equal(positions.cpu(), torch.cat(runs) if runs else positions.cpu()[:0]):
             raise ValueError("positions must run consecutively from each sequence's start in the step layout")
@@ -267,9 +297,10 @@ class DeepseekV41ForCausalLM(CausalLM):
         if self.hashing is not None:
             context = self.hashing.context([step.context(seq) for seq in range(len(layout.starts))])
             ngrams = self.hashing.windows(input_ids.cpu(), torch.tensor(layout.query_lens), context)
-        streams = (
-            F.embedding(input_ids, self.embed).unsqueeze(1).expand(-1, self.arch.hc_mult, -1).contiguous()
-        )
+        embeds = F.embedding(input_ids, self.embed)  # [T, hidden]
+        if image_mask is not None and image_embeds is not None:
+            embeds = embeds.masked_scatter(image_mask.unsqueeze(-1), image_embeds.to(embeds.dtype))
+        streams = embeds.unsqueeze(1).expand(-1, self.arch.hc_mult, -1).contiguous()
         pre = HyperConnection.first_pre(input_ids.shape[0], self.arch.hc_mult, input_ids.device)
         shared = CrossLayer()
         for layer in self.layers:
