@@ -69,5 +69,4 @@ async def count_tokens(request: Request) -> JSONResponse:
     state.model_name(body)
     conv = count_tokens_to_conversation(body)
     prompt = state.require_recipe().render(conv, tokenizer=state.tokenizer.backend)
-    assert prompt.token_ids is not None
-    return JSONResponse(count_tokens_body(len(prompt.token_ids)))
+    return JSONResponse(count_tokens_body(len(await state.counted_tokens(prompt, param="messages"))))

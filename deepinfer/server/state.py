@@ -176,6 +176,13 @@ class ServerState:
         check_context(len(prompt.token_ids), self.max_model_len, param)
         return prompt
 
+    async def counted_tokens(self, prompt: RenderedPrompt, *, param: str) -> list[int]:
+        """The prompt's ids as a request sends them (/tokenize, count_tokens): each image's
+        placeholder expanded to its tokens when the model takes images."""
+        if prompt.images and self.image_pool is not None and self.client.info.accepts_images:
+            await self.place_images(prompt, param=param)
+        return prompt.token_ids or []
+
     async def place_images(self, prompt: RenderedPrompt, *, param: str) -> list[ImageInput]:
         """Preprocess the prompt's images off the event loop and expand each placeholder in
         `prompt.token_ids` to its image's tokens (so every later count sees them); the images

@@ -95,9 +95,12 @@ def _answer(server: ServerProcess, body: dict) -> dict:
 def test_chat_image_url_counts_the_images_tokens(server) -> None:
     image = png_base64(1)
     body = _chat(image)
-    tokenized = _post(server, "/tokenize", body).json()["tokens"]  # the placeholder, unexpanded
+    tokens = _post(server, "/tokenize", body).json()["tokens"]  # as the engine gets them
+    start, count = tokens.index(_placeholder(server)), _image_tokens(image)
+    assert tokens[start : start + count] == [tokens[start]] * count
+    assert tokens[start + count] != tokens[start]
     answer = _answer(server, body)
-    assert answer["usage"]["prompt_tokens"] == len(tokenized) - 1 + _image_tokens(image)
+    assert answer["usage"]["prompt_tokens"] == len(tokens)
     assert answer["usage"]["completion_tokens"] >= 1
 
 
@@ -118,10 +121,15 @@ def test_messages_base64_image(server) -> None:
     source = {"type": "base64", "media_type": "image/png", "data": image}
     content = [{"type": "image", "source": source}, {"type": "text", "text": "Describe"}]
     body = {"model": MODEL, "max_tokens": 6, "messages": [{"role": "user", "content": content}]}
+    counted = _post(server, "/v1/messages/count_tokens", body)
+    assert counted.status_code == 200, counted.text
+    assert counted.json()["input_tokens"] > _image_tokens(image)
     response = _post(server, "/v1/messages", body)
     assert response.status_code == 200, response.text
     usage = response.json()["usage"]
-    assert usage["input_tokens"] + (usage.get("cache_read_input_tokens") or 0) > _image_tokens(image)
+    assert (
+        usage["input_tokens"] + (usage.get("cache_read_input_tokens") or 0) == counted.json()["input_tokens"]
+    )
 
 
 def _message(server: ServerProcess, body: dict) -> dict:
