@@ -16,6 +16,8 @@ from collections.abc import Sequence
 
 import msgspec
 
+PATCH_PIXELS = 14 * 14  # pixels of one patch (the preprocessing's 14 x 14)
+
 
 class ImageInput(msgspec.Struct, frozen=True, array_like=True):
     """One image of a prompt: its tokens are prompt positions offset .. offset + num_tokens - 1."""
@@ -50,3 +52,20 @@ def image_extra_keys(images: Sequence[ImageInput], start: int, end: int) -> byte
     """A block's extra prefix-hash keys: the content hashes of the images among its positions
     (empty without any, so a text block hashes as before)."""
     return b"".join(image.content_hash for image in images_in(images, start, end))
+
+
+def check_images(images: Sequence[ImageInput], num_prompt_tokens: int) -> None:
+    """ValueError unless the images lie in order inside the prompt without overlapping and
+    each carries the pixels of its grid (the API side builds them so: this guards the engine)."""
+    previous_end = 0
+    for i, image in enumerate(images):
+        if image.offset < previous_end or image.end > num_prompt_tokens or image.num_tokens < 1:
+            raise ValueError(
+                f"image {i}: positions {image.offset}..{image.end - 1} are not its own in the prompt"
+            )
+        expected = image.patch_rows * image.patch_cols * PATCH_PIXELS * 3
+        if image.patch_rows < 1 or image.patch_cols < 1 or len(image.pixels) != expected:
+            raise ValueError(
+                f"image {i}: {len(image.pixels)} bytes for a {image.patch_rows}x{image.patch_cols}-patch grid"
+            )
+        previous_end = image.end

@@ -8,6 +8,7 @@ the embeddings in place of those positions' token embeddings.
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
@@ -169,3 +170,14 @@ def test_block_hashes_name_the_image():
     first_image_block = placed_a.offset // BLOCK
     assert with_a[:first_image_block] == with_b[:first_image_block] == text_only[:first_image_block]
     assert all(x != y for x, y in zip(with_a[first_image_block:], with_b[first_image_block:], strict=True))
+
+
+def test_images_that_do_not_fit_the_prompt_are_refused_on_arrival(checkpoint):
+    llm = LLM(model=str(checkpoint.path), block_size=BLOCK, num_threads=1, num_blocks=64)
+    ids, placed = _prompt(_image(1), [11, 12], [13])
+    core = llm.engine.core
+    with pytest.raises(ValueError, match="positions"):
+        core.add_request(_request("short", ids[:-5], [placed]))  # the image runs past the prompt
+    with pytest.raises(ValueError, match="bytes"):
+        core.add_request(_request("cut", ids, [msgspec.structs.replace(placed, pixels=placed.pixels[:-3])]))
+    assert not core.has_work()
