@@ -193,7 +193,7 @@ class ServerState:
         placeholder = self.tokenizer.token_to_id(IMAGE_PLACEHOLDER)
         if placeholder is None:
             raise ApiError(400, f"{param}: the tokenizer has no {IMAGE_PLACEHOLDER} token", param=param)
-        images = await prepare_images(self.image_pool, prompt.images, self.config.image_fetch_policy)
+        images = await prepare_images(self.image_pool, prompt.images, self.config.image_fetch_policy())
         prompt.token_ids, placed = expand_placeholders(prompt.token_ids, images, placeholder, param)
         check_context(len(prompt.token_ids), self.max_model_len, param)
         return placed

@@ -207,6 +207,15 @@ def test_bad_images_are_400s_naming_the_part(server, case) -> None:
     assert _answer(server, _chat(png_base64(1)))["choices"]  # still serving
 
 
+def test_an_image_url_is_not_fetched_unless_allowed(server) -> None:
+    body = _chat("")
+    body["messages"][0]["content"][1]["image_url"]["url"] = "http://127.0.0.1:9/picture.png"
+    response = _post(server, "/v1/chat/completions", body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages[0].content[1]" and "does not fetch" in error["message"]
+
+
 def test_a_model_without_a_vision_tower_refuses_images_naming_the_part(text_only_server) -> None:
     response = _post(text_only_server, "/v1/chat/completions", _chat(png_base64(1)))
     assert response.status_code == 400, response.text
