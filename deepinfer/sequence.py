@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from deepinfer.engine.images import ImageInput
 from deepinfer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -56,6 +57,7 @@ class EngineRequest:
     grammar: GrammarSpec | None = None  # structured output / forced tool call constraint
     kv_handoff: str | None = None  # prefill role: hold the prompt's KV for a decoder under this id
     kv_source: KVSource | None = None  # decode role: pull the prompt's KV from a prefill engine
+    images: list[ImageInput] = field(default_factory=list)  # in prompt order, each at its positions
 
 
 @dataclass(slots=True, eq=False)

@@ -82,6 +82,9 @@ class ServerConfig:
         help="let image fetches reach loopback, private and link-local addresses (a trusted network only)",
     )
     image_fetch_timeout: float = option(10.0, help="seconds one image fetch may take, redirects included")
+    image_workers: int = option(
+        2, help="processes that decode and resize request images (a model with a vision tower only)"
+    )
     engine_mode: Literal["process", "thread"] = option(
         "process", help="run the engine core in its own process (default) or on a thread of the server"
     )
@@ -121,6 +124,9 @@ class ServerConfig:
         if isinstance(self.default_max_tokens, float):
             raise ConfigError("default_max_tokens", "must be an integer")
         check_positive("image_fetch_timeout", self.image_fetch_timeout, allow_none=False)
+        check_positive("image_workers", self.image_workers, allow_none=False)
+        if isinstance(self.image_workers, float):
+            raise ConfigError("image_workers", "must be an integer")
         check_choice("engine_mode", self.engine_mode, ("process", "thread"))
         check_choice("log_level", self.log_level, LOG_LEVELS)
         check_choice("hosted_tools", self.hosted_tools, ("drop", "reject"))

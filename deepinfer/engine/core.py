@@ -12,6 +12,7 @@ import torch
 from deepinfer.cache_layout import CacheGroup, CacheLayout, plan_cache_layout
 from deepinfer.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from deepinfer.engine.grammar import GrammarManager
+from deepinfer.engine.images import check_images
 from deepinfer.engine.kv_cache.events import KVEvent, KVEventLog
 from deepinfer.engine.kv_cache.manager import KVCacheManager
 from deepinfer.engine.kv_cache.prefix import namespace_root
@@ -260,6 +261,10 @@ class EngineCore:
     # -- requests ------------------------------------------------------------------------------
 
     def add_request(self, request: EngineRequest) -> None:
+        if request.images:
+            if not self.loaded.model.accepts_images:
+                raise ValueError(f"{type(self.loaded.model).__name__} takes no images (no vision tower)")
+            check_images(request.images, len(request.prompt_token_ids))
         root = namespace_root(self.fingerprint, request.cache_salt)
         seq = self.scheduler.add_request(request, root)
         if request.grammar is not None:

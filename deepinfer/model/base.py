@@ -32,6 +32,9 @@ class CausalLM(torch.nn.Module):
     # Whether the layers attend through the engine's AttentionBackend (False: the model reads its
     # cache groups itself, and the runner gives it attention.backend.OwnAttention).
     uses_attention_backend = True
+    # Whether the model has a vision tower: it then has `embed_images` and its forward takes
+    # `image_embeds` / `image_mask` (the runner passes them only in a step that has images).
+    accepts_images = False
 
     @classmethod
     def from_config(cls, config: ModelConfig, parallel: ModelParallel | None = None) -> CausalLM:

@@ -24,10 +24,12 @@ they equal DeepSeek's `mask` mode, not the model run without truncation. On the 
 The attention's KV is kept in float32: DeepSeek's engine stores the sliding KV as FP8 and the
 compressed KV as FP4 (or FP8), which is not emulated (the index keys' FP4 is, as it decides the
 top-k). DSpark's draft layers (`mtp.*`) are model/dspark_v41.py, fed by `forward_cached`'s
-`features`. Image tokens (`image_mask`; DeepSeek's engine marks every position of an image's
-embeddings, `image_start` / `image_newline` / `image_end` included) choose their experts with the
-routers' `gate.bias_vl` instead of `gate.bias`; without a mask every token is text. Not built:
-the vision tower's embeddings in the prompt, Engram's image mask.
+`features`. Images: with a vision tower (`self.vision`, model/vision_v41.py) the forward takes
+`image_embeds` for the rows `image_mask` marks and puts them in place of those rows' token
+embeddings. Image tokens (DeepSeek's engine marks every position of an image's embeddings,
+`image_start` / `image_newline` / `image_end` included) choose their experts with the routers'
+`gate.bias_vl` instead of `gate.bias`; without a mask every token is text. Not built: Engram's
+image mask.
 
 On the engine (registered as `deepseek_v41`): `forward_cached` runs a step over any V41StepView;
 `forward` is it over the engine's cache groups (`cache_groups`: attention/v41_paged.py's
@@ -70,7 +72,9 @@ from deepinfer.model.layers.v4_moe import V4MoE
 from deepinfer.model.layers.v4_norm import Fp32RMSNorm
 from deepinfer.model.layers.v4_rotary import TrailingRope
 from deepinfer.model.layers.v41_attention import CrossLayer, V41Attention
+from deepinfer.model.layers.vision_vit import PatchGrid
 from deepinfer.model.registry import register_model
+from deepinfer.model.vision_v41 import PREPROCESSED_MERGE, VisionEncoderV41
 from deepinfer.model.yoco import (
     BoundedReplay,
     check_keep_tokens,
@@ -190,6 +194,11 @@ class DeepseekV41ForCausalLM(CausalLM):
             if arch.dspark.num_layers
             else None
         )
+        # After _load: its check that every parameter was filled covers the language model only.
+        self.vision = VisionEncoderV41.from_weights(arch, weights) if weights.vision else None
+        # Requests' images are laid out by the preprocessing for 3 x 3 merges; a tower that merges
+        # otherwise (the tiny test checkpoints') still loads, but the engine takes no images for it.
+        self.accepts_images = self.vision is not None and arch.vision.downsample_ratio == PREPROCESSED_MERGE
 
     @classmethod
     def from_pretrained(
@@ -289,7 +298,8 @@ class DeepseekV41ForCausalLM(CausalLM):
         meta: ForwardMetadata,  # one AttentionMetadata per cache group
         backend: AttentionBackend,  # unused: the model reads its groups itself (OwnAttention)
         features: dict[int, torch.Tensor] | None = None,  # DSpark's target features (forward_cached)
-        image_mask: torch.Tensor | None = None,  # [T] bool, None: all text
+        image_mask: torch.Tensor | None = None,  # [T] bool: rows that are image tokens (None: all text)
+        image_embeds: torch.Tensor | None = None,  # [image_mask.sum(), hidden], in row order
     ) -> torch.Tensor:  # final hidden [T, hidden], normed
         layout = step_layout(meta)
         tensors = paged_tensors(self.cache_declarations(), kv_caches)
@@ -308,7 +318,15 @@ class DeepseekV41ForCausalLM(CausalLM):
             features,
             replay=replay,
             image_mask=image_mask,
+            image_embeds=image_embeds,
         )
+
+    def embed_images(self, patches: torch.Tensor, grids: list[tuple[int, int]]) -> torch.Tensor:
+        """patches [P, 3, 14, 14] of images end to end, each image's (rows, cols) of patches ->
+        their token embeddings [sum of image_token_count, hidden] (start, rows + newline, end)."""
+        if self.vision is None:
+            raise ValueError("this checkpoint has no vision tower")
+        return self.vision.embed_patches(patches, [PatchGrid(rows, cols) for rows, cols in grids])
 
     # -- the language model --------------------------------------------------------------------
 
@@ -320,14 +338,17 @@ class DeepseekV41ForCausalLM(CausalLM):
         step: V41StepView,
         features: dict[int, torch.Tensor] | None = None,
         replay: BoundedReplay | None = None,
+        *,
         image_mask: torch.Tensor | None = None,  # [T] bool, None: all text
+        image_embeds: torch.Tensor | None = None,  # [image_mask.sum(), hidden]
     ) -> torch.Tensor:  # final hidden [T, hidden], normed
         """`features`, when given, receives DSpark's target features: for each of
         `arch.dspark.target_layer_ids`, the mean of the streams entering its attention [T, hidden].
         `replay` (model/yoco.py, planned for this layout) is YoCo's bounded replay: the layers
         from the boundary on run only its kept rows, their windows clipped to its floors; the
         rows they skip come back NaN, in the hidden and in the features of those layers.
-        `image_mask` marks the image tokens, which the MoE routes with `bias_vl`."""
+        `image_embeds` replace the token embeddings of the rows `image_mask` marks (the vision
+        tower's output for them); the MoE routes those rows with `bias_vl`."""
         if replay is not None and self.arch.yoco_boundary is None:
             raise ValueError("bounded replay needs a YoCo model: this one has no YoCo boundary")
         if image_mask is not None and (image_mask.dtype != torch.bool or image_mask.shape != input_ids.shape):
@@ -342,9 +363,10 @@ class DeepseekV41ForCausalLM(CausalLM):
         if self.hashing is not None:
             context = self.hashing.context([step.context(seq) for seq in range(len(layout.starts))])
             ngrams = self.hashing.windows(input_ids.cpu(), torch.tensor(layout.query_lens), context)
-        streams = (
-            F.embedding(input_ids, self.embed).unsqueeze(1).expand(-1, self.arch.hc_mult, -1).contiguous()
-        )
+        embeds = F.embedding(input_ids, self.embed)  # [T, hidden]
+        if image_mask is not None and image_embeds is not None:
+            embeds = embeds.masked_scatter(image_mask.unsqueeze(-1), image_embeds.to(embeds.dtype))
+        streams = embeds.unsqueeze(1).expand(-1, self.arch.hc_mult, -1).contiguous()
         pre = HyperConnection.first_pre(input_ids.shape[0], self.arch.hc_mult, input_ids.device)
         shared = CrossLayer()
         ids = input_ids

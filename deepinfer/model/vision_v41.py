@@ -24,6 +24,9 @@ from deepinfer.model.layers.vision_projector import VisionProjector, merged_grid
 from deepinfer.model.layers.vision_vit import PatchGrid, VisionTransformer, patchify
 
 SPECIAL_EMBEDDINGS = ("image_start", "image_newline", "image_end")
+# The merge ratio the preprocessing counts an image's tokens for (recipe/images/geometry.py's
+# MERGE, DeepSeek's processor's): a tower merging otherwise cannot take the prompts it writes.
+PREPROCESSED_MERGE = 3
 
 
 def image_token_count(grid: PatchGrid, ratio: int) -> int:

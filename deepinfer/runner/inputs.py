@@ -7,24 +7,27 @@ rounds (the same paged layout, rows of their own choosing). Rows are ordered sin
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from deepinfer.attention.metadata import AttentionMetadata, ForwardMetadata
 from deepinfer.cache_layout import GroupLayout
+from deepinfer.engine.images import ImageInput
 
 
 @dataclass(slots=True)
 class RowSpan:
     """Consecutive rows of one sequence: positions start .. start + len(token_ids) - 1, reading
-    the caches through `block_tables` (one per cache group of the model, in its order)."""
+    the caches through `block_tables` (one per cache group of the model, in its order);
+    `images`: the sequence's images with a token among these positions."""
 
     block_tables: list[list[int]]
     start: int
     token_ids: list[int]
     prompt_len: int = 0  # the sequence's prompt length (0: not a scheduled sequence's rows)
+    images: list[ImageInput] = field(default_factory=list)
 
 
 @dataclass(slots=True)

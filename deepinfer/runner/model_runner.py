@@ -5,14 +5,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from deepinfer.attention.backend import AttentionBackend, OwnAttention, TorchReferenceBackend
 from deepinfer.attention.metadata import ForwardMetadata
+from deepinfer.engine.images import images_in
 from deepinfer.model.base import CausalLM
 from deepinfer.model.layers.expert_parallel import ExpertBalancer
+from deepinfer.runner.image_embeds import ImageEmbeddings
 from deepinfer.runner.inputs import ForwardInputs, ForwardWork, RowSpan, span_offsets
 from deepinfer.runner.kv_caches import KVCaches
 from deepinfer.runner.sampler import SampledToken, Sampler, SamplingRow
@@ -149,19 +151,31 @@ class ModelRunner:
         # Layers whose features every step keeps, concatenated in this order (set by a proposer
         # that drafts from them: DSpark); the model fills a `features` dict when given one.
         self.feature_layers: tuple[int, ...] = ()
+        # The vision tower's outputs by image (a model with one), spliced in at image positions.
+        self.images = ImageEmbeddings(model.embed_images) if model.accepts_images else None
 
     def release(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
             self._generators.pop(seq_id, None)
 
-    def forward(self, inputs: ForwardInputs, features: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
-        """The target's hidden states [T, hidden] for `inputs`, writing their KV; `features`, when
+    def forward(
+        self,
+        inputs: ForwardInputs,
+        spans: list[RowSpan],
+        features: dict[int, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """The target's hidden states [T, hidden] for `inputs` (laid out from `spans`), writing
+        their KV, with the images the spans reach put at their positions; `features`, when
         given, receives the model's per-layer features (a model that has some: DeepSeek-V4.1)."""
         prepare_backend(self.backend, inputs.meta)
-        if features is None:
-            return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend)
+        kwargs: dict[str, Any] = {}
+        if features is not None:
+            kwargs["features"] = features
+        spliced = self.images.splice(spans, inputs.offsets, len(inputs.input_ids)) if self.images else None
+        if spliced is not None:
+            kwargs["image_mask"], kwargs["image_embeds"] = spliced
         return self.model(
-            inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend, features=features
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend, **kwargs
         )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -237,8 +251,15 @@ class ModelRunner:
         tokens = (
             seq.token_ids[item.start : item.start + num_real] + item.draft_token_ids[: item.num_draft_tokens]
         )
+        images = (
+            images_in(seq.request.images, item.start, item.start + num_real) if seq.request.images else []
+        )
         return RowSpan(
-            [list(table) for table in self.view.tables(seq)], item.start, tokens, seq.num_prompt_tokens
+            [list(table) for table in self.view.tables(seq)],
+            item.start,
+            tokens,
+            seq.num_prompt_tokens,
+            images,
         )
 
     @torch.inference_mode()
@@ -255,7 +276,7 @@ class ModelRunner:
                 self.peers.submit(work)
             self.caches.copy_blocks(work.block_copies)
             inputs = self.view.inputs(work.spans)
-            hidden = self.forward(inputs, features)  # [T, hidden]
+            hidden = self.forward(inputs, work.spans, features)  # [T, hidden]
             logits = None
             if work.logit_rows:
                 rows = torch.tensor(work.logit_rows, dtype=torch.long, device=self.device)

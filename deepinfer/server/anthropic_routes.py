@@ -33,6 +33,7 @@ async def messages(request: Request) -> Response:
     conv = messages_to_conversation(body)
     prompt = state.render(conv, param="messages")
     assert prompt.token_ids is not None
+    images = await state.place_images(prompt, param="messages")
     params = state.sampling_params(
         conv.params,
         len(prompt.token_ids),
@@ -50,6 +51,7 @@ async def messages(request: Request) -> Response:
         cache_salt=conv.cache_salt,
         traffic_class=conv.traffic_class,
         grammar=grammar,
+        images=images,
     )
     state.admit("anthropic")
     stream = state.submit([(engine_request, prompt.text)], arrival)
@@ -67,5 +69,4 @@ async def count_tokens(request: Request) -> JSONResponse:
     state.model_name(body)
     conv = count_tokens_to_conversation(body)
     prompt = state.require_recipe().render(conv, tokenizer=state.tokenizer.backend)
-    assert prompt.token_ids is not None
-    return JSONResponse(count_tokens_body(len(prompt.token_ids)))
+    return JSONResponse(count_tokens_body(len(await state.counted_tokens(prompt, param="messages"))))

@@ -59,7 +59,7 @@ async def tokenize(request: Request) -> JSONResponse:
     state.model_name(body)
     if isinstance(body, dict) and "input" in body:
         rendered = await responses_prompt(state, body, tenant_of(api_key))
-        tokens = rendered.prompt.token_ids or []
+        tokens = await state.counted_tokens(rendered.prompt, param="input")
     elif isinstance(body, dict) and "messages" in body:
         conv = chat_completion_to_conversation(body)
         kwargs = body.get("chat_template_kwargs")
@@ -68,7 +68,7 @@ async def tokenize(request: Request) -> JSONResponse:
             tokenizer=state.tokenizer.backend,
             template_kwargs=kwargs if isinstance(kwargs, dict) else None,
         )
-        tokens: list[int] = prompt.token_ids or []
+        tokens: list[int] = await state.counted_tokens(prompt, param="messages")
     else:
         parsed = validate(_TokenizePrompt, body)
         tokens = state.tokenizer.encode(parsed.prompt, add_special_tokens=parsed.add_special_tokens)

@@ -44,6 +44,7 @@ async def chat_completions(request: Request) -> Response:
     conv = chat_completion_to_conversation(body)
     prompt = state.render(conv, body.get("chat_template_kwargs"), param="messages")
     assert prompt.token_ids is not None
+    images = await state.place_images(prompt, param="messages")
     params = state.sampling_params(
         conv.params,
         len(prompt.token_ids),
@@ -61,6 +62,7 @@ async def chat_completions(request: Request) -> Response:
         cache_salt=conv.cache_salt,
         traffic_class=conv.traffic_class,
         grammar=grammar,
+        images=images,
     )
     state.admit("openai")
     stream = state.submit([(engine_request, prompt.text)], arrival)

@@ -73,6 +73,7 @@ async def create_response(request: Request) -> Response:
     rendered = await responses_prompt(state, body, tenant)
     parsed, conv, prompt = rendered.parsed, rendered.conv, rendered.prompt
     assert prompt.token_ids is not None
+    images = await state.place_images(prompt, param="input")
     responses = state.responses
     keep = responses.enabled and parsed.store is not False
     background = bool(parsed.background)
@@ -93,6 +94,7 @@ async def create_response(request: Request) -> Response:
         cache_salt=conv.cache_salt,
         traffic_class=conv.traffic_class,
         grammar=grammar,
+        images=images,
     )
     state.admit("openai")
     encoder = ResponsesEncoder(

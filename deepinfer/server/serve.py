@@ -32,6 +32,7 @@ from deepinfer.recipe import ModelInfo, Recipe, RecipeError
 from deepinfer.recipe.api.responses_reasoning import ReasoningSealer
 from deepinfer.server.app import build_app
 from deepinfer.server.constraints import GrammarValidator
+from deepinfer.server.images import image_pool
 from deepinfer.server.metrics import ServerMetrics
 from deepinfer.server.state import ServerState
 from deepinfer.server.stored_responses import StoredResponses, open_response_store
@@ -116,6 +117,7 @@ async def start_state(engine_config: EngineConfig, server_config: ServerConfig) 
         created=int(time.time()),
         grammars=grammars,
         responses=StoredResponses(response_store),
+        image_pool=image_pool(server_config.image_workers) if engine_info.accepts_images else None,
     )
 
 
@@ -258,6 +260,8 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> Non
         await state.client.close(server.flush_time_left())
         if state.grammars is not None:
             state.grammars.close()
+        if state.image_pool is not None:
+            state.image_pool.shutdown(wait=False, cancel_futures=True)
         sock.close()
         log.info("server stopped")
 

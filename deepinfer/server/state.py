@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Mapping
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +13,7 @@ import msgspec
 from fastapi import Request
 
 from deepinfer.config import ServerConfig
+from deepinfer.engine.images import ImageInput
 from deepinfer.engine.ipc.client import EngineClient, EngineDeadError, GenerationStream
 from deepinfer.engine.kv_cache.prefix import tenant_cache_salt
 from deepinfer.recipe import Recipe, RenderedPrompt
@@ -29,6 +31,7 @@ from deepinfer.server.constraints import (
 )
 from deepinfer.server.errors import ApiError, Flavor, overloaded
 from deepinfer.server.generation import sampling_params
+from deepinfer.server.images import IMAGE_PLACEHOLDER, expand_placeholders, prepare_images
 from deepinfer.server.metrics import ServerMetrics
 from deepinfer.server.stored_responses import StoredResponses
 from deepinfer.store.retention import DEFAULT_TRAFFIC_CLASS
@@ -67,6 +70,7 @@ class ServerState:
     draining: bool = False  # a graceful stop began: new requests get 503, those in flight finish
     reasoning_sealer: ReasoningSealer = field(default_factory=ReasoningSealer.generate)
     responses: StoredResponses = field(default_factory=lambda: StoredResponses(None))  # None: keeps nothing
+    image_pool: ProcessPoolExecutor | None = None  # image preprocessing (a model with a vision tower)
 
     @property
     def responses_options(self) -> ResponsesOptions:
@@ -164,12 +168,35 @@ class ServerState:
         kwargs = template_kwargs if isinstance(template_kwargs, Mapping) else None
         prompt = self.require_recipe().render(conv, tokenizer=self.tokenizer.backend, template_kwargs=kwargs)
         assert prompt.token_ids is not None
-        if prompt.images:
-            # The encoding placed them (RenderedPrompt.images carries their sources), but no model
-            # this engine runs reads images yet.
-            raise ApiError(400, f"{param}: this model does not accept images", param=param)
+        if prompt.images and (not self.client.info.accepts_images or self.image_pool is None):
+            where = prompt.images[0].path or param
+            raise ApiError(
+                400, f"{where}: this model does not accept images (it has no vision tower)", param=where
+            )
         check_context(len(prompt.token_ids), self.max_model_len, param)
         return prompt
+
+    async def counted_tokens(self, prompt: RenderedPrompt, *, param: str) -> list[int]:
+        """The prompt's ids as a request sends them (/tokenize, count_tokens): each image's
+        placeholder expanded to its tokens when the model takes images."""
+        if prompt.images and self.image_pool is not None and self.client.info.accepts_images:
+            await self.place_images(prompt, param=param)
+        return prompt.token_ids or []
+
+    async def place_images(self, prompt: RenderedPrompt, *, param: str) -> list[ImageInput]:
+        """Preprocess the prompt's images off the event loop and expand each placeholder in
+        `prompt.token_ids` to its image's tokens (so every later count sees them); the images
+        for the engine, placed. A bad image is a 400 naming its part."""
+        if not prompt.images:
+            return []
+        assert prompt.token_ids is not None and self.image_pool is not None  # render checked both
+        placeholder = self.tokenizer.token_to_id(IMAGE_PLACEHOLDER)
+        if placeholder is None:
+            raise ApiError(400, f"{param}: the tokenizer has no {IMAGE_PLACEHOLDER} token", param=param)
+        images = await prepare_images(self.image_pool, prompt.images, self.config.image_fetch_policy())
+        prompt.token_ids, placed = expand_placeholders(prompt.token_ids, images, placeholder, param)
+        check_context(len(prompt.token_ids), self.max_model_len, param)
+        return placed
 
     async def output_constraint(
         self, conv: Conversation, prompt: RenderedPrompt, fmt: FormatField, body: Mapping[str, Any]
@@ -234,6 +261,7 @@ class ServerState:
         cache_salt: str | None,
         traffic_class: str | None,
         grammar: GrammarSpec | None = None,
+        images: list[ImageInput] | None = None,
     ) -> EngineRequest:
         params.validate(self.vocab_size)
         return EngineRequest(
@@ -245,6 +273,7 @@ class ServerState:
             traffic_class=self.traffic_class(request, traffic_class),
             grammar=grammar,
             kv_source=self.kv_source(request),
+            images=images or [],
         )
 
     def traffic_class(self, request: Request, body_class: str | None) -> str:

@@ -126,7 +126,7 @@ def _target_forward(runner: ModelRunner):
     """A verification-shaped forward: the target over the spans, logits at every row."""
 
     def forward(spans: list[RowSpan]) -> None:
-        runner.compute_logits(runner.forward(runner.view.inputs(spans)))
+        runner.compute_logits(runner.forward(runner.view.inputs(spans), spans))
 
     return forward
 

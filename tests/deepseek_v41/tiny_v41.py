@@ -317,11 +317,14 @@ def _fp4(shape: tuple[int, ...], gen: torch.Generator) -> tuple[torch.Tensor, to
     return packed, scale_bytes, E2M1[nibbles] * scale.repeat_interleave(BLOCK, 1)
 
 
-def build_v41(path: Path, config: dict[str, Any], seed: int = 0) -> TinyV41:
+def build_v41(path: Path, config: dict[str, Any], seed: int = 0, *, vision: bool = True) -> TinyV41:
+    """`vision=False`: a text-only checkpoint (no `vision.*` / `aligner.*` tensors)."""
     gen = torch.Generator().manual_seed(seed)
     tiny = TinyV41(path=path, config=config)
     stored = tiny.stored
     for name, (shape, storage) in tensor_shapes(config).items():
+        if not vision and name.startswith(("vision.", "aligner.")):
+            continue
         if storage in ("fp8", "engram"):
             codes, scale_bytes, value = _fp8(shape, (BLOCK, BLOCK) if storage == "fp8" else (1, BLOCK), gen)
             stored[name], stored[name.removesuffix(".weight") + ".scale"] = (

@@ -127,6 +127,7 @@ def engine_info(
         kv_store=config.store.identity,
         kv_chunk_blocks=config.store.kv_chunk_blocks if config.store.kv_store is not None else 0,
         kv_transfer_layout=core.kv_transfer_layout,
+        accepts_images=core.loaded.model.accepts_images,
     )
 
 

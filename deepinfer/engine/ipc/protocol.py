@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import msgspec
 
+from deepinfer.engine.images import ImageInput
 from deepinfer.engine.outputs import KVHandoff, SequenceOutput
 from deepinfer.engine.stats import EngineStats
 from deepinfer.sampling_params import SamplingParams
@@ -33,6 +34,7 @@ class WireRequest(msgspec.Struct, array_like=True):
     grammar: GrammarSpec | None
     kv_handoff: str | None
     kv_source: KVSource | None
+    images: list[ImageInput]
 
     @classmethod
     def of(cls, request: EngineRequest) -> WireRequest:
@@ -89,6 +91,7 @@ class EngineInfo(msgspec.Struct, array_like=True):
     kv_store: str | None = None  # the shared store's identity (a path or redis host/db), no secrets
     kv_chunk_blocks: int = 0  # blocks per stored chunk (0: no shared store)
     kv_transfer_layout: str | None = None  # the chunks a direct handoff moves (prefill/decode roles)
+    accepts_images: bool = False  # the model has a vision tower: requests may carry images
 
 
 class EngineReady(msgspec.Struct, tag="ready", array_like=True):

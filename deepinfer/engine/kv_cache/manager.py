@@ -107,7 +107,9 @@ class KVCacheManager:
     # -- prefix hits -------------------------------------------------------------------------------
 
     def update_hashes(self, seq: Sequence) -> None:
-        extend_block_hashes(seq.block_hashes, seq.prefix_root, seq.token_ids, self.block_size)
+        extend_block_hashes(
+            seq.block_hashes, seq.prefix_root, seq.token_ids, self.block_size, seq.request.images
+        )
 
     def find_cached_prefix(self, seq: Sequence) -> PrefixHit:
         """Longest cached prefix every group can serve, for a sequence about to be admitted.

@@ -1,6 +1,7 @@
 """Prefix hashes: the stable identity of a full block of KV.
 
-hash(block) = sha256(parent_hash || token ids of the block || extra keys). The chain starts from a
+hash(block) = sha256(parent_hash || token ids of the block || extra keys); the extra keys are the
+content hashes of the images whose tokens the block holds (engine/images.py). The chain starts from a
 namespace root that folds in the model fingerprint (weights + tokenizer + KV dtype/layout) and the
 request's cache salt, so the same tokens under another model or tenant never collide. SHA-256 over a
 fixed little-endian encoding is stable across processes and restarts, which the persistent KV store
@@ -12,6 +13,8 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
+
+from deepinfer.engine.images import ImageInput, image_extra_keys
 
 HASH_BYTES = 32
 
@@ -42,9 +45,19 @@ def block_hash(parent: bytes, token_ids: Sequence[int], extra_keys: bytes = b"")
     return h.digest()
 
 
-def extend_block_hashes(hashes: list[bytes], root: bytes, token_ids: Sequence[int], block_size: int) -> None:
-    """Append the hashes of every full block of `token_ids` not yet hashed (in place)."""
+def extend_block_hashes(
+    hashes: list[bytes],
+    root: bytes,
+    token_ids: Sequence[int],
+    block_size: int,
+    images: Sequence[ImageInput] = (),
+) -> None:
+    """Append the hashes of every full block of `token_ids` not yet hashed (in place). A block
+    holding image tokens folds in those images' content hashes: its token ids are the same
+    placeholder id for any picture."""
     num_full = len(token_ids) // block_size
     for i in range(len(hashes), num_full):
         parent = hashes[i - 1] if i else root
-        hashes.append(block_hash(parent, token_ids[i * block_size : (i + 1) * block_size]))
+        start, end = i * block_size, (i + 1) * block_size
+        extra = image_extra_keys(images, start, end) if images else b""
+        hashes.append(block_hash(parent, token_ids[start:end], extra))

@@ -1,0 +1,95 @@
+"""A request's images on the API side: preprocessed in worker processes (decoding and resizing
+are CPU-bound and would stall the event loop), then placed in the prompt.
+
+Each image's one placeholder token becomes `num_tokens` placeholder ids, the positions whose
+embeddings the vision tower fills (start, rows each ending in a newline, end); the prompt's
+length is then the one every limit and the usage count. No torch here: numpy and Pillow only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+
+from deepinfer.engine.images import ImageInput, image_content_hash
+from deepinfer.recipe.images.errors import ImageInputError
+from deepinfer.recipe.images.fetch import FetchPolicy
+from deepinfer.recipe.images.source import prepare_image
+from deepinfer.recipe.ir import ImagePart
+from deepinfer.server.errors import ApiError
+
+IMAGE_PLACEHOLDER = "<｜image｜>"  # V4.1's image token (recipe/render/deepseek_v4.py's IMAGE)
+
+
+@dataclass(slots=True, frozen=True)
+class ImageRefused:
+    """A worker's answer for a bad image (plain data: ImageInputError does not pickle back)."""
+
+    param: str | None
+    message: str
+
+
+def prepare_for_engine(part: ImagePart, policy: FetchPolicy | None = None) -> ImageInput | ImageRefused:
+    """Runs in a worker: one image part -> the engine's ImageInput (offset set by the caller)."""
+    try:
+        image = prepare_image(part, policy)
+    except ImageInputError as error:
+        return ImageRefused(error.param, str(error))
+    rows, cols = image.layout.patch_rows, image.layout.patch_cols
+    pixels = image.pixels.tobytes()
+    return ImageInput(0, image.num_tokens, rows, cols, pixels, image_content_hash(pixels, rows, cols))
+
+
+def image_pool(workers: int) -> ProcessPoolExecutor:
+    # spawn: a forked child would inherit the event loop's and the engine client's sockets.
+    return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+
+
+async def prepare_images(
+    pool: ProcessPoolExecutor, parts: list[ImagePart], policy: FetchPolicy
+) -> list[ImageInput]:
+    """Every part preprocessed (in parallel across the pool); the first bad one is a 400 naming it."""
+    loop = asyncio.get_running_loop()
+    results = await asyncio.gather(
+        *(loop.run_in_executor(pool, prepare_for_engine, p, policy) for p in parts)
+    )
+    for result in results:
+        if isinstance(result, ImageRefused):
+            raise ApiError(400, result.message, param=result.param)
+    return [r for r in results if isinstance(r, ImageInput)]
+
+
+def expand_placeholders(
+    token_ids: list[int], images: list[ImageInput], placeholder_id: int, param: str
+) -> tuple[list[int], list[ImageInput]]:
+    """The prompt with each placeholder repeated to its image's token count, and the images
+    with their offsets in it. Placeholders and images pair up in order (RenderedPrompt.images)."""
+    where = [i for i, token in enumerate(token_ids) if token == placeholder_id]
+    if len(where) != len(images):
+        raise ApiError(
+            400,
+            f"{param}: the prompt holds {len(where)} image placeholders for {len(images)} images "
+            f"(is {IMAGE_PLACEHOLDER} written in the text?)",
+            param=param,
+        )
+    out: list[int] = []
+    placed: list[ImageInput] = []
+    previous = 0
+    for at, image in zip(where, images, strict=True):
+        out += token_ids[previous:at]
+        placed.append(
+            ImageInput(
+                len(out),
+                image.num_tokens,
+                image.patch_rows,
+                image.patch_cols,
+                image.pixels,
+                image.content_hash,
+            )
+        )
+        out += [placeholder_id] * image.num_tokens
+        previous = at + 1
+    out += token_ids[previous:]
+    return out, placed
