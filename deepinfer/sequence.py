@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from deepinfer.engine.images import ImageInput
+from deepinfer.image_input import ImageInput
 from deepinfer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

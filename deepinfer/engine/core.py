@@ -12,7 +12,6 @@ import torch
 from deepinfer.cache_layout import CacheGroup, CacheLayout, plan_cache_layout
 from deepinfer.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from deepinfer.engine.grammar import GrammarManager
-from deepinfer.engine.images import check_images
 from deepinfer.engine.kv_cache.events import KVEvent, KVEventLog
 from deepinfer.engine.kv_cache.manager import KVCacheManager
 from deepinfer.engine.kv_cache.prefix import namespace_root
@@ -23,6 +22,7 @@ from deepinfer.engine.outputs import KVHandoff, SequenceOutput, TokenLogprobs
 from deepinfer.engine.parallel.context import RankContext, rank_threads
 from deepinfer.engine.scheduler import Scheduler, SequenceUpdate
 from deepinfer.engine.stats import EngineStats
+from deepinfer.image_input import check_images
 from deepinfer.model.base import CausalLM
 from deepinfer.model.layers.expert_parallel import ExpertBalancer
 from deepinfer.model.loader.load import LoadedModel, check_model_engine, load_model

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from deepinfer.engine.images import ImageInput
+from deepinfer.image_input import ImageInput
 from deepinfer.runner.inputs import RowSpan
 
 PATCH = 14  # the preprocessing cuts 14-pixel patches (recipe/images/geometry.py)

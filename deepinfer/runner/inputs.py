@@ -14,7 +14,7 @@ import torch
 
 from deepinfer.attention.metadata import AttentionMetadata, ForwardMetadata
 from deepinfer.cache_layout import GroupLayout
-from deepinfer.engine.images import ImageInput
+from deepinfer.image_input import ImageInput
 
 
 @dataclass(slots=True)

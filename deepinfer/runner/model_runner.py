@@ -11,7 +11,7 @@ import torch
 
 from deepinfer.attention.backend import AttentionBackend, OwnAttention, TorchReferenceBackend
 from deepinfer.attention.metadata import ForwardMetadata
-from deepinfer.engine.images import images_in
+from deepinfer.image_input import images_in
 from deepinfer.model.base import CausalLM
 from deepinfer.model.layers.expert_parallel import ExpertBalancer
 from deepinfer.runner.image_embeds import ImageEmbeddings

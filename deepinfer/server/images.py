@@ -13,7 +13,7 @@ import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
-from deepinfer.engine.images import ImageInput, image_content_hash
+from deepinfer.image_input import ImageInput, image_content_hash
 from deepinfer.recipe.images.errors import ImageInputError
 from deepinfer.recipe.images.fetch import FetchPolicy
 from deepinfer.recipe.images.source import prepare_image

@@ -13,9 +13,9 @@ import msgspec
 from fastapi import Request
 
 from deepinfer.config import ServerConfig
-from deepinfer.engine.images import ImageInput
 from deepinfer.engine.ipc.client import EngineClient, EngineDeadError, GenerationStream
 from deepinfer.engine.kv_cache.prefix import tenant_cache_salt
+from deepinfer.image_input import ImageInput
 from deepinfer.recipe import Recipe, RenderedPrompt
 from deepinfer.recipe.api.responses import ResponsesOptions
 from deepinfer.recipe.api.responses_reasoning import ReasoningSealer

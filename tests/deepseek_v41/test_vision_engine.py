@@ -15,8 +15,8 @@ import torch
 from deepinfer import LLM, SamplingParams
 from deepinfer.attention.v4_cache import StepLayout
 from deepinfer.attention.v41_cache import ContiguousV41Cache
-from deepinfer.engine.images import ImageInput
 from deepinfer.engine.kv_cache.prefix import extend_block_hashes
+from deepinfer.image_input import ImageInput
 from deepinfer.model.deepseek_v41 import DeepseekV41ForCausalLM
 from deepinfer.recipe.images.source import prepare_image
 from deepinfer.recipe.ir import ImagePart

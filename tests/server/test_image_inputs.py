@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from deepinfer.engine.images import ImageInput, image_content_hash
+from deepinfer.image_input import ImageInput, image_content_hash
 from deepinfer.recipe.ir import ImagePart
 from deepinfer.server.errors import ApiError
 from deepinfer.server.images import ImageRefused, expand_placeholders, prepare_for_engine

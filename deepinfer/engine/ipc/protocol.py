@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import msgspec
 
-from deepinfer.engine.images import ImageInput
 from deepinfer.engine.outputs import KVHandoff, SequenceOutput
 from deepinfer.engine.stats import EngineStats
+from deepinfer.image_input import ImageInput
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.sequence import EngineRequest, KVSource
 from deepinfer.structured.spec import GrammarSpec

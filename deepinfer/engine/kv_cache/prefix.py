@@ -1,7 +1,7 @@
 """Prefix hashes: the stable identity of a full block of KV.
 
 hash(block) = sha256(parent_hash || token ids of the block || extra keys); the extra keys are the
-content hashes of the images whose tokens the block holds (engine/images.py). The chain starts from a
+content hashes of the images whose tokens the block holds (image_input.py). The chain starts from a
 namespace root that folds in the model fingerprint (weights + tokenizer + KV dtype/layout) and the
 request's cache salt, so the same tokens under another model or tenant never collide. SHA-256 over a
 fixed little-endian encoding is stable across processes and restarts, which the persistent KV store
@@ -14,7 +14,7 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
-from deepinfer.engine.images import ImageInput, image_extra_keys
+from deepinfer.image_input import ImageInput, image_extra_keys
 
 HASH_BYTES = 32
 
