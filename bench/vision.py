@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import numpy as np
@@ -42,16 +42,23 @@ from PIL import Image
 from deepinfer.bench.report import markdown_table, provenance, write_json
 from deepinfer.bench.serve import BenchError
 from deepinfer.config.flags import int_list_argument
-from deepinfer.recipe.ir import ImagePart
-from deepinfer.server.images import ImageRefused, image_pool, prepare_for_engine
+
+# `deepinfer bench` imports every script to build its parser: torch and the server load here
+# only when this one runs.
+if TYPE_CHECKING:
+    from deepinfer.image_input import ImageInput
+    from deepinfer.model.deepseek_v41_config import VisionSpec
+    from deepinfer.model.vision_v41 import VisionEncoderV41
+    from deepinfer.recipe.ir import ImagePart
 
 FORMATS = {"png": ("PNG", "image/png"), "jpeg": ("JPEG", "image/jpeg")}
 JPEG_QUALITY = 90
-# V4.1's tower as DeepSeek's engine fixes it (deepseek_v41_config.py's VISION_* defaults for a
-# vision_config width of 1024); the LM width its projector maps to is V4-Flash's, an assumption.
-V41_TOWER = {"layers": 32, "width": 1024, "heads": 16}
+# V4.1's tower: the depth DeepSeek's engine fixes in code, 16 heads of 64 at vision_config's width
+# of 1024 (the SwiGLU's 2816 follows from it); the LM width its projector maps to (--lm-hidden) is
+# V4-Flash's, an assumption.
+V41_WIDTH = 1024
 MERGE = 3
-HEAD_DIM = 64  # the smaller tower keeps V4.1's head width
+HEAD_DIM = 64  # every tower here keeps V4.1's head width
 
 
 # ---------------------------------------------------------------- pictures
@@ -91,6 +98,8 @@ def encode(pixels: np.ndarray, fmt: str) -> bytes:
 
 def image_part(data: bytes, fmt: str, detail: str) -> ImagePart:
     """The part a request's data URL becomes, as the server hands it to a worker."""
+    from deepinfer.recipe.ir import ImagePart
+
     url = f"data:{FORMATS[fmt][1]};base64," + base64.b64encode(data).decode()
     return ImagePart(url=url, detail=detail)
 
@@ -112,7 +121,9 @@ class PreprocessResult:
     pool_images_per_s: dict[str, float]  # workers -> images per second through the pool
 
 
-def _prepare(part: ImagePart) -> Any:
+def _prepare(part: ImagePart) -> ImageInput:
+    from deepinfer.server.images import ImageRefused, prepare_for_engine
+
     result = prepare_for_engine(part)
     if isinstance(result, ImageRefused):
         raise BenchError(f"the preprocessing refused a generated image: {result.message}")
@@ -120,6 +131,8 @@ def _prepare(part: ImagePart) -> Any:
 
 
 def _pool_rate(pool: ProcessPoolExecutor, part: ImagePart, images: int) -> float:
+    from deepinfer.server.images import ImageRefused, prepare_for_engine
+
     start = time.perf_counter()
     for result in pool.map(prepare_for_engine, [part] * images):
         if isinstance(result, ImageRefused):
@@ -135,6 +148,8 @@ def measure_preprocessing(
     repeats: int,
     seed: int,
 ) -> list[PreprocessResult]:
+    from deepinfer.server.images import image_pool
+
     results: list[PreprocessResult] = []
     pools = {n: image_pool(n) for n in workers}
     try:
@@ -192,7 +207,7 @@ class EncodeResult:
     patches_per_s: float
 
 
-def tower_spec(layers: int, width: int) -> Any:
+def tower_spec(layers: int, width: int) -> VisionSpec:
     from deepinfer.model.deepseek_v41_config import (
         VISION_MLP_MULTIPLE,
         VISION_MLP_RATIO,
@@ -200,7 +215,7 @@ def tower_spec(layers: int, width: int) -> Any:
         VisionSpec,
     )
 
-    heads = max(1, width // HEAD_DIM) if width != V41_TOWER["width"] else V41_TOWER["heads"]
+    heads = max(1, width // HEAD_DIM)
     if width % heads or (width // heads) % 4:
         raise ValueError(f"--tower-width {width} must split into heads of a multiple of 4 channels")
     # DeepSeek's rule for the SwiGLU's width (2816 at 1024), as vision_config's default.
@@ -208,9 +223,9 @@ def tower_spec(layers: int, width: int) -> Any:
     return VisionSpec(width, MERGE, VISION_PATCH_SIZE, layers, heads, mlp)
 
 
-def random_tower(spec: Any, lm_hidden: int, seed: int) -> Any:
-    """The tower with torch's default initialisation from `seed` (values do not change the time;
-    they keep activations finite, which denormals or infinities would not)."""
+def random_tower(spec: VisionSpec, lm_hidden: int, seed: int) -> VisionEncoderV41:
+    """The tower with torch's default initialisation from `seed`: the values do not matter to the
+    time as long as the activations stay finite and normal (denormals would slow the CPU down)."""
     import torch
 
     from deepinfer.model.vision_v41 import VisionEncoderV41
@@ -492,7 +507,9 @@ def run(args: argparse.Namespace) -> int:
     if "encode" in parts:
         chosen = {}
         if "v4.1" in towers:
-            chosen["v4.1"] = (V41_TOWER["layers"], V41_TOWER["width"])
+            from deepinfer.model.deepseek_v41_config import VISION_LAYERS
+
+            chosen["v4.1"] = (VISION_LAYERS, V41_WIDTH)
         if "small" in towers:
             chosen["small"] = (args.tower_layers, args.tower_width)
         encoding = measure_encoding(
