@@ -130,6 +130,15 @@ def _prepare(part: ImagePart) -> ImageInput:
     return result
 
 
+def _warm_worker(parts: list[ImagePart]) -> int:
+    """Run once in every worker before timing: spawning and importing (Pillow loads a format's
+    plugin on its first image) are not a per-image cost. The pause keeps this worker busy, so
+    each of the pool's tasks lands on a worker of its own."""
+    tokens = sum(_prepare(part).num_tokens for part in parts)
+    time.sleep(0.5)
+    return tokens
+
+
 def _pool_rate(pool: ProcessPoolExecutor, part: ImagePart, images: int) -> float:
     from deepinfer.server.images import ImageRefused, prepare_for_engine
 
@@ -153,8 +162,10 @@ def measure_preprocessing(
     results: list[PreprocessResult] = []
     pools = {n: image_pool(n) for n in workers}
     try:
-        for n, pool in pools.items():  # spawn and import in every worker before timing
-            list(pool.map(_prepare, [image_part(encode(picture(32, 24, seed), "png"), "png", "high")] * n))
+        small = picture(32, 24, seed)
+        warm = [image_part(encode(small, fmt), fmt, detail) for fmt in formats for detail in details]
+        for n, pool in pools.items():
+            list(pool.map(_warm_worker, [warm] * n))
         for index, (width, height) in enumerate(sizes):
             pixels = picture(width, height, seed + index)
             for fmt in formats:
