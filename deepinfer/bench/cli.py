@@ -3,7 +3,7 @@
 What users run against an engine ships in the package: `serve` (the load generator for any
 OpenAI/Anthropic-compatible server), `throughput` and `latency` (the offline engine). Studies and
 peer comparisons (`peers`, `roofline`, `economics`, `prefix`, `kvstore`, `spec`, `structured`,
-`router`, `pd`, `parallel`) are scripts in the repository's top-level bench/ folder; `deepinfer bench` finds and
+`router`, `pd`, `parallel`, `vision`) are scripts in the repository's top-level bench/ folder; `deepinfer bench` finds and
 runs them when it is started from a checkout. `python -m deepinfer.bench ...` runs the same commands.
 """
 
@@ -38,6 +38,7 @@ REPO_COMMANDS = {
     "parallel": "parallel",
     "overhead": "step_overhead",
     "soak": "soak",
+    "vision": "vision",
 }
 
 

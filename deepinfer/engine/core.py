@@ -474,4 +474,5 @@ class EngineCore:
             prefix_evictions=kv.num_evictions,
             prefix_cached_blocks=kv.num_cached_blocks,
             num_preemptions=self.num_preemptions,
+            images_encoded=self.runner.images.num_encoded if self.runner.images is not None else 0,
         )

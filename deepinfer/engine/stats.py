@@ -18,6 +18,8 @@ class EngineStats:
     prefix_evictions: int
     prefix_cached_blocks: int
     num_preemptions: int
+    # Images run through the vision tower (an encoder-cache hit does not count); 0 without one.
+    images_encoded: int = 0
     # Data parallelism: the stats of every rank, in rank order (the fields above sum them).
     per_rank: list[EngineStats] = field(default_factory=list)
 

@@ -63,6 +63,10 @@ class _EngineCollector(Collector):
             "prefix_cache_hit_tokens": ("prompt tokens found in the prefix cache", stats.prefix_hit_tokens),
             "prefix_cache_evictions": ("cached blocks evicted for new content", stats.prefix_evictions),
             "num_preemptions": ("sequences preempted for lack of KV blocks", stats.num_preemptions),
+            "images_encoded": (
+                "images run through the vision tower (encoder-cache hits not counted)",
+                stats.images_encoded,
+            ),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
