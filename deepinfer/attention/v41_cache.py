@@ -183,7 +183,8 @@ class V41Step:
         return self.sequences[seq].index_keys[layer].data[:count]
 
     def finish(self, input_ids: torch.Tensor) -> None:
-        """After the forward: the sequences hold this step's tokens."""
+        """After the forward: the sequences hold this step's token ids (as Engram keeps them:
+        -1 at image positions)."""
         for seq, state in enumerate(self.sequences):
             first = self.layout.offsets[seq]
             state.tokens.extend(input_ids[first : first + self.layout.query_lens[seq]].tolist())

@@ -15,8 +15,9 @@ contiguous store (attention/v41_cache.py) becomes one [logits | latent] row per 
 V4's compressor state: a step rebuilds the ring of its chunk from the row of the open block's
 first token (if the chunk starts inside a block) and writes its own tokens' rows when it ends,
 so rolling back needs no undo and no `backtrack` bound. The token ids are the context Engram's
-n-grams read before a chunk (the runner hands the model only the chunk's tokens); they are
-declared under the first Engram layer.
+n-grams read before a chunk (the runner hands the model only the chunk's tokens), an image
+position's as Engram's image sentinel (-1, layers/engram.py); they are declared under the first
+Engram layer.
 
 model/deepseek_v4.py's `v4_cache_groups` turns the declarations into groups: a sliding group per
 lookback (window = lookback + 1: the raw KV, the C2 state, the token ids), the full group (C1
@@ -140,7 +141,8 @@ class PagedV41Step:
         return self.cache.read(seq, layer, CacheKind.INDEXER_KEYS, index).float()
 
     def finish(self, input_ids: torch.Tensor) -> None:
-        """After the forward: store the C2 rows of this step's tokens and their ids."""
+        """After the forward: store the C2 rows of this step's tokens and their ids (as Engram
+        keeps them: -1 at image positions)."""
         for (seq, layer), ring in self._rings.items():
             own = self._own(seq)
             self.cache.write(

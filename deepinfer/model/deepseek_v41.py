@@ -28,8 +28,8 @@ top-k). DSpark's draft layers (`mtp.*`) are model/dspark_v41.py, fed by `forward
 `image_embeds` for the rows `image_mask` marks and puts them in place of those rows' token
 embeddings. Image tokens (DeepSeek's engine marks every position of an image's embeddings,
 `image_start` / `image_newline` / `image_end` included) choose their experts with the routers'
-`gate.bias_vl` instead of `gate.bias`; without a mask every token is text. Not built: Engram's
-image mask.
+`gate.bias_vl` instead of `gate.bias`, and Engram leaves their streams as they are and cuts every
+n-gram at them (layers/engram.py); without a mask every token is text.
 
 On the engine (registered as `deepseek_v41`): `forward_cached` runs a step over any V41StepView;
 `forward` is it over the engine's cache groups (`cache_groups`: attention/v41_paged.py's
@@ -66,7 +66,12 @@ from deepinfer.model.deepseek_v4 import paged_tensors, v4_cache_groups
 from deepinfer.model.deepseek_v41_config import DeepseekV41Arch, rope_specs
 from deepinfer.model.deepseek_v41_weights import V41Weights, load_v41_weights
 from deepinfer.model.dspark_v41 import DSparkV41
-from deepinfer.model.layers.engram import Engram, EngramHashing, compressed_vocabulary
+from deepinfer.model.layers.engram import (
+    Engram,
+    EngramHashing,
+    compressed_vocabulary,
+    with_image_sentinels,
+)
 from deepinfer.model.layers.mhc import HyperConnection, HyperHead
 from deepinfer.model.layers.v4_moe import V4MoE
 from deepinfer.model.layers.v4_norm import Fp32RMSNorm
@@ -131,7 +136,7 @@ class V41Block(torch.nn.Module):
         image_mask: torch.Tensor | None = None,  # [T] bool, None: all text
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.engram is not None:
-            streams = self.engram.forward_windows(streams, ngrams)
+            streams = self.engram.forward_windows(streams, ngrams, image_mask)
         if features is not None and self.feeds_dspark:
             features[self.layer] = streams.float().mean(dim=1)  # DSpark's feature: the streams' mean
         collapsed, post, comb, pre = self.hc_attn.mix(streams, pre, self.shifted)
@@ -348,7 +353,9 @@ class DeepseekV41ForCausalLM(CausalLM):
         from the boundary on run only its kept rows, their windows clipped to its floors; the
         rows they skip come back NaN, in the hidden and in the features of those layers.
         `image_embeds` replace the token embeddings of the rows `image_mask` marks (the vision
-        tower's output for them); the MoE routes those rows with `bias_vl`."""
+        tower's output for them); the MoE routes those rows with `bias_vl`, Engram skips them and
+        cuts the n-grams at them, and the sequences keep them as Engram's image sentinel so a
+        later chunk's n-grams are cut as in one whole pass."""
         if replay is not None and self.arch.yoco_boundary is None:
             raise ValueError("bounded replay needs a YoCo model: this one has no YoCo boundary")
         if image_mask is not None and (image_mask.dtype != torch.bool or image_mask.shape != input_ids.shape):
@@ -359,10 +366,12 @@ class DeepseekV41ForCausalLM(CausalLM):
         runs = [torch.arange(s, s + n) for s, n in zip(layout.starts, layout.query_lens, strict=True)]
         if not torch.equal(positions.cpu(), torch.cat(runs) if runs else positions.cpu()[:0]):
             raise ValueError("positions must run consecutively from each sequence's start in the step layout")
+        # Engram's token ids: image positions as its sentinel, read now and kept for later chunks.
+        kept_ids = with_image_sentinels(input_ids, image_mask)  # [T]
         ngrams = None
         if self.hashing is not None:
             context = self.hashing.context([step.context(seq) for seq in range(len(layout.starts))])
-            ngrams = self.hashing.windows(input_ids.cpu(), torch.tensor(layout.query_lens), context)
+            ngrams = self.hashing.windows(kept_ids.cpu(), torch.tensor(layout.query_lens), context)
         embeds = F.embedding(input_ids, self.embed)  # [T, hidden]
         if image_mask is not None and image_embeds is not None:
             embeds = embeds.masked_scatter(image_mask.unsqueeze(-1), image_embeds.to(embeds.dtype))
@@ -384,7 +393,7 @@ class DeepseekV41ForCausalLM(CausalLM):
                     replay.keep(ngrams),
                     replay.keep(image_mask),
                 )
-        step.finish(input_ids)
+        step.finish(kept_ids)
         hidden = self.norm(
             HyperConnection.collapse(streams, pre) if self.hc_head is None else self.hc_head(streams)
         )

@@ -11,11 +11,15 @@ N-gram ids, per token at position p of its sequence (column r is the token at p 
   builds the map from the tokenizer as DeepSeek's engine does);
 - a column before the sequence's first token reads the Engram pad token (`engram_pad_token_id`,
   mapped like any token), so in a flattened batch no sequence's first tokens ever hash with the
-  previous sequence's last ones. DeepSeek's engine builds a prompt's first windows in its C++
-  extension, which is not in its sources; its Python side fills every window slot that has no
-  usable token (after an image token) with the same compressed pad, which is what is read here;
+  previous sequence's last ones (DeepSeek's C++ `fill_engram_row` does the same);
 - a chunk that starts later in its sequence (chunked prefill, decode) takes its first columns
-  from `context`: the max_ngram_size - 1 tokens before the chunk.
+  from `context`: the max_ngram_size - 1 tokens before the chunk;
+- image tokens: an image position reads IMAGE_SENTINEL instead of its id, and from the first
+  column that reads one (walking back from p) every column is the pad token, so no n-gram spans
+  an image and text after an image hashes as if its sequence started there. The kept token ids
+  (the context of a later chunk) hold the sentinel at image positions, so a prompt chunked
+  across an image reads what it reads whole: the id alone cannot tell (a `<｜image｜>` id the
+  request gives no image for is text), DeepSeek's compressed ids hold the sentinel the same way.
 
 Hash (TileKernels' `engram_hash`): with one odd int64 multiplier per column and layer,
 h_n = XOR_{r<n} (id_r * mult_r) for n = 2 .. max_ngram_size, and head j of order n reads row
@@ -29,8 +33,8 @@ Gate (TileKernels' `engram_gate_fwd`), per token and stream h, D = hidden size:
     x_h  += sigmoid(sign(dot_h) * sqrt(max(|dot_h|, 1e-6))) * v
 The signed square root flattens large scores so one strong match cannot saturate the gate.
 
-Image tokens (DeepSeek masks their hash rows and leaves their streams untouched) are not
-handled: images do not reach the language model yet (the vision encoder is model/vision_v41.py).
+Image rows (TileKernels' `engram_hash` / `engram_gate_fwd` with `image_token_mask`): their
+table rows are -1 (`rows` with the mask) and their streams are left as they are.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ GATE_CLAMP = 1e-6  # the floor under |dot| before the square root (DeepSeek's cl
 HASH_SEED = 0  # DeepSeek's NgramHashMapping default; the trained tables depend on it
 PAD_TOKEN = "<｜▁pad▁｜>"
 PAD_ID = 2  # DeepSeek's engine refuses a tokenizer with its pad elsewhere
+IMAGE_SENTINEL = -1  # an image position in Engram's token ids (DeepSeek's compressed sentinel)
 
 
 def compressed_vocabulary(tokenizer: Tokenizer) -> torch.Tensor:
@@ -134,11 +139,32 @@ def ngram_windows(token_ids: torch.Tensor, seq_lens: torch.Tensor, context: torc
     return torch.where(back >= 0, own, earlier)
 
 
+def with_image_sentinels(token_ids: torch.Tensor, image_mask: torch.Tensor | None) -> torch.Tensor:
+    """token_ids [T], image_mask [T] bool (None: all text) -> int64 [T], IMAGE_SENTINEL at the
+    image positions: what Engram reads, and what a sequence keeps as a later chunk's context."""
+    ids = token_ids.long()
+    if image_mask is None:
+        return ids
+    return torch.where(image_mask.to(ids.device), IMAGE_SENTINEL, ids)
+
+
+def cut_at_images(windows: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """windows int64 [T, n] (column r = r tokens back, IMAGE_SENTINEL at image positions) -> the
+    same with every column from the first image one on (walking back) replaced by pad_id."""
+    hit = (windows == IMAGE_SENTINEL).long().cumsum(dim=1) > 0  # [T, n]
+    return windows.masked_fill(hit, pad_id)
+
+
 def engram_hash(
-    windows: torch.Tensor, multipliers: torch.Tensor, table_sizes: torch.Tensor, offsets: torch.Tensor
+    windows: torch.Tensor,
+    multipliers: torch.Tensor,
+    table_sizes: torch.Tensor,
+    offsets: torch.Tensor,
+    image_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """windows int64 [T, n] (compressed ids, column r = r tokens back), multipliers int64 [n],
-    table_sizes [n - 1, heads] (primes), offsets [(n - 1) * heads] -> rows int64 [T, (n - 1) * heads]."""
+    table_sizes [n - 1, heads] (primes), offsets [(n - 1) * heads], image_mask [T] bool (None:
+    all text) -> rows int64 [T, (n - 1) * heads], -1 on image rows as TileKernels gives them."""
     products = windows.long() * multipliers.long()  # [T, n], below int64_max by the multipliers' bound
     sizes = table_sizes.long()
     h = products[:, 0]
@@ -146,7 +172,8 @@ def engram_hash(
     for order in range(1, windows.shape[1]):
         h = h ^ products[:, order]  # the hash of the (order + 1)-gram ending here
         rows.append(h[:, None] % sizes[order - 1][None, :])  # non-negative: every product is
-    return torch.cat(rows, dim=1) + offsets.long()
+    out = torch.cat(rows, dim=1) + offsets.long()
+    return out if image_mask is None else out.masked_fill(image_mask[:, None], -1)
 
 
 def gather_embeddings(table: EngramTable, rows: torch.Tensor) -> torch.Tensor:
@@ -222,20 +249,27 @@ class EngramHashing:
         return ngram_context(previous, self.spec.max_ngram_size, self.spec.pad_token_id)
 
     def windows(
-        self, token_ids: torch.Tensor, seq_lens: torch.Tensor, context: torch.Tensor | None = None
+        self,
+        token_ids: torch.Tensor,
+        seq_lens: torch.Tensor,
+        context: torch.Tensor | None = None,
+        image_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Raw token ids [T] of S chunks -> the n-gram ids [T, n] every Engram layer hashes.
-        context None: every chunk starts its sequence (all earlier columns are pad)."""
+        context None: every chunk starts its sequence (all earlier columns are pad); its image
+        positions hold IMAGE_SENTINEL, as the chunk's do where image_mask [T] is set."""
         if context is None:
             context = self.context([[] for _ in range(len(seq_lens))])
-        windows = ngram_windows(token_ids, seq_lens, context)
-        # Mapped after gathering, so the pad is mapped too (DeepSeek's compressed pad token).
+        windows = ngram_windows(with_image_sentinels(token_ids, image_mask), seq_lens, context)
+        # Cut and mapped after gathering, so the pad is mapped too (DeepSeek's compressed pad
+        # token) and no sentinel is left to map.
+        windows = cut_at_images(windows, self.spec.pad_token_id)
         return windows if self.vocab_map is None else self.vocab_map[windows]
 
-    def rows(self, layer: int, windows: torch.Tensor) -> torch.Tensor:
-        """n-gram ids [T, n] -> this layer's table rows [T, (n - 1) * heads]."""
+    def rows(self, layer: int, windows: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """n-gram ids [T, n] -> this layer's table rows [T, (n - 1) * heads], -1 on image rows."""
         i = self.spec.layer_ids.index(layer)
-        return engram_hash(windows, self.multipliers[i], self.table_sizes[i], self.offsets[i])
+        return engram_hash(windows, self.multipliers[i], self.table_sizes[i], self.offsets[i], image_mask)
 
 
 class Engram(torch.nn.Module):
@@ -284,14 +318,24 @@ class Engram(torch.nn.Module):
         streams: torch.Tensor,  # [T, m, hidden]
         token_ids: torch.Tensor,  # [T] raw ids, the S chunks end to end
         seq_lens: torch.Tensor,  # [S]
-        context: torch.Tensor | None = None,  # [S, n - 1] raw ids before each chunk
+        context: torch.Tensor | None = None,  # [S, n - 1] raw ids before each chunk (-1: image)
+        image_mask: torch.Tensor | None = None,  # [T] bool, None: all text
     ) -> torch.Tensor:
-        return self.forward_windows(streams, self.hashing.windows(token_ids, seq_lens, context))
+        windows = self.hashing.windows(token_ids, seq_lens, context, image_mask)
+        return self.forward_windows(streams, windows, image_mask)
 
-    def forward_windows(self, streams: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
-        """With the n-gram ids [T, n] computed once for all Engram layers of a step."""
+    def forward_windows(
+        self, streams: torch.Tensor, windows: torch.Tensor, image_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """With the n-gram ids [T, n] computed once for all Engram layers of a step; the rows
+        image_mask [T] marks keep their streams (DeepSeek's gate leaves them as they are). Every
+        row is computed, as the kernel does (an image row's window is all pad, a valid table
+        row), so the text rows' float32 results do not depend on where the images are."""
         embeddings = gather_embeddings(
             self.table, self.hashing.rows(self.layer, windows)
         )  # [T, C * head_dim]
         kv = F.linear(embeddings, self.wkv).unflatten(-1, (streams.shape[1] + 1, streams.shape[2]))
-        return engram_gate(streams, kv, self.q_weight, self.k_weight, self.eps)
+        gated = engram_gate(streams, kv, self.q_weight, self.k_weight, self.eps)
+        if image_mask is None:
+            return gated
+        return torch.where(image_mask.to(streams.device)[:, None, None], streams, gated)
