@@ -110,7 +110,9 @@ def test_disconnected_streams_free_their_blocks(server, http: httpx.Client) -> N
                         "content"
                     ):
                         break
-            assert _used_blocks(http) > 0
+            # Polled like the checks below: once in a full-suite run the first read gave 0 with all
+            # eight streams running (not reproduced alone).
+            assert wait_until(lambda: _used_blocks(http) > 0, 10.0), _used_blocks(http)
         finally:
             for stream in streams:
                 stream.__exit__(None, None, None)  # closes the connection mid-stream
