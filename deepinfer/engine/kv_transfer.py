@@ -22,10 +22,12 @@ ok) the chunks' payloads as raw bytes, one after the other, of the sizes the rep
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import itertools
 import logging
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -250,6 +252,7 @@ class KVTransferServer:
                     send_frame(conn, PullReply(MISMATCH, self._mismatch(request.layout)))
             except (OSError, TransferError) as error:
                 log.warning("KV transfer %s failed or stalled past its lease: %s", lease.transfer_id, error)
+                _reset_on_close(conn)
             finally:
                 self._done(lease, sent)
 
@@ -292,6 +295,13 @@ class KVTransferServer:
         self._closed.set()
         self._listener.close()
         self._accept_thread.join(1.0)
+
+
+def _reset_on_close(conn: socket.socket) -> None:
+    """Make closing `conn` a reset: what a stalled decoder left unread in this socket's send
+    buffer (megabytes) is dropped at once instead of trickling out at the decoder's pace."""
+    with contextlib.suppress(OSError):
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
 
 # -- the decode side ----------------------------------------------------------------------------

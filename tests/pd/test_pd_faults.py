@@ -125,7 +125,8 @@ def test_a_transfer_that_stalls_past_the_lease(cluster) -> None:
     try:
         send_frame(stalled, PullRequest("stalled", keys, info["kv_transfer_layout"]))
         time.sleep(LEASE_S + 1)
-        # The prefiller gave up the send when the lease ended: the connection ends short.
+        # The prefiller gave up the send when the lease ended and reset the connection (dropping
+        # what it still held for this reader): the transfer ends short, and soon.
         reply = msgspec.msgpack.decode(recv_frame(stalled, time.monotonic() + 10), type=PullReply)
         expected, received = sum(reply.sizes), 0
         stalled.settimeout(10)
