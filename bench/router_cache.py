@@ -101,21 +101,42 @@ def _one_run(args: argparse.Namespace, name: str, replicas: list[Child], policy:
     }
 
 
+POLICIES = ("round_robin", "cache_aware", "least_work")
+
+
+def _replica_counts(text: str) -> list[int]:
+    counts = [int(part) for part in text.split(",") if part.strip()]
+    if not counts or any(n < 2 or n > 3 for n in counts):
+        raise SystemExit(f"--replica-counts: a comma-separated list of 2 and/or 3, not {text!r}")
+    return counts
+
+
+def _policies(text: str) -> list[str]:
+    policies = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [p for p in policies if p not in POLICIES]
+    if not policies or unknown:
+        raise SystemExit(f"--policies: a comma-separated list of {', '.join(POLICIES)}, not {text!r}")
+    return policies
+
+
 def run(args: argparse.Namespace) -> int:
     runs: list[dict[str, Any]] = []
-    plain = [replica(f"replica{i}", kv_cache_memory=args.kv_cache_memory) for i in range(3)]
+    counts, policies = _replica_counts(args.replica_counts), _policies(args.policies)
+    plain = [replica(f"replica{i}", kv_cache_memory=args.kv_cache_memory) for i in range(max(counts))]
     single = replica("single", kv_cache_memory=args.single_kv_cache_memory)
     with running([single, *plain]):
         runs.append(_one_run(args, "single replica", [single], "cache_aware"))
-        for n in (2, 3):
-            for policy in ("round_robin", "cache_aware", "least_work"):
+        for n in counts:
+            for policy in policies:
                 runs.append(_one_run(args, f"{n} replicas, {policy}", plain[:n], policy))
     store = Path(tempfile.mkdtemp(prefix="deepinfer-bench-store-"))
     shared = ("--kv-store", str(store), "--kv-chunk-blocks", str(args.chunk_blocks))
-    with_store = [replica(f"stored{i}", *shared, kv_cache_memory=args.kv_cache_memory) for i in range(3)]
+    with_store = [
+        replica(f"stored{i}", *shared, kv_cache_memory=args.kv_cache_memory) for i in range(max(counts))
+    ]
     with running(with_store):
-        for n in (2, 3):
-            for policy in ("round_robin", "cache_aware", "least_work"):
+        for n in counts:
+            for policy in policies:
                 _empty(store)
                 runs.append(_one_run(args, f"{n} replicas + shared store, {policy}", with_store[:n], policy))
     shutil.rmtree(store, ignore_errors=True)
@@ -183,6 +204,8 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--single-kv-cache-memory", default="384MiB", help="the single replica's (room for every session)"
     )
+    p.add_argument("--replica-counts", default="2,3", help="replica counts to run, from 2 and 3")
+    p.add_argument("--policies", default=",".join(POLICIES), help="routing policies to run, comma-separated")
     p.add_argument("--chunk-blocks", type=int, default=4, help="blocks per stored chunk (shared store runs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-json", help="write the full result here")
