@@ -5,7 +5,8 @@ vision tower served by an encoder and a `both` engine pointed at it (`--encoder`
 Greedy output is the same either way, over two APIs; a second turn with the same image reports
 its blocks cached, and its embeddings are not pulled again (the engine's encoder-output cache has
 them: the lease is released unread). With the encoder gone, an image request is a 503 in the
-API's shape naming it, text requests are still served and no KV block stays in use.
+API's shape naming it; with embeddings that cannot be pulled (an encoder whose leases end at
+once), a 500 saying so; text requests are still served and no KV block stays in use.
 """
 
 from __future__ import annotations
@@ -30,20 +31,9 @@ _ENCODER = re.compile(r"DeepInfer encoder is serving .* at (http://\S+) ")
 
 
 class EncoderProcess(AnnouncedProcess):
-    def __init__(self, path: str) -> None:
-        command = [
-            "serve",
-            path,
-            "--role",
-            "encode",
-            "--port",
-            "0",
-            "--num-threads",
-            "1",
-            "--log-level",
-            "warning",
-        ]
-        super().__init__(command, _ENCODER, 300.0)
+    def __init__(self, path: str, *options: str) -> None:
+        command = ["serve", path, "--role", "encode", "--num-threads", "1", "--log-level", "warning"]
+        super().__init__([*command, *(options or ("--port", "0"))], _ENCODER, 300.0)
 
 
 def _engine(path: str, *options: str) -> ServerProcess:
@@ -62,7 +52,7 @@ def servers(tmp_path_factory):
     alone = _engine(str(path))
     try:
         start_all([pair, alone])
-        yield {"encoder": encoder, "pair": pair, "alone": alone}
+        yield {"encoder": encoder, "pair": pair, "alone": alone, "path": str(path)}
     finally:
         for process in (pair, alone, encoder):
             process.kill()
@@ -175,3 +165,20 @@ def test_with_the_encoder_gone_images_are_503s_and_text_is_served(servers) -> No
     text = _chat({"role": "user", "content": "Hello"})
     assert _ok(pair, "/v1/chat/completions", text)["choices"][0]["message"]["content"]
     assert wait_until(lambda: blocks_in_use(pair) == 0, 10)
+
+
+def test_embeddings_that_cannot_be_pulled_fail_the_request_alone(servers) -> None:
+    pair, port = servers["pair"], servers["encoder"].url.rsplit(":", 1)[1]
+    # An encoder back at the same address whose leases end before any engine can pull them.
+    restarted = EncoderProcess(servers["path"], "--port", port, "--kv-transfer-lease", "0.001").start()
+    try:
+        body = _chat({"role": "user", "content": [{"type": "text", "text": "What is this?"}, _image(7)]})
+        response = _post(pair, "/v1/chat/completions", body)
+        assert response.status_code == 500, response.text
+        assert "embeddings did not arrive from its encoder" in response.json()["error"]["message"]
+        text = _chat({"role": "user", "content": "Hello"})
+        assert _ok(pair, "/v1/chat/completions", text)["choices"][0]["message"]["content"]
+        assert wait_until(lambda: blocks_in_use(pair) == 0, 10)
+        assert wait_until(lambda: _metric(restarted.url, "deepinfer_encoder_leases_active") == 0, 10)
+    finally:
+        restarted.kill()
