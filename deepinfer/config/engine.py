@@ -232,7 +232,9 @@ class DisaggregationConfig:
         "(a decoder that never comes, or stalls, frees them when the lease ends)",
     )
     kv_transfer_timeout: float = option(
-        30.0, help="seconds a decode engine waits for a KV transfer before it applies --kv-transfer-failure"
+        30.0,
+        help="seconds a decode engine waits for a KV transfer before it applies --kv-transfer-failure "
+        "(and an engine with --encoder for an image's embeddings before it fails the request)",
     )
     kv_transfer_failure: Literal["recompute", "fail"] = option(
         "recompute",
@@ -248,8 +250,8 @@ class DisaggregationConfig:
     )
     encoder_timeout: float = option(
         300.0,
-        help="seconds an --encoder may take to preprocess and encode one request's images, and then "
-        "to hand over their embeddings",
+        help="seconds an --encoder may take to preprocess and encode one request's images (the "
+        "embeddings' pull is bounded by --kv-transfer-timeout)",
     )
     kv_events_endpoint: str | None = option(
         None,
@@ -534,6 +536,7 @@ class EngineConfig:
             ("speculative_method", self.speculative.enabled, "speculative decoding"),
             ("kv_store", self.store.enabled, "the KV store and host tier"),
             ("role", self.disaggregation.role != "both", "prefill/decode roles"),
+            ("encoders", bool(self.disaggregation.encoders), "image encoders"),
             ("data_parallel_size", self.parallel.world_size > 1, "several ranks"),
         )
         for name, used, what in unsupported:

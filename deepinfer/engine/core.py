@@ -202,7 +202,7 @@ class EngineCore:
         pd = config.disaggregation
         # Images an encode-role server encoded: their embeddings are pulled as requests arrive.
         self.image_puller = (
-            ImagePuller(embeddings_layout(self.loaded.config.raw), pd.encoder_timeout)
+            ImagePuller(embeddings_layout(self.loaded.config.raw), pd.kv_transfer_timeout)
             if pd.encoders and model.accepts_images
             else None
         )

@@ -49,7 +49,7 @@ class EncoderClient:
                 failures.append(f"{url}: {type(error).__name__} {error}".rstrip())
                 continue
             if response.status_code == 400:
-                error = response.json().get("error", {})
+                error = _error_of(response)
                 raise ApiError(400, error.get("message", "bad image"), param=error.get("param"))
             if response.status_code != 200:
                 failures.append(f"{url}: HTTP {response.status_code}")
@@ -65,6 +65,13 @@ class EncoderClient:
 
     async def close(self) -> None:
         await self._http.aclose()
+
+
+def _error_of(response: httpx.Response) -> dict:
+    try:
+        return dict(response.json().get("error") or {})
+    except (ValueError, AttributeError):
+        return {"message": f"the encoder refused an image: {response.text[:200]}"}
 
 
 def _image(item: dict) -> ImageInput:

@@ -42,6 +42,8 @@ def test_encoder_options_are_refused_where_they_mean_nothing(tmp_path) -> None:
     ):
         with pytest.raises(ConfigError, match=rf"^{option}: not an option of an encode-role server"):
             EngineConfig.from_kwargs(role="encode", **{option: value})
+    with pytest.raises(ConfigError, match=r"^async_scheduling: image encoders"):
+        EngineConfig.from_kwargs(encoders=["http://127.0.0.1:9000"], async_scheduling=True)
     with pytest.raises(ConfigError, match="encoder_timeout"):
         EngineConfig.from_kwargs(encoder_timeout=0)
     assert EngineConfig.from_kwargs(role="encode").disaggregation.role == "encode"
