@@ -271,6 +271,9 @@ class EngineCore:
     # -- requests ------------------------------------------------------------------------------
 
     def add_request(self, request: EngineRequest) -> None:
+        """Queue a request. Images an encoder holds are pulled first (`request.images` is
+        replaced by the images carrying their embeddings); ImageFetchError if they do not
+        arrive, with nothing queued."""
         if request.images:
             if not self.loaded.model.accepts_images:
                 raise ValueError(f"{type(self.loaded.model).__name__} takes no images (no vision tower)")
