@@ -271,19 +271,21 @@ class EngineCore:
     # -- requests ------------------------------------------------------------------------------
 
     def add_request(self, request: EngineRequest) -> None:
-        """Queue a request. Images an encoder holds are pulled first (`request.images` is
-        replaced by the images carrying their embeddings); ImageFetchError if they do not
-        arrive, with nothing queued."""
+        """Queue a request. Images an encoder holds are pulled while it waits: `request.images`
+        is replaced by the images carrying their embeddings when they land (at once for those
+        the encoder-output cache holds); if they do not, a later step ends the request."""
+        encoded = False
         if request.images:
             if not self.loaded.model.accepts_images:
                 raise ValueError(f"{type(self.loaded.model).__name__} takes no images (no vision tower)")
             check_images(request.images, len(request.prompt_token_ids))
-            if any(image.encoded is not None for image in request.images):
-                if self.image_puller is None:
-                    raise ValueError("an image encoded elsewhere reached an engine without --encoder")
-                request.images = self.image_puller.fetch(request.images, self._cached_embeddings)
+            encoded = any(image.encoded is not None for image in request.images)
+            if encoded and self.image_puller is None:
+                raise ValueError("an image encoded elsewhere reached an engine without --encoder")
         root = namespace_root(self.fingerprint, request.cache_salt)
         seq = self.scheduler.add_request(request, root)
+        if encoded:
+            self.image_puller.attach(seq, self._cached_embeddings)
         if request.grammar is not None:
             self.grammars.attach(seq, request.grammar)
         if self.connector is not None:
@@ -298,6 +300,8 @@ class EngineCore:
         seqs = self.scheduler.abort_request(request_id, index)
         if index is None:
             self.grammars.release(request_id)
+        if self.image_puller is not None:
+            self.image_puller.forget(seqs)
         self._release([s.seq_id for s in seqs])
         return [
             SequenceOutput(
@@ -385,7 +389,7 @@ class EngineCore:
 
     def _idle(self, outputs: list[SequenceOutput]) -> list[SequenceOutput]:
         if self.scheduler.waiting and not outputs:
-            time.sleep(0.001)  # everything waits on a KV load or a grammar: don't spin a core
+            time.sleep(0.001)  # everything waits on a KV load, a grammar or images: don't spin a core
         return outputs
 
     def _execute(self, plan: SchedulerOutput) -> StepResult:
@@ -424,10 +428,13 @@ class EngineCore:
         return outputs
 
     def _poll_pending(self) -> list[SequenceOutput]:
-        """Land finished KV loads and grammar compiles; a grammar that failed, or KV that had to
-        come from elsewhere and did not (with kv_transfer_failure=fail), ends its request."""
+        """Land finished KV loads, grammar compiles and image-embedding pulls; a grammar that
+        failed, KV that had to come from elsewhere and did not (with kv_transfer_failure=fail),
+        or image embeddings that did not arrive from their encoder end their request."""
         failures = self.connector.poll() if self.connector is not None else {}
         failures.update({seq.request_id: error for seq, error in self.grammars.poll()})
+        if self.image_puller is not None:
+            failures.update(self.image_puller.poll())
         return self._fail(failures)
 
     def _release(self, seq_ids: list[int]) -> None:

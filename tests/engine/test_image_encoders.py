@@ -1,11 +1,13 @@
 """Image encoders' options and the engine's pull of their embeddings, without a model: the
 options are refused where they mean nothing (each error naming the option), and `ImagePuller`
 against a real `KVTransferServer` on loopback pulls leased embeddings, releases a lease it does
-not need, and fails a request cleanly (never a hang) when the lease is over or the encoder gone."""
+not need, and fails a request cleanly (never a hang) when the lease is over or the encoder gone;
+the request waits (`num_pending`) while its pulls run, and an aborted one is forgotten."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -15,12 +17,14 @@ import numpy as np
 import pytest
 
 from deepinfer.config import ConfigError, EngineConfig
-from deepinfer.engine.image_pull import ImageFetchError, ImagePuller
+from deepinfer.engine.image_pull import ImagePuller
 from deepinfer.engine.kv_transfer import KVTransferServer
 from deepinfer.image_input import EncodedAt, ImageInput, check_images
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.deepseek_v41 import DeepseekV41ForCausalLM
 from deepinfer.model.loader.load import check_model_engine
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.sequence import EngineRequest, Sequence
 from tests.deepseek_v41.tiny_v41 import tiny_config
 from tests.deepseek_v41.vision_inputs import vision_config
 
@@ -106,6 +110,22 @@ def _reaped(server: KVTransferServer) -> bool:
     return False
 
 
+def _waiting(images: list[ImageInput], request_id: str = "r") -> Sequence:
+    request = EngineRequest(request_id, [0] * 2 * TOKENS, SamplingParams(), images=images)
+    return Sequence(0, request, 0, list(request.prompt_token_ids), len(request.prompt_token_ids), b"")
+
+
+def _polled(puller: ImagePuller, seq: Sequence) -> dict[str, str]:
+    """poll() until `seq` is no longer waited for (the pulls are bounded: never a hang)."""
+    deadline = time.monotonic() + 10
+    failures: dict[str, str] = {}
+    while puller.num_in_flight and time.monotonic() < deadline:
+        failures.update(puller.poll())
+        time.sleep(0.01)
+    assert not puller.num_in_flight and seq.num_pending == 0
+    return failures
+
+
 def test_pulls_leased_embeddings_and_releases_what_it_has(server) -> None:
     puller = ImagePuller(LAYOUT, timeout_s=5.0)
     pulled, pulled_embeds = _leased(server, 1)
@@ -114,14 +134,31 @@ def test_pulls_leased_embeddings_and_releases_what_it_has(server) -> None:
     check_images([pulled], TOKENS)  # pixels are not needed when an encoder has the image
     again = ImageInput(TOKENS, TOKENS, 1, 1, b"", pulled.content_hash, encoded=EncodedAt(server.address, "x"))
     cache = {cached.content_hash: cached_embeds.tobytes()}
-    out = puller.fetch([pulled, cached, again, text], cache.get)
+    seq = _waiting([pulled, cached, again, text])
+    puller.attach(seq, cache.get)
+    assert seq.num_pending == 1 and seq.request.images[0] is pulled  # not admitted until it lands
+    assert _polled(puller, seq) == {}
+    out = seq.request.images
     assert out[0].embeds == pulled_embeds.tobytes() and out[0].encoded is None
     assert out[1].embeds == cached_embeds.tobytes() and out[2].embeds == out[0].embeds
     assert out[3] is text
     assert (puller.num_pulled, puller.num_reused) == (1, 1)
     assert _reaped(server)  # the cached image's lease released unread, not left to expire
     assert (server.num_sent, server.num_released, server.num_expired) == (2, 1, 0)
+    # everything in the cache: nothing to wait for, the images carry their embeddings at once
+    seq = _waiting([_leased(server, 2)[0]])
+    puller.attach(seq, cache.get)
+    assert seq.num_pending == 0 and not puller.num_in_flight
+    assert seq.request.images[0].embeds == cached_embeds.tobytes()
     puller.close()
+
+
+def _failure(puller: ImagePuller, image: ImageInput) -> str:
+    seq = _waiting([image])
+    puller.attach(seq, {}.get)
+    (error,) = _polled(puller, seq).values()
+    assert seq.request.images == [image]  # nothing landed
+    return error
 
 
 def test_an_expired_lease_or_a_gone_encoder_fails_the_request(server) -> None:
@@ -129,19 +166,25 @@ def test_an_expired_lease_or_a_gone_encoder_fails_the_request(server) -> None:
     short = KVTransferServer(LAYOUT, "127.0.0.1", 0, lease_s=0.1)
     image, _ = _leased(short, 3)
     time.sleep(0.2)
-    with pytest.raises(ImageFetchError, match=r"did not arrive.*unknown"):
-        puller.fetch([image], {}.get)
+    assert re.search(r"did not arrive.*unknown", _failure(puller, image))
     short.close()
     gone, _ = _leased(server, 4)
     server.close()
     began = time.monotonic()
-    with pytest.raises(ImageFetchError, match="unreachable"):
-        puller.fetch([gone], {}.get)
+    assert "unreachable" in _failure(puller, gone)
     assert time.monotonic() - began < 5
     other = KVTransferServer("another model's embeddings", "127.0.0.1", 0, lease_s=30.0)
     image, _ = _leased(other, 5)
-    with pytest.raises(ImageFetchError, match="mismatch"):
-        puller.fetch([image], {}.get)
+    assert "mismatch" in _failure(puller, image)
     assert _reaped(other)  # the lease ended with the refused pull
     other.close()
+    puller.close()
+
+
+def test_an_abort_while_pulling_leaves_nothing_behind(server) -> None:
+    puller = ImagePuller(LAYOUT, timeout_s=5.0)
+    seq = _waiting([_leased(server, 6)[0]])
+    puller.attach(seq, {}.get)
+    puller.forget([seq])
+    assert not puller.num_in_flight and puller.poll() == {}
     puller.close()

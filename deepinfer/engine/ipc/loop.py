@@ -21,7 +21,6 @@ import zmq
 
 from deepinfer.config import EngineConfig
 from deepinfer.engine.core import EngineCore
-from deepinfer.engine.image_pull import ImageFetchError
 from deepinfer.engine.ipc.protocol import (
     AbortRequest,
     AddRequest,
@@ -197,11 +196,6 @@ class EngineLoop:
         request = message.request.to_request()
         try:
             self.core.add_request(request)
-        except ImageFetchError as error:  # its encoder failed it: this request only
-            return [
-                SequenceOutput(request.request_id, index, [], finish_reason="error", error=str(error))
-                for index in range(request.params.n)
-            ]
         except Exception:
             # The API side validated the request; a failure here is a bug, and it must end
             # this request rather than the engine.
