@@ -67,6 +67,15 @@ def _run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=server_config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if engine_config.disaggregation.role == "encode":
+        from deepinfer.config import ConfigError
+        from deepinfer.encoder.serve import run_encoder
+
+        try:
+            run_encoder(engine_config, server_config)
+        except ConfigError as error:
+            args.parser.error(str(error))
+        return 0
     if engine_config.parallel.world_size > 1:
         from deepinfer.distributed.topology import resolve_topology
         from deepinfer.engine.parallel.worker import run_node

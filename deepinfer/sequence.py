@@ -80,7 +80,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     pending_forks: int = 0  # siblings to fork when this sequence's prefill completes
-    num_pending: int = 0  # things to wait for before admission (a grammar, a KV load); 0 = ready
+    num_pending: int = 0  # things to wait for before admission (a grammar, a KV load, images); 0 = ready
     num_stored_chunks: int = 0  # leading KV-store chunks known to be stored (or loaded from it)
     grammar: GrammarMatcher | None = None  # structured output state, once its grammar compiled
     # Async scheduling: tokens a step still in flight is sampling for this sequence. The next

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -201,7 +202,7 @@ class StoreConfig:
         )
 
 
-ROLES = ("both", "prefill", "decode")
+ROLES = ("both", "prefill", "decode", "encode")
 KV_TRANSFERS = ("direct", "store")
 TRANSFER_FAILURE_POLICIES = ("recompute", "fail")
 
@@ -210,10 +211,11 @@ TRANSFER_FAILURE_POLICIES = ("recompute", "fail")
 class DisaggregationConfig:
     """Prefill/decode disaggregation (the role, the KV handoff) and the KV events a router reads."""
 
-    role: Literal["both", "prefill", "decode"] = option(
+    role: Literal["both", "prefill", "decode", "encode"] = option(
         "both",
         help="both: prefill and decode every request (a plain replica); prefill: compute prompts' KV "
-        "and hand it off to a decode engine; decode: receive the KV and generate",
+        "and hand it off to a decode engine; decode: receive the KV and generate; encode: only the "
+        "vision encoder (DeepSeek-V4.1), which preprocesses and encodes images for --encoder engines",
     )
     kv_transfer: Literal["direct", "store"] = option(
         "direct",
@@ -230,12 +232,26 @@ class DisaggregationConfig:
         "(a decoder that never comes, or stalls, frees them when the lease ends)",
     )
     kv_transfer_timeout: float = option(
-        30.0, help="seconds a decode engine waits for a KV transfer before it applies --kv-transfer-failure"
+        30.0,
+        help="seconds a decode engine waits for a KV transfer before it applies --kv-transfer-failure "
+        "(and an engine with --encoder for an image's embeddings before it fails the request)",
     )
     kv_transfer_failure: Literal["recompute", "fail"] = option(
         "recompute",
         help="what a decode engine does when the prompt's KV does not arrive: recompute it, or fail the "
         "request with an error",
+    )
+    encoders: Sequence[str] = option(
+        default_factory=tuple,
+        flag="--encoder",
+        repeat=True,
+        help="http(s) URL of a `--role encode` server that encodes this engine's request images (their "
+        "embeddings come back over the direct transfer); repeat for several, tried in turn",
+    )
+    encoder_timeout: float = option(
+        300.0,
+        help="seconds an --encoder may take to preprocess and encode one request's images (the "
+        "embeddings' pull is bounded by --kv-transfer-timeout)",
     )
     kv_events_endpoint: str | None = option(
         None,
@@ -252,6 +268,13 @@ class DisaggregationConfig:
             raise ConfigError("kv_transfer_port", f"expected 0..65535, got {port!r}")
         check_positive("kv_transfer_lease", self.kv_transfer_lease, allow_none=False)
         check_positive("kv_transfer_timeout", self.kv_transfer_timeout, allow_none=False)
+        check_positive("encoder_timeout", self.encoder_timeout, allow_none=False)
+        object.__setattr__(self, "encoders", tuple(self.encoders))
+        for url in self.encoders:
+            if not isinstance(url, str) or not re.match(r"^https?://[^/\s]+/?$", url):
+                raise ConfigError("encoders", f"expected an http(s)://HOST:PORT URL, got {url!r}")
+        if self.encoders and self.role not in ("both", "prefill"):
+            raise ConfigError("encoders", f"only a both or prefill engine takes images, not {self.role}")
         endpoint = self.kv_events_endpoint
         if endpoint is not None and not re.match(r"^(tcp|ipc|inproc)://\S+$", endpoint):
             raise ConfigError(
@@ -459,6 +482,9 @@ class EngineConfig:
                 "kv_store", "the KV store and host tier need prefix caching (enable_prefix_caching)"
             )
         pd = self.disaggregation
+        if pd.role == "encode":
+            self._check_encode_role()
+            return
         if pd.role != "both" and not self.cache.enable_prefix_caching:
             raise ConfigError(
                 "role", f"a {pd.role} engine hands KV off by prefix hash: it needs enable_prefix_caching"
@@ -467,6 +493,23 @@ class EngineConfig:
             raise ConfigError(
                 "kv_transfer", f"kv_transfer='store' needs a shared --kv-store on the {pd.role} engine"
             )
+
+    def _check_encode_role(self) -> None:
+        """An encoder runs the vision tower alone: options of the LLM, its KV cache or the KV
+        handoff between LLM engines mean nothing there, and are refused rather than ignored."""
+        pd = self.disaggregation
+        meaningless = (
+            ("kv_transfer", pd.kv_transfer != "direct", "its embeddings go out over the direct transfer"),
+            ("kv_events_endpoint", pd.kv_events_endpoint is not None, "it has no KV cache"),
+            ("kv_store", self.store.enabled, "it has no KV cache"),
+            ("speculative_method", self.speculative.enabled, "it generates nothing"),
+            ("yoco_prefill_truncation", self.yoco_prefill_truncation != "off", "it runs no prefill"),
+            ("async_scheduling", self.scheduler.async_scheduling, "it schedules nothing"),
+            ("tensor_parallel_size", self.parallel.world_size > 1, "it runs on one rank"),
+        )
+        for name, given, why in meaningless:
+            if given:
+                raise ConfigError(name, f"not an option of an encode-role server ({why})")
 
     def _check_yoco(self) -> None:
         """The values alone; the model checks the keep length against its window (check_engine)."""
@@ -493,6 +536,7 @@ class EngineConfig:
             ("speculative_method", self.speculative.enabled, "speculative decoding"),
             ("kv_store", self.store.enabled, "the KV store and host tier"),
             ("role", self.disaggregation.role != "both", "prefill/decode roles"),
+            ("encoders", bool(self.disaggregation.encoders), "image encoders"),
             ("data_parallel_size", self.parallel.world_size > 1, "several ranks"),
         )
         for name, used, what in unsupported:

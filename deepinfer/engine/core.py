@@ -12,6 +12,7 @@ import torch
 from deepinfer.cache_layout import CacheGroup, CacheLayout, plan_cache_layout
 from deepinfer.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from deepinfer.engine.grammar import GrammarManager
+from deepinfer.engine.image_pull import ImagePuller
 from deepinfer.engine.kv_cache.events import KVEvent, KVEventLog
 from deepinfer.engine.kv_cache.manager import KVCacheManager
 from deepinfer.engine.kv_cache.prefix import namespace_root
@@ -22,7 +23,7 @@ from deepinfer.engine.outputs import KVHandoff, SequenceOutput, TokenLogprobs
 from deepinfer.engine.parallel.context import RankContext, rank_threads
 from deepinfer.engine.scheduler import Scheduler, SequenceUpdate
 from deepinfer.engine.stats import EngineStats
-from deepinfer.image_input import check_images
+from deepinfer.image_input import check_images, embeddings_layout
 from deepinfer.model.base import CausalLM
 from deepinfer.model.layers.expert_parallel import ExpertBalancer
 from deepinfer.model.loader.load import LoadedModel, check_model_engine, load_model
@@ -198,6 +199,13 @@ class EngineCore:
         self.kv_transfer_address: str | None = None  # the prefill role's transfer listener
         self.kv_transfer_layout: str | None = None  # the chunks a direct handoff moves
         self.connector: KVConnector | None = self._build_connector(caches)
+        pd = config.disaggregation
+        # Images an encode-role server encoded: their embeddings are pulled as requests arrive.
+        self.image_puller = (
+            ImagePuller(embeddings_layout(self.loaded.config.raw), pd.kv_transfer_timeout)
+            if pd.encoders and model.accepts_images
+            else None
+        )
         self.scheduler = Scheduler(config.scheduler, self.max_model_len, self.kv)
         self.num_preemptions = 0
         self._forward_thread = (
@@ -247,6 +255,8 @@ class EngineCore:
         if self._forward_thread is not None:
             self._forward_thread.shutdown(wait=True)
         self.grammars.close()
+        if self.image_puller is not None:
+            self.image_puller.close()
         if self.parallel is not None:
             self.parallel.close()
 
@@ -261,22 +271,37 @@ class EngineCore:
     # -- requests ------------------------------------------------------------------------------
 
     def add_request(self, request: EngineRequest) -> None:
+        """Queue a request. Images an encoder holds are pulled while it waits: `request.images`
+        is replaced by the images carrying their embeddings when they land (at once for those
+        the encoder-output cache holds); if they do not, a later step ends the request."""
+        encoded = False
         if request.images:
             if not self.loaded.model.accepts_images:
                 raise ValueError(f"{type(self.loaded.model).__name__} takes no images (no vision tower)")
             check_images(request.images, len(request.prompt_token_ids))
+            encoded = any(image.encoded is not None for image in request.images)
+            if encoded and self.image_puller is None:
+                raise ValueError("an image encoded elsewhere reached an engine without --encoder")
         root = namespace_root(self.fingerprint, request.cache_salt)
         seq = self.scheduler.add_request(request, root)
+        if encoded:
+            self.image_puller.attach(seq, self._cached_embeddings)
         if request.grammar is not None:
             self.grammars.attach(seq, request.grammar)
         if self.connector is not None:
             self.connector.prefetch(seq)
+
+    def _cached_embeddings(self, content_hash: bytes) -> bytes | None:
+        embeds = self.runner.images.get(content_hash) if self.runner.images is not None else None
+        return embeds.numpy().tobytes() if embeds is not None else None
 
     def abort(self, request_id: str, index: int | None = None) -> list[SequenceOutput]:
         """Abort a request (or one of its sequences); its blocks are free when this returns."""
         seqs = self.scheduler.abort_request(request_id, index)
         if index is None:
             self.grammars.release(request_id)
+        if self.image_puller is not None:
+            self.image_puller.forget(seqs)
         self._release([s.seq_id for s in seqs])
         return [
             SequenceOutput(
@@ -364,7 +389,7 @@ class EngineCore:
 
     def _idle(self, outputs: list[SequenceOutput]) -> list[SequenceOutput]:
         if self.scheduler.waiting and not outputs:
-            time.sleep(0.001)  # everything waits on a KV load or a grammar: don't spin a core
+            time.sleep(0.001)  # everything waits on a KV load, a grammar or images: don't spin a core
         return outputs
 
     def _execute(self, plan: SchedulerOutput) -> StepResult:
@@ -403,10 +428,13 @@ class EngineCore:
         return outputs
 
     def _poll_pending(self) -> list[SequenceOutput]:
-        """Land finished KV loads and grammar compiles; a grammar that failed, or KV that had to
-        come from elsewhere and did not (with kv_transfer_failure=fail), ends its request."""
+        """Land finished KV loads, grammar compiles and image-embedding pulls; a grammar that
+        failed, KV that had to come from elsewhere and did not (with kv_transfer_failure=fail),
+        or image embeddings that did not arrive from their encoder end their request."""
         failures = self.connector.poll() if self.connector is not None else {}
         failures.update({seq.request_id: error for seq, error in self.grammars.poll()})
+        if self.image_puller is not None:
+            failures.update(self.image_puller.poll())
         return self._fail(failures)
 
     def _release(self, seq_ids: list[int]) -> None:

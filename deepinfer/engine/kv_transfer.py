@@ -159,7 +159,8 @@ class KVTransferServer:
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
         self._closed = threading.Event()
-        self.num_sent = 0
+        self.num_sent = 0  # pulls answered, releases (pulls of nothing) included
+        self.num_released = 0  # pulls that asked for nothing: the puller had it all
         self.num_failed = 0
         self.num_expired = 0
         self.num_unknown = 0
@@ -267,6 +268,8 @@ class KVTransferServer:
         conn.settimeout(max(lease.deadline - self.clock(), 0.001))  # sendall: a total bound
         if count == 0:
             send_frame(conn, PullReply(OK))
+            with self._lock:
+                self.num_released += 1
             return True
         assert first is not None
         payloads = lease.payloads[first : first + count]

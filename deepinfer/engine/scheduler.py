@@ -240,7 +240,7 @@ class Scheduler:
             if budget <= 0 or preempted or len(self.running) >= self.config.max_num_seqs:
                 break
             if seq.num_pending:
-                continue  # waiting for its grammar or a KV load; later arrivals may go first
+                continue  # waiting for a grammar, a KV load or images; later arrivals may go first
             hits = self.kv.find_cached_prefix(seq)
             num_hit_tokens = hits.num_tokens
             remaining = seq.num_tokens - num_hit_tokens

@@ -17,6 +17,12 @@ from deepinfer.model.parallel import ModelParallel
 from deepinfer.model.yoco import refuse_truncation
 
 
+def refuse_encoders(engine: EngineConfig, why: str = "this model has no vision tower") -> None:
+    """A model that takes no images has nothing for an image encoder to do (before any weight loads)."""
+    if engine.disaggregation.encoders:
+        raise ConfigError("encoders", why)
+
+
 def cache_tensor(
     name: str, slot_shape: tuple[int, ...], dtype: torch.dtype, owner: str = "target"
 ) -> CacheTensor:
@@ -60,7 +66,9 @@ class CausalLM(torch.nn.Module):
         """Refuse, with a ConfigError naming the option, an engine feature this model does not
         run. The engine calls it before loading any weight; everything passes by default but
         DSpark, whose draft layers only DeepSeek-V4.1 has (its class checks the checkpoint), and
-        YoCo's bounded replay, which only a YoCo model has."""
+        YoCo's bounded replay, which only a YoCo model has, and image encoders, which only a
+        model with a vision tower uses."""
+        refuse_encoders(engine)
         if engine.speculative.speculative_method == "dspark":
             raise ConfigError(
                 "speculative_method",

@@ -60,7 +60,7 @@ from deepinfer.attention.v41_cache import V41StepView
 from deepinfer.attention.v41_paged import PagedV41Step, cache_declarations
 from deepinfer.cache_layout import CacheGroup
 from deepinfer.config import ConfigError, EngineConfig, ParallelConfig
-from deepinfer.model.base import CausalLM
+from deepinfer.model.base import CausalLM, refuse_encoders
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.deepseek_v4 import paged_tensors, v4_cache_groups
 from deepinfer.model.deepseek_v41_config import DeepseekV41Arch, rope_specs
@@ -245,6 +245,10 @@ class DeepseekV41ForCausalLM(CausalLM):
     def check_engine(cls, config: ModelConfig, engine: EngineConfig) -> None:
         """What this model does not run yet, refused before any weight loads."""
         cls.check_parallel(config, engine.parallel)
+        if DeepseekV41Arch.from_raw(config.raw).vision.downsample_ratio != PREPROCESSED_MERGE:
+            refuse_encoders(
+                engine, "this checkpoint's tower does not merge 3 x 3 patches: it takes no images"
+            )
         if engine.yoco_prefill_truncation != "off":
             arch = DeepseekV41Arch.from_raw(config.raw)
             if arch.yoco_boundary is None:

@@ -357,6 +357,25 @@ def load_v41_weights(directory: str | Path, arch: DeepseekV41Arch) -> V41Weights
     return V41Weights(tensors=tensors, engram_tables=tables, vision=vision)
 
 
+def load_v41_vision(directory: str | Path, arch: DeepseekV41Arch) -> dict[str, torch.Tensor]:
+    """Only the vision tower (`vision.*`, `aligner.*`) and the LM's `image_start` / `image_newline`
+    / `image_end`, float32, checked as load_v41_weights checks them: what an encode-role server
+    needs, without reading (or dequantizing) the language model's tensors."""
+    shards = MappedShards(Path(directory))
+    shards.check_index()
+    names = {n for n in shards.entries if n.startswith(VISION_PREFIXES) and not n.endswith(".scale")}
+    if not names:
+        raise ValueError("the checkpoint has no vision tower (no vision.* / aligner.* tensors)")
+    tensors = _load_vision(shards, arch, names)
+    for name in ("image_start", "image_newline", "image_end"):
+        if name not in shards.entries:
+            raise ValueError(f"tensors missing from the checkpoint: {[name]}")
+        value = shards.tensor(name)
+        _check(name, value, (arch.hidden_size,), _FLOATS)
+        tensors[name] = value.float() if value.dtype != torch.float32 else value.clone()
+    return tensors
+
+
 def _load_vision(shards: MappedShards, arch: DeepseekV41Arch, names: set[str]) -> dict[str, torch.Tensor]:
     specs = expected_vision_tensors(arch)
     missing = sorted(set(specs) - names)

@@ -53,9 +53,15 @@ class VisionEncoderV41(torch.nn.Module):
         """From load_v41_weights' float32 tensors, which has checked every name and shape."""
         if not weights.vision:
             raise ValueError("the checkpoint has no vision tower (no vision.* / aligner.* tensors)")
+        return cls.from_state(
+            arch, dict(weights.vision) | {n: weights.tensors[n] for n in SPECIAL_EMBEDDINGS}
+        )
+
+    @classmethod
+    def from_state(cls, arch: DeepseekV41Arch, state: dict[str, torch.Tensor]) -> VisionEncoderV41:
+        """From the tower's float32 tensors and the special embeddings (load_v41_vision's)."""
         with torch.device("meta"):  # no throwaway initialisation of the full-size tower
             encoder = cls(arch.vision, arch.hidden_size)
-        state = dict(weights.vision) | {name: weights.tensors[name] for name in SPECIAL_EMBEDDINGS}
         encoder.load_state_dict(state, strict=True, assign=True)
         return encoder.requires_grad_(False)
 

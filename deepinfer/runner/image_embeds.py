@@ -34,6 +34,14 @@ def image_patches(image: ImageInput) -> torch.Tensor:
     return grid.permute(0, 2, 4, 1, 3).reshape(rows * cols, 3, PATCH, PATCH).contiguous()
 
 
+def pulled_embeddings(image: ImageInput) -> torch.Tensor:
+    """[num_tokens, hidden] float32 from the bytes an encoder sent (engine/image_pull.py)."""
+    flat = torch.frombuffer(bytearray(image.embeds), dtype=torch.float32)
+    if flat.numel() % image.num_tokens:
+        raise ValueError(f"{len(image.embeds)} bytes of embeddings for an image of {image.num_tokens} tokens")
+    return flat.view(image.num_tokens, -1)
+
+
 class ImageEmbeddings:
     def __init__(self, encode: Encoder, max_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         self.encode = encode
@@ -42,11 +50,21 @@ class ImageEmbeddings:
         self._bytes = 0
         self.num_encoded = 0  # images run through the tower (a cache hit does not count)
 
+    def get(self, content_hash: bytes) -> torch.Tensor | None:
+        """The cached embeddings of an image [num_tokens, hidden], if any (marked recently used)."""
+        if content_hash not in self._cache:
+            return None
+        self._cache.move_to_end(content_hash)
+        return self._cache[content_hash]
+
     def of(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
         """Each image's embeddings [num_tokens, hidden]; those not cached are encoded together."""
         missing = list(
             {image.content_hash: image for image in images if image.content_hash not in self._cache}.values()
         )
+        for image in [image for image in missing if image.embeds]:  # an encoder's, pulled already
+            self._put(image.content_hash, pulled_embeddings(image))
+        missing = [image for image in missing if not image.embeds]
         if missing:
             patches = torch.cat([image_patches(image) for image in missing])
             out = self.encode(patches, [(image.patch_rows, image.patch_cols) for image in missing])

@@ -13,6 +13,8 @@ import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
+import msgspec
+
 from deepinfer.image_input import ImageInput, image_content_hash
 from deepinfer.recipe.images.errors import ImageInputError
 from deepinfer.recipe.images.fetch import FetchPolicy
@@ -79,16 +81,7 @@ def expand_placeholders(
     previous = 0
     for at, image in zip(where, images, strict=True):
         out += token_ids[previous:at]
-        placed.append(
-            ImageInput(
-                len(out),
-                image.num_tokens,
-                image.patch_rows,
-                image.patch_cols,
-                image.pixels,
-                image.content_hash,
-            )
-        )
+        placed.append(msgspec.structs.replace(image, offset=len(out)))
         out += [placeholder_id] * image.num_tokens
         previous = at + 1
     out += token_ids[previous:]

@@ -23,7 +23,7 @@ from types import FrameType
 
 import uvicorn
 
-from deepinfer.config import EngineConfig, ServerConfig
+from deepinfer.config import ConfigError, EngineConfig, ServerConfig
 from deepinfer.engine.ipc.client import EngineClient
 from deepinfer.engine.ipc.protocol import EngineInfo
 from deepinfer.engine.ipc.transport import EngineTransport, ProcessTransport, ThreadTransport
@@ -32,6 +32,7 @@ from deepinfer.recipe import ModelInfo, Recipe, RecipeError
 from deepinfer.recipe.api.responses_reasoning import ReasoningSealer
 from deepinfer.server.app import build_app
 from deepinfer.server.constraints import GrammarValidator
+from deepinfer.server.encoders import EncoderClient
 from deepinfer.server.images import image_pool
 from deepinfer.server.metrics import ServerMetrics
 from deepinfer.server.state import ServerState
@@ -99,6 +100,10 @@ async def start_state(engine_config: EngineConfig, server_config: ServerConfig) 
     except BaseException:
         await transport.close()
         raise
+    pd = engine_config.disaggregation
+    if pd.encoders and not engine_info.accepts_images:
+        await transport.close()
+        raise ConfigError("encoders", f"{engine_info.model_name} takes no images (no vision tower)")
     metrics = ServerMetrics()
     client = EngineClient(transport, tokenizer, on_request_done=metrics.request_done)
     metrics.attach_engine(lambda: (client.stats, client.healthy, client.num_waiting))
@@ -118,6 +123,7 @@ async def start_state(engine_config: EngineConfig, server_config: ServerConfig) 
         grammars=grammars,
         responses=StoredResponses(response_store),
         image_pool=image_pool(server_config.image_workers) if engine_info.accepts_images else None,
+        encoders=EncoderClient(list(pd.encoders), pd.encoder_timeout) if pd.encoders else None,
     )
 
 
@@ -262,6 +268,8 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> Non
             state.grammars.close()
         if state.image_pool is not None:
             state.image_pool.shutdown(wait=False, cancel_futures=True)
+        if state.encoders is not None:
+            await state.encoders.close()
         sock.close()
         log.info("server stopped")
 

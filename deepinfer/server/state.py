@@ -29,6 +29,7 @@ from deepinfer.server.constraints import (
     output_constraint,
     parallel_calls_allowed,
 )
+from deepinfer.server.encoders import EncoderClient
 from deepinfer.server.errors import ApiError, Flavor, overloaded
 from deepinfer.server.generation import sampling_params
 from deepinfer.server.images import IMAGE_PLACEHOLDER, expand_placeholders, prepare_images
@@ -71,6 +72,7 @@ class ServerState:
     reasoning_sealer: ReasoningSealer = field(default_factory=ReasoningSealer.generate)
     responses: StoredResponses = field(default_factory=lambda: StoredResponses(None))  # None: keeps nothing
     image_pool: ProcessPoolExecutor | None = None  # image preprocessing (a model with a vision tower)
+    encoders: EncoderClient | None = None  # --encoder: image encoders that preprocess and encode images
 
     @property
     def responses_options(self) -> ResponsesOptions:
@@ -180,20 +182,27 @@ class ServerState:
         """The prompt's ids as a request sends them (/tokenize, count_tokens): each image's
         placeholder expanded to its tokens when the model takes images."""
         if prompt.images and self.image_pool is not None and self.client.info.accepts_images:
-            await self.place_images(prompt, param=param)
+            await self.place_images(prompt, param=param, for_engine=False)
         return prompt.token_ids or []
 
-    async def place_images(self, prompt: RenderedPrompt, *, param: str) -> list[ImageInput]:
+    async def place_images(
+        self, prompt: RenderedPrompt, *, param: str, for_engine: bool = True
+    ) -> list[ImageInput]:
         """Preprocess the prompt's images off the event loop and expand each placeholder in
         `prompt.token_ids` to its image's tokens (so every later count sees them); the images
-        for the engine, placed. A bad image is a 400 naming its part."""
+        for the engine, placed. With --encoder and `for_engine`, an encoder preprocesses and
+        encodes them (a counting request only needs the local preprocessing). A bad image is a
+        400 naming its part; no encoder answering, a 503."""
         if not prompt.images:
             return []
         assert prompt.token_ids is not None and self.image_pool is not None  # render checked both
         placeholder = self.tokenizer.token_to_id(IMAGE_PLACEHOLDER)
         if placeholder is None:
             raise ApiError(400, f"{param}: the tokenizer has no {IMAGE_PLACEHOLDER} token", param=param)
-        images = await prepare_images(self.image_pool, prompt.images, self.config.image_fetch_policy())
+        if for_engine and self.encoders is not None:
+            images = await self.encoders.encode(prompt.images)
+        else:
+            images = await prepare_images(self.image_pool, prompt.images, self.config.image_fetch_policy())
         prompt.token_ids, placed = expand_placeholders(prompt.token_ids, images, placeholder, param)
         check_context(len(prompt.token_ids), self.max_model_len, param)
         return placed

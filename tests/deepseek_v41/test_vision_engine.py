@@ -3,12 +3,17 @@ encoder-output cache, and prefix hashes that name the image.
 
 A request carries its images as ImageInput (pixels + grid, at prompt positions filled with the
 placeholder id); the runner encodes an image when a prefill chunk reaches it and the model puts
-the embeddings in place of those positions' token embeddings.
+the embeddings in place of those positions' token embeddings. With image encoders
+(`--encoder`) the embeddings are pulled from an encoder's lease while the request waits.
 """
 
 from __future__ import annotations
 
+import socket
+import time
+
 import msgspec
+import numpy as np
 import pytest
 import torch
 
@@ -16,7 +21,8 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.attention.v4_cache import StepLayout
 from deepinfer.attention.v41_cache import ContiguousV41Cache
 from deepinfer.engine.kv_cache.prefix import extend_block_hashes
-from deepinfer.image_input import ImageInput
+from deepinfer.engine.kv_transfer import KVTransferServer
+from deepinfer.image_input import EncodedAt, ImageInput
 from deepinfer.model.deepseek_v41 import DeepseekV41ForCausalLM
 from deepinfer.recipe.images.source import prepare_image
 from deepinfer.recipe.ir import ImagePart
@@ -181,3 +187,62 @@ def test_images_that_do_not_fit_the_prompt_are_refused_on_arrival(checkpoint):
     with pytest.raises(ValueError, match="bytes"):
         core.add_request(_request("cut", ids, [msgspec.structs.replace(placed, pixels=placed.pixels[:-3])]))
     assert not core.has_work()
+
+
+def test_a_stalled_encoder_holds_up_its_request_alone(checkpoint):
+    """Embeddings pulled from an encoder (`--encoder`) while the engine runs on: a text request
+    and an image request whose lease answers finish while another image's encoder has taken the
+    pull and never answers; that request then ends with the error, holding no KV block, and one
+    aborted mid-pull leaves nothing behind."""
+    timeout = 3.0
+    llm = LLM(
+        model=str(checkpoint.path),
+        block_size=BLOCK,
+        num_threads=1,
+        num_blocks=256,
+        encoders=["http://127.0.0.1:9"],  # the API side's; the engine only pulls from the leases
+        kv_transfer_timeout=timeout,
+    )
+    core = llm.engine.core
+    model = core.runner.model
+    stalled = socket.create_server(("127.0.0.1", 0))  # connections wait in its backlog, unanswered
+    encoder = KVTransferServer(core.image_puller.layout, "127.0.0.1", 0, lease_s=30.0)
+
+    def leased(seed: int, address: str) -> tuple[list[int], ImageInput, ImageInput]:
+        ids, placed = _prompt(_image(seed), [11, 12], [13, 14])
+        encoded = EncodedAt(address, f"lease-{seed}")
+        return ids, placed, msgspec.structs.replace(placed, pixels=b"", encoded=encoded)
+
+    ids, placed, pulled = leased(1, encoder.address)
+    embeds = model.embed_images(image_patches(placed), [(placed.patch_rows, placed.patch_cols)])
+    assert encoder.lease("lease-1", [placed.content_hash], [embeds.numpy().reshape(-1).view(np.uint8)])
+    stalled_address = f"127.0.0.1:{stalled.getsockname()[1]}"
+    stalled_ids, _, stalled_image = leased(2, stalled_address)
+    aborted_ids, _, aborted_image = leased(3, stalled_address)
+
+    began = time.monotonic()
+    core.add_request(_request("stalled", stalled_ids, [stalled_image]))
+    core.add_request(_request("aborted", aborted_ids, [aborted_image]))
+    core.add_request(_request("pulled", ids, [pulled]))
+    core.add_request(_request("text", [11, 12, 13, 14, 15], []))
+    assert time.monotonic() - began < 1  # nothing waited for on arrival
+    assert core.abort("aborted") and core.image_puller.num_in_flight == 2
+    tokens: dict[str, list[int]] = {"pulled": [], "text": []}
+    ended: dict[str, tuple[float, str | None]] = {}
+    while core.has_work():
+        for out in core.step():
+            assert out.request_id != "aborted"
+            if out.request_id in tokens:
+                tokens[out.request_id] += out.new_token_ids
+            if out.finish_reason is not None:
+                ended[out.request_id] = (time.monotonic() - began, out.error)
+    assert ended["text"][0] < timeout and ended["pulled"][0] < timeout  # not behind the stalled pull
+    assert len(tokens["text"]) == MAX_TOKENS
+    assert tokens["pulled"] == _standalone_greedy(model, ids, placed)  # the encoder's rows spliced in
+    assert core.runner.images.num_encoded == 0  # the engine's tower ran on nothing
+    seconds, error = ended["stalled"]
+    assert seconds >= timeout and "did not arrive from its encoder" in error and "took longer" in error
+    assert core.kv.num_used_blocks == 0 and core.image_puller.num_in_flight == 0
+    stalled.close()
+    encoder.close()
+    llm.close()

@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from deepinfer.config import EngineConfig, ParallelConfig
 from deepinfer.kernels.gguf_blocks import PackedMatrix, gguf_kernels
-from deepinfer.model.base import CausalLM
+from deepinfer.model.base import CausalLM, refuse_encoders
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.loader.source import converted_gguf_dir, resolve_model_path, sampled_digest
 from deepinfer.model.parallel import ModelParallel
@@ -104,10 +104,11 @@ def check_model_parallel(model: str | Path | None, parallel: ParallelConfig) -> 
 def check_model_engine(config: EngineConfig) -> None:
     """Refuse before any weight loads an engine feature the model of an HF directory does not
     run (its class's `check_engine`); GGUF files are the Llama family, which runs them all but
-    YoCo's bounded replay."""
+    YoCo's bounded replay and image encoders."""
     path = resolve_model_path(config.model)
     if not path.is_dir():
         refuse_truncation(config)
+        refuse_encoders(config)
         return
     model_config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
     model_class(model_config.model_type).check_engine(model_config, config)
