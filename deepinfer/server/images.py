@@ -63,6 +63,21 @@ async def prepare_images(
     return [r for r in results if isinstance(r, ImageInput)]
 
 
+def refuse_unfetchable(parts: list[ImagePart], policy: FetchPolicy) -> None:
+    """This server's URL policy holds wherever an image is fetched: with fetching off, an http(s)
+    image is a 400 naming its part here, even when an encoder (with its own policy) would fetch it."""
+    if policy.enabled:
+        return
+    for part in parts:
+        if part.url is not None and not part.url.startswith("data:"):
+            where = part.path or "image"
+            raise ApiError(
+                400,
+                f"{where}: this server does not fetch image URLs; send the image inline (a data: URL or base64)",
+                param=part.path,
+            )
+
+
 def expand_placeholders(
     token_ids: list[int], images: list[ImageInput], placeholder_id: int, param: str
 ) -> tuple[list[int], list[ImageInput]]:

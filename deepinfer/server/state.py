@@ -32,7 +32,7 @@ from deepinfer.server.constraints import (
 from deepinfer.server.encoders import EncoderClient
 from deepinfer.server.errors import ApiError, Flavor, overloaded
 from deepinfer.server.generation import sampling_params
-from deepinfer.server.images import IMAGE_PLACEHOLDER, expand_placeholders, prepare_images
+from deepinfer.server.images import IMAGE_PLACEHOLDER, expand_placeholders, prepare_images, refuse_unfetchable
 from deepinfer.server.metrics import ServerMetrics
 from deepinfer.server.stored_responses import StoredResponses
 from deepinfer.store.retention import DEFAULT_TRAFFIC_CLASS
@@ -200,6 +200,7 @@ class ServerState:
         if placeholder is None:
             raise ApiError(400, f"{param}: the tokenizer has no {IMAGE_PLACEHOLDER} token", param=param)
         if for_engine and self.encoders is not None:
+            refuse_unfetchable(prompt.images, self.config.image_fetch_policy())
             images = await self.encoders.encode(prompt.images)
         else:
             images = await prepare_images(self.image_pool, prompt.images, self.config.image_fetch_policy())

@@ -47,7 +47,8 @@ def servers(tmp_path_factory):
     path = tmp_path_factory.mktemp("v41_encode_role")
     vocab = write_tokenizer(path, deepseek_reference.tokenizer_json("deepseek_v41"))
     build_v41(path, vision_config(vocab_size=vocab, max_position_embeddings=2048), seed=21)
-    encoder = EncoderProcess(str(path)).start()
+    # The encoder would fetch URLs (even private ones): the engine's own policy (off) must hold.
+    encoder = EncoderProcess(str(path), "--port", "0", "--image-fetch", "--image-fetch-allow-private").start()
     pair = _engine(str(path), "--encoder", encoder.url)
     alone = _engine(str(path))
     try:
@@ -143,6 +144,17 @@ def test_a_bad_image_is_the_encoders_400_naming_the_part(servers) -> None:
     response = _post(servers["pair"], "/v1/chat/completions", _chat({"role": "user", "content": [bad]}))
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"].startswith("messages[0].content[0]")
+
+
+def test_a_url_image_is_refused_before_the_encoder_when_this_server_does_not_fetch(servers) -> None:
+    pair, encoder = servers["pair"], servers["encoder"]
+    asked = _metric(encoder.url, "deepinfer_encoder_images_requested_total")
+    url = {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/cat.png"}}
+    response = _post(pair, "/v1/chat/completions", _chat({"role": "user", "content": [url]}))
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "messages[0].content[0]"
+    assert "does not fetch image URLs" in response.json()["error"]["message"]
+    assert _metric(encoder.url, "deepinfer_encoder_images_requested_total") == asked
 
 
 def test_with_the_encoder_gone_images_are_503s_and_text_is_served(servers) -> None:
