@@ -73,10 +73,10 @@ from deepinfer.model.layers.engram import (
     with_image_sentinels,
 )
 from deepinfer.model.layers.mhc import HyperConnection, HyperHead
-from deepinfer.model.layers.v4_moe import V4MoE
 from deepinfer.model.layers.v4_norm import Fp32RMSNorm
 from deepinfer.model.layers.v4_rotary import TrailingRope
 from deepinfer.model.layers.v41_attention import CrossLayer, V41Attention
+from deepinfer.model.layers.v41_block_parts import v41_hyper_connections, v41_moe
 from deepinfer.model.layers.vision_vit import PatchGrid
 from deepinfer.model.registry import register_model
 from deepinfer.model.vision_v41 import PREPROCESSED_MERGE, VisionEncoderV41
@@ -102,23 +102,8 @@ class V41Block(torch.nn.Module):
             raise ValueError(
                 f"n_shared_experts={moe.num_shared_experts}: this model runs DeepSeek-V4.1's one shared expert"
             )
-        self.ffn = V4MoE(
-            arch.hidden_size,
-            moe.intermediate_size,
-            moe.num_experts,
-            moe.top_k,
-            "sqrtsoftplus",
-            moe.routed_scaling_factor,
-            arch.swiglu_limit,
-            None,
-            image_bias=True,
-        )
-        self.hc_attn = HyperConnection(
-            arch.hidden_size, arch.hc_mult, arch.hc_sinkhorn_iters, arch.hc_eps, eps
-        )
-        self.hc_ffn = HyperConnection(
-            arch.hidden_size, arch.hc_mult, arch.hc_sinkhorn_iters, arch.hc_eps, eps
-        )
+        self.ffn = v41_moe(arch, moe)
+        self.hc_attn, self.hc_ffn = v41_hyper_connections(arch)
         self.engram: Engram | None = None  # set at load on Engram layers (it holds the mapped table)
         self.feeds_dspark = layer in arch.dspark.target_layer_ids
 

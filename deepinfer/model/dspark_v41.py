@@ -30,9 +30,9 @@ from deepinfer.attention.v4_sparse import attend_with_sink
 from deepinfer.model.deepseek_v41_config import DeepseekV41Arch, rope_specs
 from deepinfer.model.deepseek_v41_weights import expected_tensors
 from deepinfer.model.layers.mhc import HyperConnection, HyperHead
-from deepinfer.model.layers.v4_moe import V4MoE
 from deepinfer.model.layers.v4_norm import Fp32RMSNorm
 from deepinfer.model.layers.v4_rotary import TrailingRope
+from deepinfer.model.layers.v41_block_parts import v41_hyper_connections, v41_moe
 
 CONFIDENCE_CLAMP = 60.0  # DeepSeek clamps the scaled confidence logit (exp never overflows)
 
@@ -103,20 +103,8 @@ class DSparkLayer(torch.nn.Module):
         self.attn_norm = Fp32RMSNorm(arch.hidden_size, eps)
         self.attn = DSparkAttention(arch, rope)
         self.ffn_norm = Fp32RMSNorm(arch.hidden_size, eps)
-        self.ffn = V4MoE(
-            arch.hidden_size,
-            moe.intermediate_size,
-            moe.num_experts,
-            moe.top_k,
-            "sqrtsoftplus",
-            moe.routed_scaling_factor,
-            arch.swiglu_limit,
-            None,
-            image_bias=True,  # loaded as the checkpoint has it; drafted tokens are text
-        )
-        mhc = (arch.hidden_size, arch.hc_mult, arch.hc_sinkhorn_iters, arch.hc_eps, eps)
-        self.hc_attn = HyperConnection(*mhc)
-        self.hc_ffn = HyperConnection(*mhc)
+        self.ffn = v41_moe(arch, moe)
+        self.hc_attn, self.hc_ffn = v41_hyper_connections(arch)
 
     def forward(
         self,
