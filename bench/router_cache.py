@@ -76,6 +76,7 @@ def _one_run(args: argparse.Namespace, name: str, replicas: list[Child], policy:
             output_len=args.output_len,
             max_concurrency=args.sessions,
             request_rate=args.session_rate,
+            think_time_s=args.think_time,
             seed=args.seed,
             show_progress=False,
         )
@@ -177,7 +178,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def vars_of(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: v for k, v in vars(args).items() if isinstance(v, str | int | float | bool | type(None))}
+    """The options as JSON can hold them (an infinite session rate, "all at once", as null)."""
+    plain = {k: v for k, v in vars(args).items() if isinstance(v, str | int | float | bool | type(None))}
+    return {k: None if isinstance(v, float) and math.isinf(v) else v for k, v in plain.items()}
 
 
 def add_parser(commands: Any) -> argparse.ArgumentParser:
@@ -190,6 +193,12 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         help="sessions started per second (Poisson); default: all at once, so their turns arrive together",
     )
     p.add_argument("--turns", type=int, default=5, help="turns per session")
+    p.add_argument(
+        "--think-time",
+        type=float,
+        default=0.0,
+        help="seconds a session waits after an answer before its next turn (an agent's tool run)",
+    )
     p.add_argument(
         "--system-len",
         type=int,

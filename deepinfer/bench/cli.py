@@ -69,6 +69,12 @@ def _add_serve(commands: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-concurrency", type=int, help="cap on requests in flight")
     p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals/s (default inf)")
+    p.add_argument(
+        "--think-time",
+        type=float,
+        default=0.0,
+        help="agent: seconds between a turn's answer and the next turn",
+    )
     p.add_argument("--sweep-concurrency", type=int_list_argument, help="e.g. 1,4,16,32: one run per level")
     p.add_argument("--slo-ttft-ms", type=float)
     p.add_argument("--slo-tpot-ms", type=float)
@@ -121,6 +127,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_concurrency=args.max_concurrency,
         request_rate=args.request_rate,
+        think_time_s=args.think_time,
         sweep_concurrency=args.sweep_concurrency or [],
         slo_ttft_ms=args.slo_ttft_ms,
         slo_tpot_ms=args.slo_tpot_ms,

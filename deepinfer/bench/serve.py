@@ -2,7 +2,8 @@
 
 Arrivals follow a Poisson process at ``request_rate`` (all at once when it is infinite) and at
 most ``max_concurrency`` requests are in flight. For multi-turn datasets the rate applies to
-session starts; each later turn is sent as soon as the session's previous turn has finished.
+session starts; each later turn is sent when the session's previous turn has finished and its
+think time has passed (none by default).
 """
 
 from __future__ import annotations
@@ -28,10 +29,13 @@ class BenchError(Exception):
 
 @dataclass(slots=True)
 class LoadConfig:
-    """How hard to push: concurrency cap and arrival rate (inf = all requests at time zero)."""
+    """How hard to push: concurrency cap, arrival rate (inf = all requests at time zero) and, for
+    multi-turn sessions, the pause between a turn's answer and the next turn (an agent running
+    its tools, a user reading)."""
 
     max_concurrency: int | None = None
     request_rate: float = math.inf
+    think_time_s: float = 0.0
     seed: int = 0
     timeout_s: float = 600.0
     show_progress: bool = True
@@ -41,6 +45,8 @@ class LoadConfig:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
         if not self.request_rate > 0:
             raise ValueError(f"request_rate must be > 0, got {self.request_rate}")
+        if not 0 <= self.think_time_s < math.inf:
+            raise ValueError(f"think_time_s must be >= 0 and finite, got {self.think_time_s}")
 
 
 @dataclass(slots=True)
@@ -86,7 +92,9 @@ async def run_load(settings: RequestSettings, dataset: Dataset, load: LoadConfig
             delay = run_start + start_offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            for request in requests:
+            for turn, request in enumerate(requests):
+                if turn and load.think_time_s:
+                    await asyncio.sleep(load.think_time_s)
                 results.append(await one(request))
                 progress.update(1)
 

@@ -41,6 +41,7 @@ class ServeOptions:
     seed: int = 0
     max_concurrency: int | None = None
     request_rate: float = math.inf
+    think_time_s: float = 0.0
     sweep_concurrency: list[int] = field(default_factory=list)
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
@@ -104,6 +105,7 @@ def run_serve(options: ServeOptions, argv: Sequence[str] | None = None) -> dict[
     base_load = LoadConfig(
         max_concurrency=options.max_concurrency,
         request_rate=options.request_rate,
+        think_time_s=options.think_time_s,
         seed=options.seed,
         timeout_s=options.timeout_s,
         show_progress=options.show_progress,

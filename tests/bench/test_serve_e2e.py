@@ -174,6 +174,28 @@ def test_request_rate_spreads_the_requests() -> None:
     assert starts == pytest.approx(expected, abs=0.05)
 
 
+def test_think_time_separates_a_sessions_turns() -> None:
+    """Each later turn of a session starts its think time after the previous turn's answer ended."""
+    with running_server() as (url, _):
+        result = run_serve(
+            _options(
+                url, dataset="agent", num_prompts=6, agent_turns=3, max_concurrency=None, think_time_s=0.3
+            )
+        )
+    requests = result["runs"][0]["requests"]
+    assert len(requests) == 6 and all(r["success"] for r in requests)
+    by_session: dict[int, list[dict]] = {}
+    for r in requests:
+        by_session.setdefault(r["session_id"], []).append(r)
+    assert len(by_session) == 2
+    for turns in by_session.values():
+        turns.sort(key=lambda r: r["start_s"])
+        for before, after in itertools.pairwise(turns):
+            assert after["start_s"] - (before["start_s"] + before["e2e_s"]) >= 0.3 - 0.01
+    with pytest.raises(ValueError, match="think_time_s"):
+        run_serve(_options("http://127.0.0.1:9", model="m", think_time_s=-1.0, warmup=False))
+
+
 def test_command_line_run_and_clear_errors(tmp_path: Path) -> None:
     result_path = tmp_path / "cli.json"
     with running_server() as (url, _):
