@@ -30,6 +30,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from deepinfer.config.router import RouterConfig
+from deepinfer.engine.kv_cache.events import DEVICE
 from deepinfer.router.index import PrefixIndex
 from deepinfer.router.metrics import RouterMetrics
 from deepinfer.router.policy import Candidate, Decision, Policy
@@ -98,7 +99,8 @@ class Router:
                 hashes = features.block_hashes(replica.fingerprint, replica.block_size, salt)
                 total = len(hashes)
                 match = self.index.match(replica.name, hashes)
-            candidates.append(Candidate(replica, match, total))
+            cached = self.index.size(replica.name).get(DEVICE, 0)
+            candidates.append(Candidate(replica, match, total, cached))
         return candidates
 
     def _pick(

@@ -4,7 +4,11 @@ Cache-aware (after SGLang's router, with tier credits and a shared store): when 
 unbalanced (the busiest replica has `balance_abs_threshold` more requests than the least busy
 and `balance_rel_threshold` times its load), the least loaded replica; otherwise the replica
 whose caches hold the most of the prompt (device blocks count 1, host and store blocks their
-credit), if that is at least `cache_threshold` of the prompt; otherwise the least loaded one.
+credit), if that is at least `cache_threshold` of the prompt; otherwise the least loaded one,
+and among equally loaded ones the one whose device cache holds the fewest blocks (SGLang's
+"smallest tree"): a new session whose prompt shares only a system prompt with the cached ones
+goes where it adds least pressure, rather than to the first of several idle replicas, which
+would gather every session on one replica whenever they arrive while the others idle.
 
 Least work: the replica where the request's first token is estimated to come soonest, the prompt
 blocks it would compute there (the prompt less the replica's credit) plus `request_cost_blocks`
@@ -40,6 +44,7 @@ class Candidate:
     replica: Routable
     match: PrefixMatch | None  # None: nothing known of the prompt (no features, or no events)
     total_blocks: int
+    cached_blocks: int = 0  # blocks the replica's device cache holds (the router's index)
 
     @property
     def credit(self) -> float:
@@ -100,8 +105,8 @@ class Policy:
             tied = [c for c in candidates if c.credit >= best - CREDIT_EPSILON]
             chosen = self._least_loaded(tied, session)
             return Decision(chosen.replica, "cache", chosen.credit, chosen.total_blocks)
-        chosen = self._least_loaded(candidates, session)
         last = self._sessions.get(session) if session is not None else None
+        chosen = min(candidates, key=lambda c: (c.replica.load, c.replica.name != last, c.cached_blocks))
         reason = "affinity" if last == chosen.replica.name and len(candidates) > 1 else "load"
         return Decision(chosen.replica, reason, chosen.credit, chosen.total_blocks)
 

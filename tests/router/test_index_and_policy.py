@@ -79,6 +79,24 @@ def test_cache_aware_below_the_threshold_goes_by_load() -> None:
     assert decision.replica.name == "r1"
 
 
+def test_cache_aware_spreads_new_sessions_over_idle_replicas_by_cache_size() -> None:
+    """Below the threshold with equal loads, the replica holding fewer blocks (not the first
+    listed): sessions that arrive while every replica idles do not all gather on one."""
+    from deepinfer.router.index import PrefixMatch
+
+    policy = Policy(config(cache_threshold=0.5))
+    idle = [
+        Candidate(FakeReplica("r0"), PrefixMatch(3.0, 3, 3), 10, cached_blocks=40),
+        Candidate(FakeReplica("r1"), PrefixMatch(0.0, 0, 0), 10, cached_blocks=0),
+    ]
+    assert (policy.choose(idle, None).replica.name, policy.choose(idle, None).reason) == ("r1", "load")
+    # load still comes first, and a session stays where it was served while loads are equal
+    busy = [Candidate(FakeReplica("r0"), None, 10, 40), Candidate(FakeReplica("r1", 1), None, 10, 0)]
+    assert policy.choose(busy, None).replica.name == "r0"
+    policy.choose([Candidate(FakeReplica("r0"), None, 10, 40)], "s")
+    assert policy.choose(idle, "s").replica.name == "r0"
+
+
 def test_unbalanced_load_overrides_the_cache() -> None:
     policy = Policy(config(balance_abs_threshold=4, balance_rel_threshold=1.5))
     decision = policy.choose(candidates([9.0, 0.0], [10, 1]), None)
