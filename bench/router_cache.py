@@ -64,7 +64,8 @@ def _router_metrics(url: str) -> dict[str, Any]:
 def _one_run(args: argparse.Namespace, name: str, replicas: list[Child], policy: str) -> dict[str, Any]:
     reset_caches(replicas)
     urls = [a for r in replicas for a in ("--replica", r.url)]
-    with running([router(name, *urls, "--policy", policy)]) as (front,):
+    thresholds = ("--cache-threshold", str(args.cache_threshold)) if args.cache_threshold is not None else ()
+    with running([router(name, *urls, "--policy", policy, *thresholds)]) as (front,):
         options = ServeOptions(
             base_url=front.url,
             api="chat",
@@ -215,6 +216,11 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--replica-counts", default="2,3", help="replica counts to run, from 2 and 3")
     p.add_argument("--policies", default=",".join(POLICIES), help="routing policies to run, comma-separated")
+    p.add_argument(
+        "--cache-threshold",
+        type=float,
+        help="the router's --cache-threshold for cache_aware (default: the router's, SGLang's 0.3)",
+    )
     p.add_argument("--chunk-blocks", type=int, default=4, help="blocks per stored chunk (shared store runs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-json", help="write the full result here")
