@@ -20,8 +20,8 @@ typedef void (*write_kv_fn)(const float *k, const float *v, int64_t k_stride, in
                             int64_t kv_half);
 typedef void (*attend_fn)(const float *q, const void *k_cache, const void *v_cache, float *out,
                           const int64_t *block_tables, const int64_t *seq_lens, const int64_t *seq_starts,
-                          int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                          int64_t slot_stride, int64_t block_size, int64_t max_blocks, float scale, int64_t kv_half);
+                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t slot_stride,
+                          int64_t block_size, int64_t max_blocks, float scale, int64_t kv_half, int64_t work);
 
 /* Packed matrices multiplied as one (a PackedGroup): count segments, all of `cols` columns. */
 typedef struct {
@@ -45,7 +45,7 @@ typedef struct {
     float scale; /* softmax scale */
     rotary_fn rotary;
     write_kv_fn write_kv;
-    attend_fn attend;
+    attend_fn attend; /* paged_decode_attention_item */
 } decode_model;
 
 /* One step: `rows` tokens, each a kernel row of the paged attention (the backend's prepare). */
@@ -65,7 +65,7 @@ static int64_t group_scratch(const packed_group *g, int64_t M, int64_t K) {
 
 static void group_matmul(const packed_group *g, const float *x, int64_t M, int64_t K, int64_t ldx, void *scratch,
                          float *y, int prologue, const float *residual, float *sum, const float *norm, float eps) {
-    gguf_matmul(x, M, K, ldx, g->count, g->qtypes, g->weights, g->row_counts, scratch, y, g->rows, 1, prologue,
+    matmul_team(x, M, K, ldx, g->count, g->qtypes, g->weights, g->row_counts, scratch, y, g->rows, 1, prologue,
                 residual, sum, norm, eps);
 }
 
@@ -87,22 +87,31 @@ int decode_layers(const decode_model *model, const decode_step *step, float *h, 
     float *gate_up = malloc(M * 2 * inter * sizeof(float));
     void *scratch = malloc(scratch_bytes);
     int status = qkv && q && attn && o && gate_up && scratch ? 0 : -2;
+    /* One parallel region for the whole step: its threads share out each product's rows and the
+     * attention's (row, kv head) items, and do the small steps in between on one thread (the
+     * seven thread starts per layer of separate calls cost more than the barriers). */
+#pragma omp parallel if (status == 0)
     for (int64_t l = 0; l < model->num_layers && status == 0; ++l) {
         const decode_layer *layer = model->layers + l;
+        char *k_cache = step->kv[l];
         /* the first layer's residual stream is its input */
         group_matmul(&layer->qkv, h, M, hidden, hidden, scratch, qkv, PROLOGUE_RMS_NORM, l ? residual : NULL,
                      residual, layer->attn_norm, layer->attn_eps);
-        if (model->rotary(qkv, step->positions, model->cos_table, model->sin_table, model->table_rows, M, H + KVH,
-                          D, qkv_rows)) {
-            status = -1;
-            break;
-        }
-        char *k_cache = step->kv[l];
-        model->write_kv(qkv + H * D, qkv + (H + KVH) * D, qkv_rows, qkv_rows, k_cache, k_cache + step->v_offset,
-                        step->slots, M, KVH * D, step->slot_stride, step->kv_half);
-        for (int64_t m = 0; m < M; ++m) memcpy(q + m * H * D, qkv + m * qkv_rows, H * D * sizeof(float));
-        model->attend(q, k_cache, k_cache + step->v_offset, attn, step->block_tables, step->seq_lens, step->starts, M,
-                      H, KVH, D, step->slot_stride, step->block_size, step->max_blocks, model->scale, step->kv_half);
+#pragma omp single
+        {
+            if (model->rotary(qkv, step->positions, model->cos_table, model->sin_table, model->table_rows, M,
+                              H + KVH, D, qkv_rows))
+                status = -1;
+            model->write_kv(qkv + H * D, qkv + (H + KVH) * D, qkv_rows, qkv_rows, k_cache,
+                            k_cache + step->v_offset, step->slots, M, KVH * D, step->slot_stride, step->kv_half);
+            for (int64_t m = 0; m < M; ++m) memcpy(q + m * H * D, qkv + m * qkv_rows, H * D * sizeof(float));
+        } /* implicit barrier: every thread sees status */
+        if (status) break;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t work = 0; work < M * KVH; ++work)
+            model->attend(q, k_cache, k_cache + step->v_offset, attn, step->block_tables, step->seq_lens,
+                          step->starts, H, KVH, D, step->slot_stride, step->block_size, step->max_blocks,
+                          model->scale, step->kv_half, work);
         group_matmul(&layer->o, attn, M, H * D, H * D, scratch, o, PROLOGUE_NONE, NULL, NULL, NULL, 0.0f);
         group_matmul(&layer->gate_up, o, M, hidden, hidden, scratch, gate_up, PROLOGUE_RMS_NORM, residual, residual,
                      layer->ffn_norm, layer->ffn_eps);

@@ -97,7 +97,8 @@ class DecodeStack:
         functions: tuple[int, int, int],
     ) -> None:
         """heads: (query heads, kv heads, head dim); tables: rotary cos/sin, fp32 [P, head dim];
-        functions: addresses of rotary_rows, paged_write_kv and paged_decode_attention."""
+        functions: addresses of rotary_rows, paged_write_kv and
+        paged_decode_attention_item."""
         self._run = lib.decode_layers
         self._run.argtypes = [ptr, ptr, ptr, ptr]
         self._run.restype = ctypes.c_int
