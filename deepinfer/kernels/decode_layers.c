@@ -71,7 +71,7 @@ static void group_matmul(const packed_group *g, const float *x, int64_t M, int64
 
 /* h [rows, hidden]: in, the embeddings; out, the last layer's output (before the final norm).
  * residual [rows, hidden]: out, the residual stream beside it. Returns 0, -1 if a position lies
- * outside the rotary tables (nothing after that layer's q/k/v is computed), -2 out of memory. */
+ * outside the rotary tables (that layer's K/V not written, nothing after computed), -2 out of memory. */
 int decode_layers(const decode_model *model, const decode_step *step, float *h, float *residual) {
     const int64_t M = step->rows, hidden = model->hidden, inter = model->intermediate, D = model->head_dim;
     const int64_t H = model->num_heads, KVH = model->num_kv_heads, qkv_rows = (H + 2 * KVH) * D;
@@ -100,11 +100,13 @@ int decode_layers(const decode_model *model, const decode_step *step, float *h, 
 #pragma omp single
         {
             if (model->rotary(qkv, step->positions, model->cos_table, model->sin_table, model->table_rows, M,
-                              H + KVH, D, qkv_rows))
-                status = -1;
-            model->write_kv(qkv + H * D, qkv + (H + KVH) * D, qkv_rows, qkv_rows, k_cache,
-                            k_cache + step->v_offset, step->slots, M, KVH * D, step->slot_stride, step->kv_half);
-            for (int64_t m = 0; m < M; ++m) memcpy(q + m * H * D, qkv + m * qkv_rows, H * D * sizeof(float));
+                              H + KVH, D, qkv_rows)) {
+                status = -1; /* as the PyTorch path: nothing written for this layer */
+            } else {
+                model->write_kv(qkv + H * D, qkv + (H + KVH) * D, qkv_rows, qkv_rows, k_cache,
+                                k_cache + step->v_offset, step->slots, M, KVH * D, step->slot_stride, step->kv_half);
+                for (int64_t m = 0; m < M; ++m) memcpy(q + m * H * D, qkv + m * qkv_rows, H * D * sizeof(float));
+            }
         } /* implicit barrier: every thread sees status */
         if (status) break;
 #pragma omp for schedule(dynamic, 1)

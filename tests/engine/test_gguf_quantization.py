@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.kernels.decode_layers import DecodeStack
+from deepinfer.kernels.decode_layers import DecodeStack, StepRows
 from deepinfer.kernels.gguf_blocks import PACKED_TYPES, gguf_kernels
 from deepinfer.model.layers.gguf_linear import GGUFEmbedding, GGUFLinear
 from deepinfer.model.layers.parallel_linear import ColumnParallelLinear
@@ -184,3 +184,16 @@ def test_steps_through_every_layer_in_one_call_have_the_layer_by_layer_bits(
     assert all(same for _, _, same in steps), steps
     assert all(fused for _, fused, _ in steps) and len(steps) >= 6, steps
     assert steps[0][0] > 16 and any(tokens == 3 for tokens, _, _ in steps)  # prompts, batched decodes
+
+
+def test_the_one_call_path_refuses_a_position_outside_the_rotary_tables(default_llm: LLM) -> None:
+    """As the layer-by-layer path: an IndexError, with no K/V written."""
+    model = default_llm.engine.core.runner.model
+    default_llm.generate(["Hi"], SamplingParams(max_tokens=1), use_tqdm=False)  # the stack is built
+    _, kv_heads, head_dim = model.attention_shape()
+    caches = [torch.zeros(32, 2, kv_heads, head_dim) for _ in model.layers]
+    one = torch.ones(1, dtype=torch.int64)
+    rows = StepRows(one * 10**7, one, torch.zeros(1, 2, dtype=torch.int64), one, None, 16)
+    with pytest.raises(IndexError, match="rotary"):
+        model._decode_stack.run(torch.randn(1, model.config.hidden_size), rows, caches)
+    assert not any(c.any() for c in caches)
