@@ -71,13 +71,13 @@ def _measure(llm: Any, batch: int, output_len: int, overlap: _Overlap | None = N
     forwards: list[list[float | None]] = []
     inner = runner.forward
 
-    def timed_forward(inputs: Any) -> Any:
+    def timed_forward(*args: Any, **kwargs: Any) -> Any:
         if overlap is not None:
             overlap.started.set()
         span: list[float | None] = [time.perf_counter(), None]
         forwards.append(span)
         try:
-            return inner(inputs)
+            return inner(*args, **kwargs)
         finally:
             span[1] = time.perf_counter()
 

@@ -49,6 +49,9 @@ class CpuPagedBackend:
         self._write.restype = None
         self._write.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3
         self._write.argtypes += [ctypes.c_int64] * 4
+        # For a caller that runs whole layers in C (kernels/decode_layers.py): the same functions.
+        self.write_kv_address = ctypes.cast(self._write, ctypes.c_void_p).value
+        self.decode_item_address = ctypes.cast(lib.paged_decode_attention_item, ctypes.c_void_p).value
 
     @staticmethod
     def supports(

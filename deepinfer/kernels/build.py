@@ -41,9 +41,11 @@ def load_kernel_library(
         log.warning("no C compiler found; using the PyTorch reference kernels")
         return None
     flags = [*_FLAGS, *target_flags, *extra_flags]
-    headers = b"".join(p.read_bytes() for p in sorted(source.parent.glob("*.h")))  # included by sources
+    # A source may include headers and other sources of this folder (decode_layers.c includes
+    # gguf_matmul.c): all of them are in the key.
+    siblings = b"".join(p.read_bytes() for p in sorted(source.parent.glob("*.[ch]")) if p != source)
     digest = hashlib.sha256(
-        source.read_bytes() + headers + " ".join([compiler, *flags]).encode()
+        source.read_bytes() + siblings + " ".join([compiler, *flags]).encode()
     ).hexdigest()[:16]
     target = cache_dir("kernels") / f"{name}-{digest}.so"
     if not target.exists():

@@ -503,9 +503,25 @@ enum { PROLOGUE_NONE = 0, PROLOGUE_RMS_NORM = 1, PROLOGUE_SWIGLU = 2 };
  *                      a = rms_norm(v) * norm_weight, eps; residual and sum rows are K apart;
  *   PROLOGUE_SWIGLU    x rows hold 2K values [gate | up]: a = silu(gate) * up.
  * Writes only y, sum and scratch (gguf_scratch_bytes). simd = 0 forces the portable path. */
+static void matmul_team(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t nseg, const int32_t *qtypes,
+                        const void *const *weights, const int64_t *rows, void *scratch, float *y, int64_t ldy,
+                        int simd, int prologue, const float *residual, float *sum, const float *norm_weight,
+                        float eps);
+
 void gguf_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t nseg, const int32_t *qtypes,
                  const void *const *weights, const int64_t *rows, void *scratch, float *y, int64_t ldy, int simd,
                  int prologue, const float *residual, float *sum, const float *norm_weight, float eps) {
+#pragma omp parallel
+    matmul_team(x, M, K, ldx, nseg, qtypes, weights, rows, scratch, y, ldy, simd, prologue, residual, sum,
+                norm_weight, eps);
+}
+
+/* gguf_matmul's work, run by every thread of the enclosing parallel region together (its loops
+ * are shared out among them); returns once y is complete. */
+static void matmul_team(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t nseg, const int32_t *qtypes,
+                        const void *const *weights, const int64_t *rows, void *scratch, float *y, int64_t ldy,
+                        int simd, int prologue, const float *residual, float *sum, const float *norm_weight,
+                        float eps) {
     int need32, need256;
     families(nseg, qtypes, &need32, &need256);
     const acts a32 = acts_at(scratch, M, K, 0);
@@ -521,72 +537,69 @@ void gguf_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t nseg
     int64_t m_chunk = (192 << 10) / (K + 16);
     m_chunk = m_chunk < 4 ? 4 : m_chunk - m_chunk % 4;
 
-#pragma omp parallel
-    {
-        float *row = prologue != PROLOGUE_NONE ? malloc(K * sizeof(float)) : NULL;
+    float *row = prologue != PROLOGUE_NONE ? malloc(K * sizeof(float)) : NULL;
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; ++m) {
-            const float *a = x + m * ldx;
-            if (prologue == PROLOGUE_RMS_NORM) {
-                const float *v = a;
-                if (residual) {
-                    float *out = sum ? sum + m * K : row;
-                    for (int64_t i = 0; i < K; ++i) out[i] = a[i] + residual[m * K + i];
-                    v = out;
-                } else if (sum) {
-                    memcpy(sum + m * K, a, K * sizeof(float));
-                }
-                rms_norm_row(v, norm_weight, row, K, eps);
-                a = row;
-            } else if (prologue == PROLOGUE_SWIGLU) {
-                swiglu_row(a, a + K, row, K);
-                a = row;
+    for (int64_t m = 0; m < M; ++m) {
+        const float *a = x + m * ldx;
+        if (prologue == PROLOGUE_RMS_NORM) {
+            const float *v = a;
+            if (residual) {
+                float *out = sum ? sum + m * K : row;
+                for (int64_t i = 0; i < K; ++i) out[i] = a[i] + residual[m * K + i];
+                v = out;
+            } else if (sum) {
+                memcpy(sum + m * K, a, K * sizeof(float));
             }
-            if (need32) {
-#if GGUF_SIMD
-                if (use_simd) quantize_row32_simd(a, &a32, m);
-                else
-#endif
-                    quantize_row(a, &a32, m, 32);
-            }
-            if (need256) quantize_row(a, &a256, m, 256);
+            rms_norm_row(v, norm_weight, row, K, eps);
+            a = row;
+        } else if (prologue == PROLOGUE_SWIGLU) {
+            swiglu_row(a, a + K, row, K);
+            a = row;
         }
-        free(row);
-        /* implicit barrier: every activation row is quantized before any product */
-#pragma omp for schedule(static)
-        for (int64_t u = 0; u < units; ++u) {
-            int64_t s = 0, first = u, col0 = 0;
-            while (first >= (rows[s] + UNIT - 1) / UNIT) {
-                first -= (rows[s] + UNIT - 1) / UNIT;
-                col0 += rows[s];
-                ++s;
-            }
-            const int qtype = qtypes[s];
-            const acts *a = block_elems(qtype) == 256 ? &a256 : &a32;
-            const int64_t w_stride = a->nb * block_bytes(qtype);
-            const int64_t n0 = first * UNIT, n1 = n0 + UNIT < rows[s] ? n0 + UNIT : rows[s];
-            const uint8_t *wseg = (const uint8_t *)weights[s];
-            for (int64_t m0 = 0; m0 < M; m0 += m_chunk) {
-                const int64_t m1 = m0 + m_chunk < M ? m0 + m_chunk : M;
-                if (!use_simd) {
-                    for (int64_t n = n0; n < n1; ++n)
-                        for (int64_t m = m0; m < m1; ++m)
-                            y[m * ldy + col0 + n] = dot_row_scalar(qtype, wseg + n * w_stride, a, m);
-                    continue;
-                }
+        if (need32) {
 #if GGUF_SIMD
-                const int nr = M == 1 ? 8 : 2;
-                for (int64_t n = n0; n < n1;) {
-                    const int tile_rows = n + nr <= n1 ? nr : 1;
-                    for (int64_t m = m0; m < m1;) {
-                        const int tile_cols = M > 1 && m + 4 <= m1 ? 4 : 1;
-                        run_tile(qtype, tile_rows, tile_cols, wseg + n * w_stride, w_stride, a, m, y + m * ldy + col0 + n, ldy);
-                        m += tile_cols;
-                    }
-                    n += tile_rows;
-                }
+            if (use_simd) quantize_row32_simd(a, &a32, m);
+            else
 #endif
+                quantize_row(a, &a32, m, 32);
+        }
+        if (need256) quantize_row(a, &a256, m, 256);
+    }
+    free(row);
+    /* implicit barrier: every activation row is quantized before any product */
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < units; ++u) {
+        int64_t s = 0, first = u, col0 = 0;
+        while (first >= (rows[s] + UNIT - 1) / UNIT) {
+            first -= (rows[s] + UNIT - 1) / UNIT;
+            col0 += rows[s];
+            ++s;
+        }
+        const int qtype = qtypes[s];
+        const acts *a = block_elems(qtype) == 256 ? &a256 : &a32;
+        const int64_t w_stride = a->nb * block_bytes(qtype);
+        const int64_t n0 = first * UNIT, n1 = n0 + UNIT < rows[s] ? n0 + UNIT : rows[s];
+        const uint8_t *wseg = (const uint8_t *)weights[s];
+        for (int64_t m0 = 0; m0 < M; m0 += m_chunk) {
+            const int64_t m1 = m0 + m_chunk < M ? m0 + m_chunk : M;
+            if (!use_simd) {
+                for (int64_t n = n0; n < n1; ++n)
+                    for (int64_t m = m0; m < m1; ++m)
+                        y[m * ldy + col0 + n] = dot_row_scalar(qtype, wseg + n * w_stride, a, m);
+                continue;
             }
+#if GGUF_SIMD
+            const int nr = M == 1 ? 8 : 2;
+            for (int64_t n = n0; n < n1;) {
+                const int tile_rows = n + nr <= n1 ? nr : 1;
+                for (int64_t m = m0; m < m1;) {
+                    const int tile_cols = M > 1 && m + 4 <= m1 ? 4 : 1;
+                    run_tile(qtype, tile_rows, tile_cols, wseg + n * w_stride, w_stride, a, m, y + m * ldy + col0 + n, ldy);
+                    m += tile_cols;
+                }
+                n += tile_rows;
+            }
+#endif
         }
     }
 }

@@ -67,6 +67,103 @@ static inline const float *block_rows(const void *cache, int64_t kv_half, int64_
     return buffer;
 }
 
+/* Work item `work` of paged_decode_attention (below): row work / num_kv_heads, kv head
+ * work % num_kv_heads. Exported so that a caller already running on every thread
+ * (decode_layers.c) can share the items out itself; never inlined, so both callers run the same
+ * instructions. */
+__attribute__((noinline)) void paged_decode_attention_item(
+    const float *q, const void *k_cache, const void *v_cache, float *out, const int64_t *block_tables,
+    const int64_t *seq_lens, const int64_t *seq_starts, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t slot_stride, int64_t block_size, int64_t max_blocks, float scale, int64_t kv_half, int64_t work) {
+    const int64_t element = kv_half ? 2 : 4;
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t s = work / num_kv_heads;
+    const int64_t kvh = work % num_kv_heads;
+    const int64_t len = seq_lens[s];
+    const int64_t *table = block_tables + s * max_blocks;
+    float acc[MAX_GROUP][MAX_HEAD_DIM];
+    float qs[MAX_GROUP][MAX_HEAD_DIM];
+    float m[MAX_GROUP], l[MAX_GROUP];
+    float scores[MAX_GROUP][MAX_BLOCK];
+    float k_buffer[MAX_HALF_ROWS], v_buffer[MAX_HALF_ROWS];
+    for (int64_t g = 0; g < group; ++g) {
+        const float *src = q + (s * num_heads + kvh * group + g) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) {
+            qs[g][d] = src[d] * scale; /* fold the softmax scale into q once */
+            acc[g][d] = 0.0f;
+        }
+        m[g] = -FLT_MAX;
+        l[g] = 0.0f;
+    }
+    for (int64_t start = seq_starts ? seq_starts[s] : 0; start < len;) {
+        const int64_t offset = start % block_size;
+        const int64_t room = block_size - offset;
+        const int64_t n = (len - start < room) ? len - start : room;
+        const int64_t base = table[start / block_size] * block_size + offset;
+        if (start + n < len) {
+            /* The next block's rows are scattered (one per slot, slot_stride apart): ask for
+             * them now so the loads overlap this block's arithmetic. */
+            const int64_t next = table[start / block_size + 1] * block_size;
+            for (int64_t j = 0; j < block_size; ++j) {
+                const int64_t at = ((next + j) * slot_stride + kvh * head_dim) * element;
+                for (int64_t b = 0; b < head_dim * element; b += 64) { /* one per 64-byte line */
+                    __builtin_prefetch((const char *)k_cache + at + b);
+                    __builtin_prefetch((const char *)v_cache + at + b);
+                }
+            }
+        }
+        int64_t k_stride, v_stride;
+        const float *k_rows = block_rows(k_cache, kv_half, base, n, slot_stride, kvh * head_dim, head_dim,
+                                         k_buffer, &k_stride);
+        for (int64_t j = 0; j < n; ++j) {
+            const float *k = k_rows + j * k_stride;
+            for (int64_t g = 0; g < group; ++g) {
+                const float *qg = qs[g];
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * k[d];
+                scores[g][j] = dot;
+            }
+        }
+        for (int64_t g = 0; g < group; ++g) {
+            float *sg = scores[g];
+            float block_max = m[g];
+            for (int64_t j = 0; j < n; ++j) block_max = sg[j] > block_max ? sg[j] : block_max;
+            float block_sum = 0.0f;
+#pragma omp simd reduction(+ : block_sum)
+            for (int64_t j = 0; j < n; ++j) {
+                sg[j] = exp_nonpositive(sg[j] - block_max);
+                block_sum += sg[j];
+            }
+            const float correction = exp_nonpositive(m[g] - block_max);
+            l[g] = l[g] * correction + block_sum;
+            m[g] = block_max;
+            float *a = acc[g];
+            if (correction != 1.0f) {
+#pragma omp simd
+                for (int64_t d = 0; d < head_dim; ++d) a[d] *= correction;
+            }
+        }
+        const float *v_rows = block_rows(v_cache, kv_half, base, n, slot_stride, kvh * head_dim, head_dim,
+                                         v_buffer, &v_stride);
+        for (int64_t j = 0; j < n; ++j) {
+            const float *v = v_rows + j * v_stride;
+            for (int64_t g = 0; g < group; ++g) {
+                const float p = scores[g][j];
+                float *a = acc[g];
+#pragma omp simd
+                for (int64_t d = 0; d < head_dim; ++d) a[d] += p * v[d];
+            }
+        }
+        start += n;
+    }
+    for (int64_t g = 0; g < group; ++g) {
+        float *o = out + (s * num_heads + kvh * group + g) * head_dim;
+        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+        for (int64_t d = 0; d < head_dim; ++d) o[d] = acc[g][d] * inv;
+    }
+}
+
 void paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, float *out,
                             const int64_t *block_tables, const int64_t *seq_lens,
                             const int64_t *seq_starts, int64_t num_seqs,
@@ -75,96 +172,11 @@ void paged_decode_attention(const float *q, const void *k_cache, const void *v_c
     /* k_cache/v_cache point at slot 0's K and V; consecutive slots are slot_stride elements apart
      * (float, or _Float16 when kv_half). Row s attends to positions seq_starts[s] .. seq_lens[s]-1
      * (seq_starts NULL: from 0; a sliding window starts later). */
-    const int64_t element = kv_half ? 2 : 4;
-    const int64_t group = num_heads / num_kv_heads;
 #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t work = 0; work < num_seqs * num_kv_heads; ++work) {
-        const int64_t s = work / num_kv_heads;
-        const int64_t kvh = work % num_kv_heads;
-        const int64_t len = seq_lens[s];
-        const int64_t *table = block_tables + s * max_blocks;
-        float acc[MAX_GROUP][MAX_HEAD_DIM];
-        float qs[MAX_GROUP][MAX_HEAD_DIM];
-        float m[MAX_GROUP], l[MAX_GROUP];
-        float scores[MAX_GROUP][MAX_BLOCK];
-        float k_buffer[MAX_HALF_ROWS], v_buffer[MAX_HALF_ROWS];
-        for (int64_t g = 0; g < group; ++g) {
-            const float *src = q + (s * num_heads + kvh * group + g) * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) {
-                qs[g][d] = src[d] * scale; /* fold the softmax scale into q once */
-                acc[g][d] = 0.0f;
-            }
-            m[g] = -FLT_MAX;
-            l[g] = 0.0f;
-        }
-        for (int64_t start = seq_starts ? seq_starts[s] : 0; start < len;) {
-            const int64_t offset = start % block_size;
-            const int64_t room = block_size - offset;
-            const int64_t n = (len - start < room) ? len - start : room;
-            const int64_t base = table[start / block_size] * block_size + offset;
-            if (start + n < len) {
-                /* The next block's rows are scattered (one per slot, slot_stride apart): ask for
-                 * them now so the loads overlap this block's arithmetic. */
-                const int64_t next = table[start / block_size + 1] * block_size;
-                for (int64_t j = 0; j < block_size; ++j) {
-                    const int64_t at = ((next + j) * slot_stride + kvh * head_dim) * element;
-                    for (int64_t b = 0; b < head_dim * element; b += 64) { /* one per 64-byte line */
-                        __builtin_prefetch((const char *)k_cache + at + b);
-                        __builtin_prefetch((const char *)v_cache + at + b);
-                    }
-                }
-            }
-            int64_t k_stride, v_stride;
-            const float *k_rows = block_rows(k_cache, kv_half, base, n, slot_stride, kvh * head_dim, head_dim,
-                                             k_buffer, &k_stride);
-            for (int64_t j = 0; j < n; ++j) {
-                const float *k = k_rows + j * k_stride;
-                for (int64_t g = 0; g < group; ++g) {
-                    const float *qg = qs[g];
-                    float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                    for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * k[d];
-                    scores[g][j] = dot;
-                }
-            }
-            for (int64_t g = 0; g < group; ++g) {
-                float *sg = scores[g];
-                float block_max = m[g];
-                for (int64_t j = 0; j < n; ++j) block_max = sg[j] > block_max ? sg[j] : block_max;
-                float block_sum = 0.0f;
-#pragma omp simd reduction(+ : block_sum)
-                for (int64_t j = 0; j < n; ++j) {
-                    sg[j] = exp_nonpositive(sg[j] - block_max);
-                    block_sum += sg[j];
-                }
-                const float correction = exp_nonpositive(m[g] - block_max);
-                l[g] = l[g] * correction + block_sum;
-                m[g] = block_max;
-                float *a = acc[g];
-                if (correction != 1.0f) {
-#pragma omp simd
-                    for (int64_t d = 0; d < head_dim; ++d) a[d] *= correction;
-                }
-            }
-            const float *v_rows = block_rows(v_cache, kv_half, base, n, slot_stride, kvh * head_dim, head_dim,
-                                             v_buffer, &v_stride);
-            for (int64_t j = 0; j < n; ++j) {
-                const float *v = v_rows + j * v_stride;
-                for (int64_t g = 0; g < group; ++g) {
-                    const float p = scores[g][j];
-                    float *a = acc[g];
-#pragma omp simd
-                    for (int64_t d = 0; d < head_dim; ++d) a[d] += p * v[d];
-                }
-            }
-            start += n;
-        }
-        for (int64_t g = 0; g < group; ++g) {
-            float *o = out + (s * num_heads + kvh * group + g) * head_dim;
-            const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
-            for (int64_t d = 0; d < head_dim; ++d) o[d] = acc[g][d] * inv;
-        }
-    }
+    for (int64_t work = 0; work < num_seqs * num_kv_heads; ++work)
+        paged_decode_attention_item(q, k_cache, v_cache, out, block_tables, seq_lens, seq_starts, num_heads,
+                                    num_kv_heads, head_dim, slot_stride, block_size, max_blocks, scale, kv_half,
+                                    work);
 }
 
 /* Store a step's K and V (fp32, `row` values per token, tokens k_stride / v_stride apart) at

@@ -23,6 +23,7 @@ class RowwiseKernels:
         self._rotary = lib.rotary_rows
         self._rotary.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
         self._rotary.restype = ctypes.c_int
+        self.rotary_address = ctypes.cast(self._rotary, ctypes.c_void_p).value  # for decode_layers.c
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None

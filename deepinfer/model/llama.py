@@ -10,16 +10,20 @@ them (SmolLM2's 3 KV heads over 2 ranks: 2 and 1).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
 from deepinfer.attention.backend import AttentionBackend
+from deepinfer.attention.cpu_paged import CpuPagedBackend
 from deepinfer.attention.metadata import AttentionMetadata, ForwardMetadata
 from deepinfer.cache_layout import CacheGroup
+from deepinfer.kernels.decode_layers import DecodeStack
 from deepinfer.kernels.gguf_blocks import PackedMatrix
 from deepinfer.model.base import CausalLM, cache_tensor
 from deepinfer.model.config import ModelConfig
+from deepinfer.model.layers.gguf_decode import build_decode_stack, caches_fit, step_rows
 from deepinfer.model.layers.gguf_linear import GGUFEmbedding, GGUFLinear, norm_then_project, packed_linear
 from deepinfer.model.layers.int8_linear import Int8Linear, quantize_linears_
 from deepinfer.model.layers.norm import RMSNorm
@@ -141,6 +145,11 @@ class LlamaForCausalLM(CausalLM):
         self.layer_groups = [self.group_windows.index(w) for w in windows]
         order = sorted(range(cfg.num_layers), key=lambda i: (self.layer_groups[i], i))
         self.cache_index = [order.index(i) for i in range(cfg.num_layers)]  # layer -> flat cache tensor
+        # Run every layer in one C call when a step allows it (tests turn it off to compare with
+        # the layer-by-layer path). The stack: False until built on first use, None when the
+        # model does not qualify.
+        self.fused_decode = True
+        self._decode_stack: DecodeStack | Literal[False] | None = False
 
     @classmethod
     def from_config(cls, config: ModelConfig, parallel: ModelParallel | None = None) -> LlamaForCausalLM:
@@ -172,12 +181,36 @@ class LlamaForCausalLM(CausalLM):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)  # [T, hidden]
-        residual = None
-        for i, layer in enumerate(self.layers):
-            cache, group = kv_caches[self.cache_index[i]], meta.groups[self.layer_groups[i]]
-            h, residual = layer(h, residual, positions, cache, group, backend)
+        fused = self._fused_layers(h, positions, kv_caches, meta, backend)
+        if fused is not None:
+            h, residual = fused
+        else:
+            residual = None
+            for i, layer in enumerate(self.layers):
+                cache, group = kv_caches[self.cache_index[i]], meta.groups[self.layer_groups[i]]
+                h, residual = layer(h, residual, positions, cache, group, backend)
         h, _ = self.norm.add_forward(h, residual)
         return h
+
+    def _fused_layers(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: ForwardMetadata,
+        backend: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(output, residual) of every layer in one C call when the step and the model allow it
+        (layers/gguf_decode.py: packed weights, decode-kernel rows); None otherwise."""
+        if not self.fused_decode or not isinstance(backend, CpuPagedBackend):
+            return None
+        if self._decode_stack is False:  # not built yet (the packed weights are in place by now)
+            self._decode_stack = build_decode_stack(self.layers, backend)
+        rows = None if self._decode_stack is None else step_rows(h, positions, meta)
+        caches = [kv_caches[i] for i in self.cache_index]
+        if rows is None or not caches_fit(caches):
+            return None
+        return self._decode_stack.run(h, rows, caches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied to the embedding

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.kernels.decode_layers import DecodeStack, StepRows
 from deepinfer.kernels.gguf_blocks import PACKED_TYPES, gguf_kernels
 from deepinfer.model.layers.gguf_linear import GGUFEmbedding, GGUFLinear
 from deepinfer.model.layers.parallel_linear import ColumnParallelLinear
@@ -149,3 +150,50 @@ def test_a_mixed_format_gguf_loads_packed_and_matches_its_dequantization(tiny_gg
     dense_q = dense.engine.core.loaded.model.layers[0].self_attn.qkv_proj.linear.weight[: q_rows.rows]
     lookup = gguf_kernels().dequantize_rows(q_rows, torch.arange(q_rows.rows))
     assert np.array_equal(lookup.numpy(), dense_q.numpy())
+
+
+def test_steps_through_every_layer_in_one_call_have_the_layer_by_layer_bits(
+    default_llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With packed weights every step runs all layers in one C call (kernels/decode_layers.c:
+    the model rounds its activations, so every prompt row too is a decode-kernel row); each
+    step's hidden states equal the layer-by-layer path's to the bit, prompts, decodes, alone
+    and batched."""
+    runner, model = default_llm.engine.core.runner, default_llm.engine.core.runner.model
+    inner, fused_calls = runner.forward, []
+    steps: list[tuple[int, bool, bool]] = []  # (tokens, fused, same bits)
+
+    def both_paths(inputs, spans, features=None):
+        model.fused_decode = False
+        try:
+            reference = inner(inputs, spans, features)
+        finally:
+            model.fused_decode = True
+        before = len(fused_calls)
+        fused = inner(inputs, spans, features)  # writes the same K/V again
+        steps.append((len(inputs.input_ids), len(fused_calls) > before, torch.equal(fused, reference)))
+        return fused
+
+    stack_run = DecodeStack.run
+    monkeypatch.setattr(DecodeStack, "run", lambda self, *a: fused_calls.append(1) or stack_run(self, *a))
+    monkeypatch.setattr(runner, "forward", both_paths)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    default_llm.reset_prefix_cache()
+    default_llm.generate(["The capital of France is", "One, two,", TEXTS[2]], params, use_tqdm=False)
+    default_llm.generate(["Hello"], params, use_tqdm=False)
+    assert all(same for _, _, same in steps), steps
+    assert all(fused for _, fused, _ in steps) and len(steps) >= 6, steps
+    assert steps[0][0] > 16 and any(tokens == 3 for tokens, _, _ in steps)  # prompts, batched decodes
+
+
+def test_the_one_call_path_refuses_a_position_outside_the_rotary_tables(default_llm: LLM) -> None:
+    """As the layer-by-layer path: an IndexError, with no K/V written."""
+    model = default_llm.engine.core.runner.model
+    default_llm.generate(["Hi"], SamplingParams(max_tokens=1), use_tqdm=False)  # the stack is built
+    _, kv_heads, head_dim = model.attention_shape()
+    caches = [torch.zeros(32, 2, kv_heads, head_dim) for _ in model.layers]
+    one = torch.ones(1, dtype=torch.int64)
+    rows = StepRows(one * 10**7, one, torch.zeros(1, 2, dtype=torch.int64), one, None, 16)
+    with pytest.raises(IndexError, match="rotary"):
+        model._decode_stack.run(torch.randn(1, model.config.hidden_size), rows, caches)
+    assert not any(c.any() for c in caches)

@@ -1,0 +1,124 @@
+/* A Llama decoder stack on GGUF-packed weights for a step whose rows all attend through the
+ * paged decode kernel (decodes and short chunks), in one call from Python.
+ *
+ * Layer by layer it makes the calls the PyTorch model makes (llama.py with gguf_linear.py):
+ * q/k/v with the RMSNorm and residual add fused in, rotary embedding, the K/V write, paged
+ * attention, o_proj, gate/up with the second RMSNorm, down with SwiGLU. At batch 1 the arithmetic
+ * of a layer takes a few hundred microseconds while driving those seven calls from Python cost
+ * about as much again (tensor views, allocations, ctypes argument conversion); here the loop is C.
+ *
+ * The bits are those of the PyTorch path: the products are gguf_matmul.c itself (included, built
+ * with the same flags), and rotary, the K/V write and attention are the functions of rowwise.c
+ * and paged_attention.c, called through pointers the caller takes from those libraries.
+ */
+#include "gguf_matmul.c"
+
+typedef int (*rotary_fn)(float *x, const int64_t *positions, const float *cos_table, const float *sin_table,
+                         int64_t table_rows, int64_t tokens, int64_t heads, int64_t head_dim, int64_t token_stride);
+typedef void (*write_kv_fn)(const float *k, const float *v, int64_t k_stride, int64_t v_stride, void *k_cache,
+                            void *v_cache, const int64_t *slots, int64_t tokens, int64_t row, int64_t slot_stride,
+                            int64_t kv_half);
+typedef void (*attend_fn)(const float *q, const void *k_cache, const void *v_cache, float *out,
+                          const int64_t *block_tables, const int64_t *seq_lens, const int64_t *seq_starts,
+                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t slot_stride,
+                          int64_t block_size, int64_t max_blocks, float scale, int64_t kv_half, int64_t work);
+
+/* Packed matrices multiplied as one (a PackedGroup): count segments, all of `cols` columns. */
+typedef struct {
+    int64_t count, rows;
+    const int32_t *qtypes;
+    const void *const *weights;
+    const int64_t *row_counts;
+} packed_group;
+
+typedef struct {
+    packed_group qkv, o, gate_up, down;
+    const float *attn_norm, *ffn_norm;
+    float attn_eps, ffn_eps;
+} decode_layer;
+
+typedef struct {
+    int64_t num_layers, hidden, intermediate, num_heads, num_kv_heads, head_dim;
+    const decode_layer *layers;
+    const float *cos_table, *sin_table; /* [table_rows, head_dim] */
+    int64_t table_rows;
+    float scale; /* softmax scale */
+    rotary_fn rotary;
+    write_kv_fn write_kv;
+    attend_fn attend; /* paged_decode_attention_item */
+} decode_model;
+
+/* One step: `rows` tokens, each a kernel row of the paged attention (the backend's prepare). */
+typedef struct {
+    int64_t rows;
+    const int64_t *positions, *slots;                /* [rows] */
+    const int64_t *block_tables, *seq_lens, *starts; /* [rows, max_blocks], [rows], [rows] or NULL */
+    int64_t block_size, max_blocks;
+    void *const *kv;   /* per layer: its cache tensor's first byte (slot 0's K) */
+    int64_t v_offset;  /* bytes from a slot's K to its V */
+    int64_t slot_stride, kv_half;
+} decode_step;
+
+static int64_t group_scratch(const packed_group *g, int64_t M, int64_t K) {
+    return gguf_scratch_bytes(M, K, g->count, g->qtypes);
+}
+
+static void group_matmul(const packed_group *g, const float *x, int64_t M, int64_t K, int64_t ldx, void *scratch,
+                         float *y, int prologue, const float *residual, float *sum, const float *norm, float eps) {
+    matmul_team(x, M, K, ldx, g->count, g->qtypes, g->weights, g->row_counts, scratch, y, g->rows, 1, prologue,
+                residual, sum, norm, eps);
+}
+
+/* h [rows, hidden]: in, the embeddings; out, the last layer's output (before the final norm).
+ * residual [rows, hidden]: out, the residual stream beside it. Returns 0, -1 if a position lies
+ * outside the rotary tables (that layer's K/V not written, nothing after computed), -2 out of memory. */
+int decode_layers(const decode_model *model, const decode_step *step, float *h, float *residual) {
+    const int64_t M = step->rows, hidden = model->hidden, inter = model->intermediate, D = model->head_dim;
+    const int64_t H = model->num_heads, KVH = model->num_kv_heads, qkv_rows = (H + 2 * KVH) * D;
+    int64_t scratch_bytes = 0;
+    for (int64_t l = 0; l < model->num_layers; ++l) {
+        const decode_layer *layer = model->layers + l;
+        const int64_t need[4] = {group_scratch(&layer->qkv, M, hidden), group_scratch(&layer->o, M, H * D),
+                                 group_scratch(&layer->gate_up, M, hidden), group_scratch(&layer->down, M, inter)};
+        for (int i = 0; i < 4; ++i) scratch_bytes = need[i] > scratch_bytes ? need[i] : scratch_bytes;
+    }
+    float *qkv = malloc(M * qkv_rows * sizeof(float)), *q = malloc(M * H * D * sizeof(float));
+    float *attn = malloc(M * H * D * sizeof(float)), *o = malloc(M * hidden * sizeof(float));
+    float *gate_up = malloc(M * 2 * inter * sizeof(float));
+    void *scratch = malloc(scratch_bytes);
+    int status = qkv && q && attn && o && gate_up && scratch ? 0 : -2;
+    /* One parallel region for the whole step: its threads share out each product's rows and the
+     * attention's (row, kv head) items, and do the small steps in between on one thread (the
+     * seven thread starts per layer of separate calls cost more than the barriers). */
+#pragma omp parallel if (status == 0)
+    for (int64_t l = 0; l < model->num_layers && status == 0; ++l) {
+        const decode_layer *layer = model->layers + l;
+        char *k_cache = step->kv[l];
+        /* the first layer's residual stream is its input */
+        group_matmul(&layer->qkv, h, M, hidden, hidden, scratch, qkv, PROLOGUE_RMS_NORM, l ? residual : NULL,
+                     residual, layer->attn_norm, layer->attn_eps);
+#pragma omp single
+        {
+            if (model->rotary(qkv, step->positions, model->cos_table, model->sin_table, model->table_rows, M,
+                              H + KVH, D, qkv_rows)) {
+                status = -1; /* as the PyTorch path: nothing written for this layer */
+            } else {
+                model->write_kv(qkv + H * D, qkv + (H + KVH) * D, qkv_rows, qkv_rows, k_cache,
+                                k_cache + step->v_offset, step->slots, M, KVH * D, step->slot_stride, step->kv_half);
+                for (int64_t m = 0; m < M; ++m) memcpy(q + m * H * D, qkv + m * qkv_rows, H * D * sizeof(float));
+            }
+        } /* implicit barrier: every thread sees status */
+        if (status) break;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t work = 0; work < M * KVH; ++work)
+            model->attend(q, k_cache, k_cache + step->v_offset, attn, step->block_tables, step->seq_lens,
+                          step->starts, H, KVH, D, step->slot_stride, step->block_size, step->max_blocks,
+                          model->scale, step->kv_half, work);
+        group_matmul(&layer->o, attn, M, H * D, H * D, scratch, o, PROLOGUE_NONE, NULL, NULL, NULL, 0.0f);
+        group_matmul(&layer->gate_up, o, M, hidden, hidden, scratch, gate_up, PROLOGUE_RMS_NORM, residual, residual,
+                     layer->ffn_norm, layer->ffn_eps);
+        group_matmul(&layer->down, gate_up, M, inter, 2 * inter, scratch, h, PROLOGUE_SWIGLU, NULL, NULL, NULL, 0.0f);
+    }
+    free(qkv), free(q), free(attn), free(o), free(gate_up), free(scratch);
+    return status;
+}
