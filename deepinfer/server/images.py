@@ -17,7 +17,7 @@ import msgspec
 
 from deepinfer.image_input import ImageInput, image_content_hash
 from deepinfer.recipe.images.errors import ImageInputError
-from deepinfer.recipe.images.fetch import FetchPolicy
+from deepinfer.recipe.images.fetch import FetchPolicy, refuse_unless_fetching
 from deepinfer.recipe.images.source import prepare_image
 from deepinfer.recipe.ir import ImagePart
 from deepinfer.server.errors import ApiError
@@ -66,16 +66,12 @@ async def prepare_images(
 def refuse_unfetchable(parts: list[ImagePart], policy: FetchPolicy) -> None:
     """This server's URL policy holds wherever an image is fetched: with fetching off, an http(s)
     image is a 400 naming its part here, even when an encoder (with its own policy) would fetch it."""
-    if policy.enabled:
-        return
     for part in parts:
         if part.url is not None and not part.url.startswith("data:"):
-            where = part.path or "image"
-            raise ApiError(
-                400,
-                f"{where}: this server does not fetch image URLs; send the image inline (a data: URL or base64)",
-                param=part.path,
-            )
+            try:
+                refuse_unless_fetching(policy, part.path or "")
+            except ImageInputError as error:
+                raise ApiError(400, str(error), param=error.param) from None
 
 
 def expand_placeholders(

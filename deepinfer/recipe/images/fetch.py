@@ -48,12 +48,17 @@ def check_image_url(url: str, where: str) -> None:
         raise ImageInputError(where, "the image URL must be a data: URL or an http(s) URL with a host")
 
 
-def fetch_image(url: str, policy: FetchPolicy, where: str) -> bytes:
-    """The body of an image URL, within the policy's bounds."""
+def refuse_unless_fetching(policy: FetchPolicy, where: str) -> None:
+    """An ImageInputError naming the part unless the policy lets this server fetch image URLs."""
     if not policy.enabled:
         raise ImageInputError(
             where, "this server does not fetch image URLs; send the image inline (a data: URL or base64)"
         )
+
+
+def fetch_image(url: str, policy: FetchPolicy, where: str) -> bytes:
+    """The body of an image URL, within the policy's bounds."""
+    refuse_unless_fetching(policy, where)
     deadline = time.monotonic() + policy.timeout_s
     for _ in range(policy.max_redirects + 1):
         check_image_url(url, where)
