@@ -26,10 +26,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from deepinfer.bench.roofline import measure_roofline
 from deepinfer.kernels.gguf_blocks import PackedGroup, PackedMatrix, gguf_kernels
 from deepinfer.model.loader.gguf_tensors import read_tensors
 from deepinfer.model.loader.source import default_model_path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's bench/
+from bench.roofline import measure_roofline
 
 M_VALUES = (1, 8, 32, 128, 512)
 

@@ -51,7 +51,9 @@ class CpuPagedBackend:
         self._write.argtypes += [ctypes.c_int64] * 4
         # For a caller that runs whole layers in C (kernels/decode_layers.py): the same functions.
         self.write_kv_address = ctypes.cast(self._write, ctypes.c_void_p).value
-        self.decode_item_address = ctypes.cast(lib.paged_decode_attention_item, ctypes.c_void_p).value
+        self.decode_part_address = ctypes.cast(lib.paged_decode_attention_part, ctypes.c_void_p).value
+        self.decode_merge_address = ctypes.cast(lib.paged_decode_attention_merge, ctypes.c_void_p).value
+        self.decode_parts_address = ctypes.cast(lib.paged_decode_attention_parts, ctypes.c_void_p).value
 
     @staticmethod
     def supports(

@@ -18,10 +18,15 @@ typedef int (*rotary_fn)(float *x, const int64_t *positions, const float *cos_ta
 typedef void (*write_kv_fn)(const float *k, const float *v, int64_t k_stride, int64_t v_stride, void *k_cache,
                             void *v_cache, const int64_t *slots, int64_t tokens, int64_t row, int64_t slot_stride,
                             int64_t kv_half);
-typedef void (*attend_fn)(const float *q, const void *k_cache, const void *v_cache, float *out,
-                          const int64_t *block_tables, const int64_t *seq_lens, const int64_t *seq_starts,
-                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t slot_stride,
-                          int64_t block_size, int64_t max_blocks, float scale, int64_t kv_half, int64_t work);
+typedef void (*attend_part_fn)(const float *q, const void *k_cache, const void *v_cache, float *out,
+                               const int64_t *block_tables, const int64_t *seq_lens, const int64_t *seq_starts,
+                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t slot_stride,
+                               int64_t block_size, int64_t max_blocks, float scale, int64_t kv_half, int64_t parts,
+                               float *partial, int64_t work);
+typedef void (*attend_merge_fn)(float *out, const int64_t *seq_lens, const int64_t *seq_starts, int64_t num_heads,
+                                int64_t num_kv_heads, int64_t head_dim, int64_t parts, const float *partial,
+                                int64_t pair);
+typedef int64_t (*attend_parts_fn)(const int64_t *seq_lens, const int64_t *seq_starts, int64_t num_seqs);
 
 /* Packed matrices multiplied as one (a PackedGroup): count segments, all of `cols` columns. */
 typedef struct {
@@ -45,7 +50,9 @@ typedef struct {
     float scale; /* softmax scale */
     rotary_fn rotary;
     write_kv_fn write_kv;
-    attend_fn attend; /* paged_decode_attention_item */
+    attend_part_fn attend_part;   /* paged_decode_attention_part */
+    attend_merge_fn attend_merge; /* paged_decode_attention_merge */
+    attend_parts_fn attend_parts; /* paged_decode_attention_parts */
 } decode_model;
 
 /* One step: `rows` tokens, each a kernel row of the paged attention (the backend's prepare). */
@@ -86,7 +93,10 @@ int decode_layers(const decode_model *model, const decode_step *step, float *h, 
     float *attn = malloc(M * H * D * sizeof(float)), *o = malloc(M * hidden * sizeof(float));
     float *gate_up = malloc(M * 2 * inter * sizeof(float));
     void *scratch = malloc(scratch_bytes);
-    int status = qkv && q && attn && o && gate_up && scratch ? 0 : -2;
+    /* the attention's work items: (row, kv head, part of the row's context), as paged_attention.c */
+    const int64_t parts = model->attend_parts(step->seq_lens, step->starts, M);
+    float *partial = parts > 1 ? malloc(M * KVH * parts * (H / KVH) * (D + 2) * sizeof(float)) : NULL;
+    int status = qkv && q && attn && o && gate_up && scratch && (parts == 1 || partial) ? 0 : -2;
     /* One parallel region for the whole step: its threads share out each product's rows and the
      * attention's (row, kv head) items, and do the small steps in between on one thread (the
      * seven thread starts per layer of separate calls cost more than the barriers). */
@@ -110,15 +120,20 @@ int decode_layers(const decode_model *model, const decode_step *step, float *h, 
         } /* implicit barrier: every thread sees status */
         if (status) break;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t work = 0; work < M * KVH; ++work)
-            model->attend(q, k_cache, k_cache + step->v_offset, attn, step->block_tables, step->seq_lens,
-                          step->starts, H, KVH, D, step->slot_stride, step->block_size, step->max_blocks,
-                          model->scale, step->kv_half, work);
+        for (int64_t work = 0; work < M * KVH * parts; ++work)
+            model->attend_part(q, k_cache, k_cache + step->v_offset, attn, step->block_tables, step->seq_lens,
+                               step->starts, H, KVH, D, step->slot_stride, step->block_size, step->max_blocks,
+                               model->scale, step->kv_half, parts, partial, work);
+        if (parts > 1) {
+#pragma omp for schedule(static)
+            for (int64_t pair = 0; pair < M * KVH; ++pair)
+                model->attend_merge(attn, step->seq_lens, step->starts, H, KVH, D, parts, partial, pair);
+        }
         group_matmul(&layer->o, attn, M, H * D, H * D, scratch, o, PROLOGUE_NONE, NULL, NULL, NULL, 0.0f);
         group_matmul(&layer->gate_up, o, M, hidden, hidden, scratch, gate_up, PROLOGUE_RMS_NORM, residual, residual,
                      layer->ffn_norm, layer->ffn_eps);
         group_matmul(&layer->down, gate_up, M, inter, 2 * inter, scratch, h, PROLOGUE_SWIGLU, NULL, NULL, NULL, 0.0f);
     }
-    free(qkv), free(q), free(attn), free(o), free(gate_up), free(scratch);
+    free(qkv), free(q), free(attn), free(o), free(gate_up), free(scratch), free(partial);
     return status;
 }

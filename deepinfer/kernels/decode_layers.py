@@ -45,7 +45,8 @@ class _Model(ctypes.Structure):
         ("sin_table", ptr),
         ("table_rows", i64),
     ]
-    _fields_ += [("scale", ctypes.c_float), ("rotary", ptr), ("write_kv", ptr), ("attend", ptr)]
+    _fields_ += [("scale", ctypes.c_float), ("rotary", ptr), ("write_kv", ptr)]
+    _fields_ += [("attend_part", ptr), ("attend_merge", ptr), ("attend_parts", ptr)]
 
 
 class _Step(ctypes.Structure):
@@ -94,11 +95,11 @@ class DecodeStack:
         heads: tuple[int, int, int],
         tables: tuple[torch.Tensor, torch.Tensor],
         scale: float,
-        functions: tuple[int, int, int],
+        functions: tuple[int, int, int, int, int],
     ) -> None:
         """heads: (query heads, kv heads, head dim); tables: rotary cos/sin, fp32 [P, head dim];
-        functions: addresses of rotary_rows, paged_write_kv and
-        paged_decode_attention_item."""
+        functions: addresses of rotary_rows, paged_write_kv and paged_decode_attention's
+        _part, _merge and _parts."""
         self._run = lib.decode_layers
         self._run.argtypes = [ptr, ptr, ptr, ptr]
         self._run.restype = ctypes.c_int

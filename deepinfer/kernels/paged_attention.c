@@ -11,6 +11,7 @@
  */
 #include <float.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef __F16C__
 #include <immintrin.h>
@@ -67,64 +68,83 @@ static inline const float *block_rows(const void *cache, int64_t kv_half, int64_
     return buffer;
 }
 
-/* Work item `work` of paged_decode_attention (below): row work / num_kv_heads, kv head
- * work % num_kv_heads. Exported so that a caller already running on every thread
- * (decode_layers.c) can share the items out itself; never inlined, so both callers run the same
- * instructions. */
-__attribute__((noinline)) void paged_decode_attention_item(
-    const float *q, const void *k_cache, const void *v_cache, float *out, const int64_t *block_tables,
-    const int64_t *seq_lens, const int64_t *seq_starts, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t slot_stride, int64_t block_size, int64_t max_blocks, float scale, int64_t kv_half, int64_t work) {
+/* A decode row's context is split into parts of PART_TOKENS positions, aligned to absolute
+ * positions (part p holds p * PART_TOKENS ..), each a work item, merged afterwards: a batch of
+ * one row with a few kv heads then keeps both threads busy. The split depends only on the row's
+ * own start and length, never on the batch, so a row's result is the same in every batch. */
+#define PART_TOKENS 128
+
+/* GCC vector types: AVX-512 registers where the machine has them, pairs of AVX2 ones otherwise. */
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+static inline v16 load16(const float *p) {
+    v16 x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+
+static inline float sum16(v16 x) {
+    const v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+                 __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+    const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* Fold positions first .. last-1 of one (row, kv head) into its online softmax: running max m[g],
+ * sum l[g] and unnormalized output acc[g * D ..] of the group's query heads qs[g * D ..] (already
+ * scaled). Inlined with D a constant where the caller dispatches on it, so that a head's
+ * accumulator (D / 16 vectors) stays in registers across a block's values. */
+static inline __attribute__((always_inline)) void attend_span(
+    const int64_t D, const float *qs, const void *k_cache, const void *v_cache, const int64_t *table, int64_t first,
+    int64_t last, int64_t group, int64_t column, int64_t slot_stride, int64_t block_size, int64_t kv_half, float *m,
+    float *l, float *acc) {
     const int64_t element = kv_half ? 2 : 4;
-    const int64_t group = num_heads / num_kv_heads;
-    const int64_t s = work / num_kv_heads;
-    const int64_t kvh = work % num_kv_heads;
-    const int64_t len = seq_lens[s];
-    const int64_t *table = block_tables + s * max_blocks;
-    float acc[MAX_GROUP][MAX_HEAD_DIM];
-    float qs[MAX_GROUP][MAX_HEAD_DIM];
-    float m[MAX_GROUP], l[MAX_GROUP];
+    const int vectors = D % 16 == 0; /* every head_dim a model ships; others take scalar loops */
     float scores[MAX_GROUP][MAX_BLOCK];
     float k_buffer[MAX_HALF_ROWS], v_buffer[MAX_HALF_ROWS];
-    for (int64_t g = 0; g < group; ++g) {
-        const float *src = q + (s * num_heads + kvh * group + g) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) {
-            qs[g][d] = src[d] * scale; /* fold the softmax scale into q once */
-            acc[g][d] = 0.0f;
-        }
-        m[g] = -FLT_MAX;
-        l[g] = 0.0f;
-    }
-    for (int64_t start = seq_starts ? seq_starts[s] : 0; start < len;) {
+    for (int64_t start = first; start < last;) {
         const int64_t offset = start % block_size;
         const int64_t room = block_size - offset;
-        const int64_t n = (len - start < room) ? len - start : room;
+        const int64_t n = (last - start < room) ? last - start : room;
         const int64_t base = table[start / block_size] * block_size + offset;
-        if (start + n < len) {
+        if (start + n < last) {
             /* The next block's rows are scattered (one per slot, slot_stride apart): ask for
              * them now so the loads overlap this block's arithmetic. */
             const int64_t next = table[start / block_size + 1] * block_size;
             for (int64_t j = 0; j < block_size; ++j) {
-                const int64_t at = ((next + j) * slot_stride + kvh * head_dim) * element;
-                for (int64_t b = 0; b < head_dim * element; b += 64) { /* one per 64-byte line */
+                const int64_t at = ((next + j) * slot_stride + column) * element;
+                for (int64_t b = 0; b < D * element; b += 64) { /* one per 64-byte line */
                     __builtin_prefetch((const char *)k_cache + at + b);
                     __builtin_prefetch((const char *)v_cache + at + b);
                 }
             }
         }
         int64_t k_stride, v_stride;
-        const float *k_rows = block_rows(k_cache, kv_half, base, n, slot_stride, kvh * head_dim, head_dim,
-                                         k_buffer, &k_stride);
-        for (int64_t j = 0; j < n; ++j) {
-            const float *k = k_rows + j * k_stride;
-            for (int64_t g = 0; g < group; ++g) {
-                const float *qg = qs[g];
-                float dot = 0.0f;
+        const float *k_rows = block_rows(k_cache, kv_half, base, n, slot_stride, column, D, k_buffer, &k_stride);
+        for (int64_t g = 0; g < group; ++g) {
+            const float *qg = qs + g * D;
+            if (vectors) {
+                v16 qv[D / 16];
+                for (int64_t c = 0; c < D / 16; ++c) qv[c] = load16(qg + 16 * c);
+                for (int64_t j = 0; j < n; ++j) {
+                    const float *k = k_rows + j * k_stride;
+                    v16 dot = qv[0] * load16(k);
+                    for (int64_t c = 1; c < D / 16; ++c) dot += qv[c] * load16(k + 16 * c);
+                    scores[g][j] = sum16(dot);
+                }
+            } else {
+                for (int64_t j = 0; j < n; ++j) {
+                    const float *k = k_rows + j * k_stride;
+                    float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * k[d];
-                scores[g][j] = dot;
+                    for (int64_t d = 0; d < D; ++d) dot += qg[d] * k[d];
+                    scores[g][j] = dot;
+                }
             }
         }
+        float correction[MAX_GROUP];
         for (int64_t g = 0; g < group; ++g) {
             float *sg = scores[g];
             float block_max = m[g];
@@ -135,32 +155,140 @@ __attribute__((noinline)) void paged_decode_attention_item(
                 sg[j] = exp_nonpositive(sg[j] - block_max);
                 block_sum += sg[j];
             }
-            const float correction = exp_nonpositive(m[g] - block_max);
-            l[g] = l[g] * correction + block_sum;
+            correction[g] = exp_nonpositive(m[g] - block_max);
+            l[g] = l[g] * correction[g] + block_sum;
             m[g] = block_max;
-            float *a = acc[g];
-            if (correction != 1.0f) {
-#pragma omp simd
-                for (int64_t d = 0; d < head_dim; ++d) a[d] *= correction;
-            }
         }
-        const float *v_rows = block_rows(v_cache, kv_half, base, n, slot_stride, kvh * head_dim, head_dim,
-                                         v_buffer, &v_stride);
-        for (int64_t j = 0; j < n; ++j) {
-            const float *v = v_rows + j * v_stride;
-            for (int64_t g = 0; g < group; ++g) {
-                const float p = scores[g][j];
-                float *a = acc[g];
+        const float *v_rows = block_rows(v_cache, kv_half, base, n, slot_stride, column, D, v_buffer, &v_stride);
+        for (int64_t g = 0; g < group; ++g) {
+            float *a = acc + g * D;
+            const float *pg = scores[g];
+            if (vectors) {
+                v16 av[D / 16];
+                for (int64_t c = 0; c < D / 16; ++c) av[c] = load16(a + 16 * c) * correction[g];
+                for (int64_t j = 0; j < n; ++j) {
+                    const float *v = v_rows + j * v_stride;
+                    for (int64_t c = 0; c < D / 16; ++c) av[c] += pg[j] * load16(v + 16 * c);
+                }
+                memcpy(a, av, D * sizeof(float));
+            } else {
 #pragma omp simd
-                for (int64_t d = 0; d < head_dim; ++d) a[d] += p * v[d];
+                for (int64_t d = 0; d < D; ++d) a[d] *= correction[g];
+                for (int64_t j = 0; j < n; ++j) {
+                    const float *v = v_rows + j * v_stride;
+#pragma omp simd
+                    for (int64_t d = 0; d < D; ++d) a[d] += pg[j] * v[d];
+                }
             }
         }
         start += n;
     }
+}
+
+/* The parts of a row attending to positions start .. len-1 (at least one). */
+static inline int64_t row_first_part(int64_t start) { return start / PART_TOKENS; }
+static inline int64_t row_parts(int64_t start, int64_t len) {
+    const int64_t parts = (len + PART_TOKENS - 1) / PART_TOKENS - row_first_part(start);
+    return parts > 1 ? parts : 1;
+}
+
+/* Parts per row for a call: the work items are (row, kv head, part < this), the scratch holds
+ * that many partial results per (row, kv head). */
+int64_t paged_decode_attention_parts(const int64_t *seq_lens, const int64_t *seq_starts, int64_t num_seqs) {
+    int64_t parts = 1;
+    for (int64_t s = 0; s < num_seqs; ++s) {
+        const int64_t p = row_parts(seq_starts ? seq_starts[s] : 0, seq_lens[s]);
+        parts = p > parts ? p : parts;
+    }
+    return parts;
+}
+
+/* Floats of scratch per (row, kv head, part): the group's unnormalized outputs, maxima and sums. */
+static inline int64_t partial_floats(int64_t group, int64_t head_dim) { return group * (head_dim + 2); }
+
+/* Work item `work` of paged_decode_attention (below): row work / parts / num_kv_heads, kv head
+ * work / parts % num_kv_heads, part work % parts. A row of one part writes its output; otherwise
+ * the part leaves its softmax state in `partial` for paged_decode_attention_merge. Exported so
+ * that a caller already running on every thread (decode_layers.c) can share the items out
+ * itself; never inlined, so both callers run the same instructions. */
+__attribute__((noinline)) void paged_decode_attention_part(
+    const float *q, const void *k_cache, const void *v_cache, float *out, const int64_t *block_tables,
+    const int64_t *seq_lens, const int64_t *seq_starts, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t slot_stride, int64_t block_size, int64_t max_blocks, float scale, int64_t kv_half, int64_t parts,
+    float *partial, int64_t work) {
+    const int64_t part = work % parts, pair = work / parts;
+    const int64_t s = pair / num_kv_heads, kvh = pair % num_kv_heads;
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t start = seq_starts ? seq_starts[s] : 0, len = seq_lens[s];
+    /* parts == 1: the caller has no scratch; every row is then one part, start .. len - 1 */
+    const int64_t count = parts == 1 ? 1 : row_parts(start, len);
+    if (part >= count) return;
+    const int64_t lo = (row_first_part(start) + part) * PART_TOKENS;
+    const int64_t first = count == 1 || start > lo ? start : lo;
+    const int64_t last = count == 1 || len < lo + PART_TOKENS ? len : lo + PART_TOKENS;
+    float qs[MAX_GROUP * MAX_HEAD_DIM], acc[MAX_GROUP * MAX_HEAD_DIM];
+    float m[MAX_GROUP], l[MAX_GROUP];
     for (int64_t g = 0; g < group; ++g) {
+        const float *src = q + (s * num_heads + kvh * group + g) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) {
+            qs[g * head_dim + d] = src[d] * scale; /* fold the softmax scale into q once */
+            acc[g * head_dim + d] = 0.0f;
+        }
+        m[g] = -FLT_MAX;
+        l[g] = 0.0f;
+    }
+    const int64_t *table = block_tables + s * max_blocks;
+    const int64_t column = kvh * head_dim;
+    if (head_dim == 64)
+        attend_span(64, qs, k_cache, v_cache, table, first, last, group, column, slot_stride, block_size, kv_half, m,
+                    l, acc);
+    else if (head_dim == 128)
+        attend_span(128, qs, k_cache, v_cache, table, first, last, group, column, slot_stride, block_size, kv_half,
+                    m, l, acc);
+    else
+        attend_span(head_dim, qs, k_cache, v_cache, table, first, last, group, column, slot_stride, block_size,
+                    kv_half, m, l, acc);
+    if (count == 1) {
+        for (int64_t g = 0; g < group; ++g) {
+            float *o = out + (s * num_heads + kvh * group + g) * head_dim;
+            const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+            for (int64_t d = 0; d < head_dim; ++d) o[d] = acc[g * head_dim + d] * inv;
+        }
+        return;
+    }
+    float *state = partial + work * partial_floats(group, head_dim);
+    memcpy(state, acc, group * head_dim * sizeof(float));
+    memcpy(state + group * head_dim, m, group * sizeof(float));
+    memcpy(state + group * head_dim + group, l, group * sizeof(float));
+}
+
+/* The output of (row, kv head) `pair` from its parts' states, combined in part order. */
+__attribute__((noinline)) void paged_decode_attention_merge(float *out, const int64_t *seq_lens,
+                                                            const int64_t *seq_starts, int64_t num_heads,
+                                                            int64_t num_kv_heads, int64_t head_dim, int64_t parts,
+                                                            const float *partial, int64_t pair) {
+    const int64_t s = pair / num_kv_heads, kvh = pair % num_kv_heads;
+    const int64_t group = num_heads / num_kv_heads, stride = partial_floats(group, head_dim);
+    const int64_t count = parts == 1 ? 1 : row_parts(seq_starts ? seq_starts[s] : 0, seq_lens[s]);
+    if (count == 1) return; /* written by its only part */
+    const float *states = partial + pair * parts * stride;
+    for (int64_t g = 0; g < group; ++g) {
+        float top = -FLT_MAX;
+        for (int64_t p = 0; p < count; ++p) {
+            const float mp = states[p * stride + group * head_dim + g];
+            top = mp > top ? mp : top;
+        }
+        float total = 0.0f;
         float *o = out + (s * num_heads + kvh * group + g) * head_dim;
-        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
-        for (int64_t d = 0; d < head_dim; ++d) o[d] = acc[g][d] * inv;
+        for (int64_t d = 0; d < head_dim; ++d) o[d] = 0.0f;
+        for (int64_t p = 0; p < count; ++p) {
+            const float *state = states + p * stride;
+            const float w = exp_nonpositive(state[group * head_dim + g] - top);
+            total += state[group * head_dim + group + g] * w;
+            for (int64_t d = 0; d < head_dim; ++d) o[d] += state[g * head_dim + d] * w;
+        }
+        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+        for (int64_t d = 0; d < head_dim; ++d) o[d] *= inv;
     }
 }
 
@@ -171,12 +299,30 @@ void paged_decode_attention(const float *q, const void *k_cache, const void *v_c
                             int64_t block_size, int64_t max_blocks, float scale, int64_t kv_half) {
     /* k_cache/v_cache point at slot 0's K and V; consecutive slots are slot_stride elements apart
      * (float, or _Float16 when kv_half). Row s attends to positions seq_starts[s] .. seq_lens[s]-1
-     * (seq_starts NULL: from 0; a sliding window starts later). */
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t work = 0; work < num_seqs * num_kv_heads; ++work)
-        paged_decode_attention_item(q, k_cache, v_cache, out, block_tables, seq_lens, seq_starts, num_heads,
-                                    num_kv_heads, head_dim, slot_stride, block_size, max_blocks, scale, kv_half,
-                                    work);
+     * (seq_starts NULL: from 0; a sliding window starts later). The parts' states go to a
+     * scratch allocated here (if that fails, every row runs as one part). */
+    const int64_t pairs = num_seqs * num_kv_heads;
+    int64_t parts = paged_decode_attention_parts(seq_lens, seq_starts, num_seqs);
+    float *partial = NULL;
+    if (parts > 1) {
+        partial = malloc(pairs * parts * partial_floats(num_heads / num_kv_heads, head_dim) * sizeof(float));
+        if (partial == NULL) parts = 1;
+    }
+#pragma omp parallel
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t work = 0; work < pairs * parts; ++work)
+            paged_decode_attention_part(q, k_cache, v_cache, out, block_tables, seq_lens, seq_starts, num_heads,
+                                        num_kv_heads, head_dim, slot_stride, block_size, max_blocks, scale, kv_half,
+                                        parts, partial, work);
+        if (parts > 1) {
+#pragma omp for schedule(static)
+            for (int64_t pair = 0; pair < pairs; ++pair)
+                paged_decode_attention_merge(out, seq_lens, seq_starts, num_heads, num_kv_heads, head_dim, parts,
+                                             partial, pair);
+        }
+    }
+    free(partial);
 }
 
 /* Store a step's K and V (fp32, `row` values per token, tokens k_stride / v_stride apart) at

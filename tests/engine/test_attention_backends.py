@@ -55,10 +55,11 @@ def _step(
         ([1, 1, 64, 6, 40, 2], [33, 200, 64, 90, 500, 2]),  # long chunks between short ones: gathered rows
         ([KERNEL_CHUNK_TOKENS + 1], [KERNEL_CHUNK_TOKENS + 30]),  # just over the threshold: tiled GEMMs
         ([1, 300, 200], [50, 800, 200]),  # chunks longer than a query tile, after a prefix and from 0
+        ([1] * 6, [127, 128, 129, 256, 700, 1000]),  # decode contexts of one part and of several
     ],
 )
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("window", [None, 37])
+@pytest.mark.parametrize("window", [None, 37, 200])
 def test_cpu_kernel_matches_reference(
     query_lens: list[int], seq_lens: list[int], kv_dtype: torch.dtype, window: int | None
 ) -> None:
@@ -84,7 +85,7 @@ def test_cpu_kernel_matches_reference(
     torch.testing.assert_close(outputs[0], outputs[1], atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("window", [None, 37])
+@pytest.mark.parametrize("window", [None, 37, 200])
 def test_row_kernel_only_is_the_same_however_a_prompt_is_chunked(window: int | None) -> None:
     """A 300-token prompt attended in one chunk, and again as chunks of 100 and 7 over the cache
     the earlier chunks wrote: bit-identical rows (the tiled path differs in the last bits)."""
@@ -119,3 +120,34 @@ def test_row_kernel_only_is_the_same_however_a_prompt_is_chunked(window: int | N
         pieces.append(backend.forward(q[start:end], k[start:end], v[start:end], cache, meta, 0.125))
         start = end
     assert torch.equal(torch.cat(pieces), whole)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_a_decode_row_is_the_same_bits_in_any_batch(kv_dtype: torch.dtype) -> None:
+    """A row's context is split into parts by its own length only: alone, or beside rows of
+    other lengths (which change how many work items the call has), its output is bit-identical."""
+    backend = CpuPagedBackend()
+    torch.manual_seed(0)
+    lengths = [700, 3, 129, 1000, 256]
+    num_blocks = sum(-(-n // BLOCK) for n in lengths) + 1
+    cache = torch.randn(num_blocks * BLOCK, 2, KV_HEADS, HEAD_DIM).to(kv_dtype)
+    q = torch.randn(len(lengths), HEADS, HEAD_DIM)
+    k = torch.randn(len(lengths), KV_HEADS, HEAD_DIM)
+    v = torch.randn(len(lengths), KV_HEADS, HEAD_DIM)
+    batch_meta = _step([1] * len(lengths), lengths, num_blocks, seed=5)
+    backend.prepare(batch_meta)
+    batch = backend.forward(q, k, v, cache.clone(), batch_meta, 0.125)
+    for i, length in enumerate(lengths):
+        table = batch_meta.block_tables[i : i + 1, : -(-length // BLOCK)]
+        meta = AttentionMetadata(
+            slot_mapping=batch_meta.slot_mapping[i : i + 1],
+            block_tables=table.contiguous(),
+            seq_lens=torch.tensor([length]),
+            query_lens=[1],
+            seq_lens_list=[length],
+            num_decodes=1,
+            block_size=BLOCK,
+        )
+        backend.prepare(meta)
+        alone = backend.forward(q[i : i + 1], k[i : i + 1], v[i : i + 1], cache.clone(), meta, 0.125)
+        assert torch.equal(alone, batch[i : i + 1]), f"row of {length} tokens"

@@ -53,7 +53,13 @@ def build_decode_stack(layers: Sequence[torch.nn.Module], backend: CpuPagedBacke
         (attn.num_heads, attn.num_kv_heads, attn.head_dim),
         tables,
         attn.scale,
-        (rowwise.rotary_address, backend.write_kv_address, backend.decode_item_address),
+        (
+            rowwise.rotary_address,
+            backend.write_kv_address,
+            backend.decode_part_address,
+            backend.decode_merge_address,
+            backend.decode_parts_address,
+        ),
     )
 
 
