@@ -59,6 +59,12 @@ class RouterConfig:
     cache_threshold: float = option(
         0.3, help="cache_aware: the least share of the prompt a replica must hold to be chosen for it"
     )
+    spread_shared_prefixes: bool = option(
+        True,
+        help="cache_aware: a prompt whose cached prefix is only what other conversations also began "
+        "with (a common system prompt) is placed by load like a new conversation, not gathered where "
+        "that prefix is cached",
+    )
     balance_abs_threshold: int = option(
         64, help="cache_aware: route by load alone when the busiest replica has this many more requests ..."
     )

@@ -31,6 +31,7 @@ from starlette.routing import Route
 
 from deepinfer.config.router import RouterConfig
 from deepinfer.engine.kv_cache.events import DEVICE
+from deepinfer.router.branches import ConversationTree
 from deepinfer.router.index import PrefixIndex
 from deepinfer.router.metrics import RouterMetrics
 from deepinfer.router.policy import Candidate, Decision, Policy
@@ -82,14 +83,17 @@ class Router:
         self.client = client
         self.metrics = metrics
         self.policies = {role: Policy(config) for role in ("both", "prefill", "decode")}
+        self.conversations = ConversationTree()  # where routed prompts branch off each other
         self.draining = False
 
     # -- choosing -------------------------------------------------------------------------------
 
     def _candidates(
         self, role: str, features: PromptFeatures | None, api_key: str | None, exclude: set[str]
-    ) -> list[Candidate]:
-        candidates = []
+    ) -> tuple[list[Candidate], dict[str, list[bytes]]]:
+        """The available replicas with what they hold of the prompt, and the prompt's block
+        hashes for each (per its fingerprint, block size and salt)."""
+        candidates, chains = [], {}
         for replica in self.replicas.pool(role):
             if not replica.available or replica.name in exclude:
                 continue
@@ -98,15 +102,16 @@ class Router:
                 salt = features.salt_for(api_key, replica.cache_salt_per_key)
                 hashes = features.block_hashes(replica.fingerprint, replica.block_size, salt)
                 total = len(hashes)
-                match = self.index.match(replica.name, hashes)
+                match = self.index.match(replica.name, hashes, self.conversations.shared_blocks(hashes))
+                chains[replica.name] = hashes
             cached = self.index.size(replica.name).get(DEVICE, 0)
             candidates.append(Candidate(replica, match, total, cached))
-        return candidates
+        return candidates, chains
 
     def _pick(
         self, role: str, features: PromptFeatures | None, api_key: str | None, exclude: set[str]
     ) -> Replica | None:
-        candidates = self._candidates(role, features, api_key, exclude)
+        candidates, chains = self._candidates(role, features, api_key, exclude)
         if not candidates:
             return None
         decision: Decision = self.policies[role].choose(
@@ -114,6 +119,8 @@ class Router:
         )
         replica = decision.replica
         assert isinstance(replica, Replica)
+        if replica.name in chains:
+            self.conversations.record(chains[replica.name])
         replica.breaker.allow()  # an open circuit past its cooldown lets this one through as the probe
         self.metrics.routed(role, replica.name, decision.reason, decision.total_blocks, decision.credit)
         return replica

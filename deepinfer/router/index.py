@@ -37,6 +37,13 @@ class PrefixMatch:
     credit: float  # blocks, weighted by tier
     num_blocks: int  # blocks matched in any tier
     device_blocks: int
+    # the credit of the matched blocks past those the prompt shares with other conversations
+    # (branches.py); None: all of it
+    own: float | None = None
+
+    @property
+    def own_credit(self) -> float:
+        return self.credit if self.own is None else self.own
 
     def ratio(self, total_blocks: int) -> float:
         return self.credit / total_blocks if total_blocks else 0.0
@@ -86,27 +93,31 @@ class PrefixIndex:
             return self._stores.setdefault(cache.store, set())
         return cache.device  # DEVICE, or None from a publisher that names no tier
 
-    def match(self, name: str, block_hashes: list[bytes]) -> PrefixMatch:
+    def match(self, name: str, block_hashes: list[bytes], shared_blocks: int = 0) -> PrefixMatch:
+        """The chain's match on replica `name`; the first `shared_blocks` blocks (shared with other
+        conversations) earn no own credit."""
         cache = self._replicas.get(name)
         if cache is None:
-            return PrefixMatch(0.0, 0, 0)
+            return PrefixMatch(0.0, 0, 0, 0.0)
         store = self._stores.get(cache.store) if cache.store is not None else None
-        credit = 0.0
+        credit = own = 0.0
         device_blocks = 0
         matched = 0
         for prefix_hash in block_hashes:
             if prefix_hash in cache.device:
-                credit += self.credits.device
+                earned = self.credits.device
                 if matched == device_blocks:
                     device_blocks += 1
             elif prefix_hash in cache.host:
-                credit += self.credits.host
+                earned = self.credits.host
             elif store is not None and prefix_hash in store:
-                credit += self.credits.store
+                earned = self.credits.store
             else:
                 break
+            credit += earned
+            own += earned if matched >= shared_blocks else 0.0
             matched += 1
-        return PrefixMatch(credit, matched, device_blocks)
+        return PrefixMatch(credit, matched, device_blocks, own)
 
     def size(self, name: str) -> dict[str, int]:
         cache = self._replicas.get(name)

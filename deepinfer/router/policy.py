@@ -9,6 +9,11 @@ and among equally loaded ones the one whose device cache holds the fewest blocks
 "smallest tree"): a new session whose prompt shares only a system prompt with the cached ones
 goes where it adds least pressure, rather than to the first of several idle replicas, which
 would gather every session on one replica whenever they arrive while the others idle.
+With `spread_shared_prefixes` (the default) only replicas holding some of the conversation's own
+blocks, past what it shares with other conversations (branches.py), count as holding the prompt:
+a new session that shares a system prompt with cached ones is a new conversation, placed by load,
+and the system prompt is computed once more on the replica it lands on; SGLang's rule (every
+cached block counts) gathers such sessions on the replica that served the first.
 
 Least work: the replica where the request's first token is estimated to come soonest, the prompt
 blocks it would compute there (the prompt less the replica's credit) plus `request_cost_blocks`
@@ -99,10 +104,13 @@ class Policy:
         ):
             chosen = self._least_loaded(candidates, session)
             return Decision(chosen.replica, "balance", chosen.credit, chosen.total_blocks)
-        best = max(c.credit for c in candidates)
+        holders = candidates
+        if config.spread_shared_prefixes:  # replicas holding some of this conversation's own blocks
+            holders = [c for c in candidates if c.match is not None and c.match.own_credit > 0]
+        best = max((c.credit for c in holders), default=0.0)
         total = candidates[0].total_blocks
         if total and best / total >= config.cache_threshold:
-            tied = [c for c in candidates if c.credit >= best - CREDIT_EPSILON]
+            tied = [c for c in holders if c.credit >= best - CREDIT_EPSILON]
             chosen = self._least_loaded(tied, session)
             return Decision(chosen.replica, "cache", chosen.credit, chosen.total_blocks)
         last = self._sessions.get(session) if session is not None else None

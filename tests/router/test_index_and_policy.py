@@ -163,3 +163,55 @@ def test_config_errors_name_the_option() -> None:
         RouterConfig(replicas=("localhost:8000",))
     with pytest.raises(ConfigError, match=r"^policy"):
         RouterConfig(replicas=("http://a:1",), policy="random")
+
+
+def test_the_tree_tells_a_shared_system_prompt_from_a_conversations_own_history() -> None:
+    from deepinfer.router.branches import ConversationTree
+
+    system = [bytes([1, i]) * 16 for i in range(4)]
+    one = [bytes([2, i]) * 16 for i in range(3)]
+    two = [bytes([3, i]) * 16 for i in range(3)]
+    tree = ConversationTree()
+    assert tree.shared_blocks(system + one) == 0  # nothing recorded yet
+    tree.record(system + one)
+    # a second session leaves the first one's chain after the system prompt
+    assert tree.shared_blocks(system + two) == len(system)
+    tree.record(system + two)
+    # the first session's next turn goes on along its own chain: only the system prompt is shared
+    assert tree.shared_blocks(system + one + [b"\x09" * 32]) == len(system)
+    # a third session branches where the two others did
+    assert tree.shared_blocks([*system, b"\x08" * 32]) == len(system)
+    small = ConversationTree(max_nodes=3)
+    small.record(system + one)
+    assert len(small) == 3  # the oldest links are forgotten
+
+
+def test_cache_aware_places_a_new_session_sharing_only_the_system_prompt_by_load() -> None:
+    """Replica r0 holds the system prompt and session one; a new session's prompt is mostly that
+    system prompt. Counting every cached block (SGLang's rule) gathers it on r0; counting only
+    the conversation's own blocks places it on the idle, empty r1, while session one's next turn
+    stays on r0."""
+    from deepinfer.router.branches import ConversationTree
+
+    system = [bytes([1, i]) * 16 for i in range(6)]
+    one = [bytes([2, i]) * 16 for i in range(2)]
+    two = [bytes([3, i]) * 16 for i in range(2)]
+    index = PrefixIndex()
+    index.add_replica("r0", None)
+    index.add_replica("r1", None)
+    index.apply("r0", [stored(system + one)])
+    tree = ConversationTree()
+    tree.record(system + one)
+
+    def choose(policy: Policy, chain: list[bytes]) -> str:
+        shared = tree.shared_blocks(chain)
+        candidates = [
+            Candidate(FakeReplica("r0"), index.match("r0", chain, shared), len(chain), 8),
+            Candidate(FakeReplica("r1"), index.match("r1", chain, shared), len(chain), 0),
+        ]
+        return policy.choose(candidates, None).replica.name
+
+    assert choose(Policy(config(spread_shared_prefixes=False)), system + two) == "r0"
+    assert choose(Policy(config()), system + two) == "r1"
+    tree.record(system + two)
+    assert choose(Policy(config()), system + one + [b"\x07" * 32]) == "r0"
