@@ -3,11 +3,12 @@
     .venv/bin/python bench/gguf_kernels.py [--threads 2] [--repeats 20]
 
 - the default model's own projections (Q4_1 layers, the Q8_0 tied head) at M = 1 (batch-1
-  decode), 8, 32 (decode batches) and 128, 512 (prefill chunks), beside fp32 `F.linear` on the
+  decode), 8, 32 (decode batches) and 128, 512 (prefill chunks), in the file's block layout and
+  interleaved eight rows at a time (what the engine computes on), beside fp32 `F.linear` on the
   same weights dequantized (what quantization="none" runs);
 - one decode pass over every projection of the model (30 layers and the head) at M = 1, the
-  weight-reading part of a batch-1 step, with its tok/s ceiling;
-- each format on one synthetic 4096 x 1024 matrix at M = 1 and 32;
+  weight-reading part of a batch-1 step, with its tok/s ceiling, in both layouts;
+- each format on one synthetic 4096 x 1024 matrix at M = 1 and 32 (interleaved where it can be);
 - the roofline as `bench roofline` measures it: best copy/add bandwidth and fp32 GEMM peak.
 GB/s counts the packed weight bytes read once per call; GOP/s counts 2·M·N·K. Times are the best
 of `--repeats` calls after a warm-up.
@@ -58,12 +59,15 @@ def _dense(group: PackedGroup) -> torch.Tensor:
     return torch.from_numpy(np.concatenate(parts).astype(np.float32))
 
 
-def model_groups() -> dict[str, list[PackedGroup]]:
+def model_groups(interleaved: bool) -> dict[str, list[PackedGroup]]:
     tensors = {t.name: t for t in read_tensors(default_model_path())}
     layers = 1 + max(int(name.split(".")[1]) for name in tensors if name.startswith("blk."))
+    kernels = gguf_kernels()
+    assert kernels is not None
 
     def group(*names: str) -> PackedGroup:
-        return PackedGroup([_matrix(tensors[name]) for name in names])
+        matrices = [_matrix(tensors[name]) for name in names]
+        return PackedGroup([kernels.interleave(m) for m in matrices] if interleaved else matrices)
 
     groups: dict[str, list[PackedGroup]] = {"qkv": [], "o": [], "gate_up": [], "down": []}
     for i in range(layers):
@@ -76,12 +80,15 @@ def model_groups() -> dict[str, list[PackedGroup]]:
     return groups
 
 
-def _row(label: str, m: int, group: PackedGroup, seconds: float, dense_seconds: float | None) -> str:
+def _row(
+    label: str, m: int, group: PackedGroup, file_seconds: float, seconds: float, dense_seconds: float
+) -> str:
     gbs = group.nbytes / seconds / 1e9
     gops = 2 * m * group.rows * group.cols / seconds / 1e9
-    dense = f"{dense_seconds * 1e3:.3f}" if dense_seconds else ""
-    speedup = f"{dense_seconds / seconds:.2f}×" if dense_seconds else ""
-    return f"| {label} | {m} | {seconds * 1e3:.3f} | {gbs:.1f} | {gops:.1f} | {dense} | {speedup} |"
+    return (
+        f"| {label} | {m} | {file_seconds * 1e3:.3f} | {seconds * 1e3:.3f} | {gbs:.1f} | {gops:.1f} | "
+        f"{dense_seconds * 1e3:.3f} | {dense_seconds / seconds:.2f}× |"
+    )
 
 
 def main() -> None:
@@ -99,28 +106,41 @@ def main() -> None:
         f"roofline: bandwidth {roof.peak_bytes_per_s / 1e9:.1f} GB/s (copy {roof.copy_bytes_per_s / 1e9:.1f}, "
         f"add {roof.add_bytes_per_s / 1e9:.1f}), fp32 GEMM peak {roof.peak_flops / 1e9:.1f} GFLOP/s\n"
     )
-    groups = model_groups()
-    print("| projection (layer 0) | M | gguf ms | GB/s | GOP/s | fp32 F.linear ms | speed-up |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    groups, file_groups = model_groups(interleaved=True), model_groups(interleaved=False)
+    print(
+        "| projection (layer 0) | M | file layout ms | interleaved ms | GB/s | GOP/s | fp32 F.linear ms "
+        "| speed-up over fp32 |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, items in groups.items():
-        group = items[0]
-        dense = _dense(group)
-        fmt = "+".join(sorted({_TYPE_NAMES[m.qtype] for m in group.matrices}))
+        group, file_group = items[0], file_groups[name][0]
+        dense = _dense(file_group)
+        fmt = "+".join(sorted({_TYPE_NAMES[m.qtype] for m in file_group.matrices}))
         for m in M_VALUES:
             x = torch.randn(m, group.cols)
             seconds = _best(lambda x=x, group=group: kernels.matmul(x, group), args.repeats)
+            file_seconds = _best(lambda x=x, group=file_group: kernels.matmul(x, group), args.repeats)
             dense_seconds = _best(lambda x=x, dense=dense: F.linear(x, dense), args.repeats)
-            print(_row(f"{name} {group.rows}×{group.cols} {fmt}", m, group, seconds, dense_seconds))
+            print(
+                _row(
+                    f"{name} {group.rows}×{group.cols} {fmt}", m, group, file_seconds, seconds, dense_seconds
+                )
+            )
 
-    every = [g for items in groups.values() for g in items]
-    inputs = {g.cols: torch.randn(1, g.cols) for g in every}
-    total = sum(g.nbytes for g in every)
-    seconds = _best(lambda: [kernels.matmul(inputs[g.cols], g) for g in every], max(3, args.repeats // 4))
-    print(
-        f"\ndecode pass, every projection at M = 1: {seconds * 1e3:.2f} ms for {total / 2**20:.1f} MiB "
-        f"= {total / seconds / 1e9:.1f} GB/s ({total / seconds / roof.peak_bytes_per_s:.0%} of the roofline "
-        f"bandwidth); ceiling {1 / seconds:.0f} tok/s for the weights alone\n"
-    )
+    for label, layout in (("file layout", file_groups), ("interleaved", groups)):
+        every = [g for items in layout.values() for g in items]
+        inputs = {g.cols: torch.randn(1, g.cols) for g in every}
+        total = sum(g.nbytes for g in every)
+        seconds = _best(
+            lambda every=every, inputs=inputs: [kernels.matmul(inputs[g.cols], g) for g in every],
+            max(3, args.repeats // 4),
+        )
+        print(
+            f"\ndecode pass ({label}), every projection at M = 1: {seconds * 1e3:.2f} ms for "
+            f"{total / 2**20:.1f} MiB = {total / seconds / 1e9:.1f} GB/s ({total / seconds / roof.peak_bytes_per_s:.0%} "
+            f"of the roofline bandwidth); ceiling {1 / seconds:.0f} tok/s for the weights alone"
+        )
+    print()
 
     rng = np.random.default_rng(0)
     print("| format, 4096×1024 | M | ms | GB/s | GOP/s |")
@@ -129,7 +149,7 @@ def main() -> None:
     from tests.kernels.gguf_testing import random_packed  # the blocks the kernel tests use
 
     for name in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"):
-        group = PackedGroup([random_packed(name, 4096, 1024, rng)])
+        group = PackedGroup([kernels.interleave(random_packed(name, 4096, 1024, rng))])
         for m in (1, 32):
             x = torch.randn(m, 1024)
             seconds = _best(lambda x=x, group=group: kernels.matmul(x, group), args.repeats)

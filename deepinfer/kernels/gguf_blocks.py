@@ -1,7 +1,9 @@
 """Products and row lookups on GGUF-packed weights, through the C kernel gguf_matmul.c.
 
 A `PackedMatrix` is a weight matrix in the file's own blocks (a view of the memory-mapped file
-when nothing had to be reordered). A `PackedGroup` is one or more of them with the same number of
+when nothing had to be reordered), or, for the 32-wide formats, the same blocks with every eight
+rows interleaved (`GGUFKernels.interleave`: a copy the size of the file's, computed on 1.5-3x
+faster, with the same bits). A `PackedGroup` is one or more of them with the same number of
 columns, multiplied as if their rows were concatenated (fused q/k/v, gate/up), each in its own
 format, in one kernel call. The numerics are described at the top of gguf_matmul.c.
 """
@@ -25,12 +27,17 @@ _FLAGS = ("-ffp-contract=off",)
 _PROLOGUE_NONE, _PROLOGUE_RMS_NORM, _PROLOGUE_SWIGLU = 0, 1, 2  # as in gguf_matmul.c
 
 
+# Our ids of the 32-wide formats with every eight rows interleaved (gguf_matmul.c's block_q4_0x8
+# and kin): what the kernels compute fastest on; the same bytes, rearranged.
+INTERLEAVED_TYPES = {f"{name}_X8": 100 + PACKED_TYPES[name] for name in ("Q4_0", "Q4_1", "Q8_0")}
+
+
 @dataclass(slots=True)
 class PackedMatrix:
-    qtype: int  # ggml type id, one of PACKED_TYPES
+    qtype: int  # ggml type id, one of PACKED_TYPES, or one of INTERLEAVED_TYPES
     rows: int
     cols: int
-    data: np.ndarray  # uint8 [rows, bytes per row], C-contiguous
+    data: np.ndarray  # uint8 [rows, bytes per row], C-contiguous (interleaved: the same bytes, moved)
 
     @property
     def nbytes(self) -> int:
@@ -54,6 +61,8 @@ class GGUFKernels:
         lib.gguf_block_bytes.restype = i64
         lib.gguf_block_elems.argtypes = [ctypes.c_int]
         lib.gguf_simd_level.restype = ctypes.c_int
+        lib.gguf_interleave.argtypes = [ctypes.c_int, ptr, i64, i64, ptr]
+        lib.gguf_interleave.restype = ctypes.c_int
         self.simd_level = lib.gguf_simd_level()  # 0 portable C, 1 AVX2, 2 VNNI dot products
         self._matmul = lib.gguf_matmul
         self._local = threading.local()  # each thread's scratch buffer, grown on demand
@@ -65,6 +74,17 @@ class GGUFKernels:
         if cols % elems:
             raise ValueError(f"a row of {cols} values is not a whole number of {elems}-value blocks")
         return cols // elems * self._lib.gguf_block_bytes(qtype)
+
+    def interleave(self, matrix: PackedMatrix) -> PackedMatrix:
+        """The matrix with every eight rows interleaved, a new copy (the same products, bit for
+        bit, about 1.5x faster at one row and 3x at several); the matrix itself when its format
+        or row count has no interleaved form."""
+        source = np.ascontiguousarray(matrix.data)
+        data = np.empty_like(source)
+        qtype = self._lib.gguf_interleave(
+            matrix.qtype, source.ctypes.data, matrix.rows, matrix.cols, data.ctypes.data
+        )
+        return matrix if qtype == 0 else PackedMatrix(qtype, matrix.rows, matrix.cols, data)
 
     def matmul(self, x: torch.Tensor, group: PackedGroup, portable: bool = False) -> torch.Tensor:
         """x [M, K] float32 -> [M, group.rows] float32. `portable` forces the plain C path."""

@@ -20,7 +20,8 @@
  * separate calls of a decoder layer): RMSNorm of x + residual (the sum also written out: the new
  * residual stream), or SwiGLU of a [gate | up] row.
  * A row's result depends only on its own activations: batching, threads and tiling never change
- * a bit. The AVX2, AVX-512 VNNI (on 256-bit registers) and portable C paths give identical bits:
+ * a bit, nor does the layout: the 32-wide formats may be interleaved eight rows at a time
+ * (gguf_interleave, below), which changes where the bytes lie, not the arithmetic. The AVX2, AVX-512 VNNI (on 256-bit registers) and portable C paths give identical bits:
  * the integer sums are exact whatever their order, the float operations are the ones above, and
  * the file is compiled with -ffp-contract=off so the compiler fuses nothing behind our back.
  */
@@ -40,6 +41,7 @@
 #define AI static inline __attribute__((always_inline))
 
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 }; /* ggml type ids */
+enum { X8 = 100, Q4_0_X8 = X8 + Q4_0, Q4_1_X8 = X8 + Q4_1, Q8_0_X8 = X8 + Q8_0 }; /* ours: below */
 
 /* Packed weight blocks, byte for byte as in a GGUF file. */
 typedef struct { uint16_t d; uint8_t qs[16]; } block_q4_0;                 /* (q - 8) * d */
@@ -47,6 +49,16 @@ typedef struct { uint16_t d, m; uint8_t qs[16]; } block_q4_1;              /* q 
 typedef struct { uint16_t d; int8_t qs[32]; } block_q8_0;                  /* q * d */
 typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; } block_q4_k;
 typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; } block_q6_k;
+
+/* The same blocks of eight consecutive rows interleaved (gguf_interleave), one struct per block
+ * position: the rows' scales side by side, then their quants in groups of four positions, so that
+ * one 32-byte vector holds positions 4k .. 4k+3 of all eight rows (lane j: row j). A dot product
+ * with an activation row's four bytes broadcast leaves each row's block sum in its own lane: no
+ * horizontal sums, one load for eight scales. Nibble formats pack positions 8p .. 8p+3 of row j
+ * in the low nibbles of qs[32p + 4j ..] and 8p+4 .. 8p+7 in the high ones. */
+typedef struct { uint16_t d[8]; uint8_t qs[128]; } block_q4_0x8;
+typedef struct { uint16_t d[8], m[8]; uint8_t qs[128]; } block_q4_1x8;
+typedef struct { uint16_t d[8]; int8_t qs[256]; } block_q8_0x8;
 
 /* Quantized activations of M rows, in scratch: q [M][K] int8; d, s [nb][M] float (block-major,
  * so the scales of neighbouring rows load together); for 256-wide blocks bsum [M][nb][16], the
@@ -66,14 +78,50 @@ static inline float half_to_float(uint16_t h) {
 
 static int block_elems(int qtype) { return qtype == Q4_K || qtype == Q6_K ? 256 : 32; }
 
+/* The file format an interleaved type holds (0: not interleaved). */
+static int interleaved_base(int qtype) {
+    return qtype == Q4_0_X8 || qtype == Q4_1_X8 || qtype == Q8_0_X8 ? qtype - X8 : 0;
+}
+
+/* Bytes per block of one row (an interleaved type: an eighth of its 8-row struct, the same). */
 static int64_t block_bytes(int qtype) {
-    switch (qtype) {
+    switch (interleaved_base(qtype) ? interleaved_base(qtype) : qtype) {
     case Q4_0: return sizeof(block_q4_0);
     case Q4_1: return sizeof(block_q4_1);
     case Q8_0: return sizeof(block_q8_0);
     case Q4_K: return sizeof(block_q4_k);
     case Q6_K: return sizeof(block_q6_k);
     default: return 0;
+    }
+}
+
+/* Value at position i (0..31) of row j of an interleaved nibble block's quants. */
+static inline int x8_nibble(const uint8_t *qs, int j, int i) {
+    const uint8_t byte = qs[32 * (i / 8) + 4 * j + i % 4];
+    return i % 8 < 4 ? byte & 0x0F : byte >> 4;
+}
+
+/* Row j of the 8-row group at `group` (nb interleaved blocks of `qtype`), as the file's blocks. */
+static void x8_row(int qtype, const uint8_t *group, int j, int64_t nb, uint8_t *row) {
+    const int base = interleaved_base(qtype);
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t *blk = group + b * 8 * block_bytes(base);
+        if (base == Q8_0) {
+            const block_q8_0x8 *x = (const block_q8_0x8 *)blk;
+            block_q8_0 *o = (block_q8_0 *)row + b;
+            o->d = x->d[j];
+            for (int i = 0; i < 32; ++i) o->qs[i] = x->qs[32 * (i / 4) + 4 * j + i % 4];
+            continue;
+        }
+        const uint8_t *qs = base == Q4_0 ? ((const block_q4_0x8 *)blk)->qs : ((const block_q4_1x8 *)blk)->qs;
+        uint8_t *out = base == Q4_0 ? ((block_q4_0 *)row)[b].qs : ((block_q4_1 *)row)[b].qs;
+        for (int i = 0; i < 16; ++i) out[i] = (uint8_t)(x8_nibble(qs, j, i) | x8_nibble(qs, j, i + 16) << 4);
+        if (base == Q4_0) {
+            ((block_q4_0 *)row)[b].d = ((const block_q4_0x8 *)blk)->d[j];
+        } else {
+            ((block_q4_1 *)row)[b].d = ((const block_q4_1x8 *)blk)->d[j];
+            ((block_q4_1 *)row)[b].m = ((const block_q4_1x8 *)blk)->m[j];
+        }
     }
 }
 
@@ -438,6 +486,72 @@ AI void tile_q6k(const int MR, const uint8_t *w, const acts *a, int64_t m, float
         else tile32(QT, 1, 1, w, w_stride, a, m, y, ldy);                                                     \
         break;
 
+/* Accumulating form of dot_u8s8. */
+AI __m256i dot_u8s8_acc(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+/* The eight rows of an interleaved group x activation rows [m, m + MR): y[r * ldy + j] for row j.
+ * Per block, lane j of the integer sums is row j's exact block dot product, then the same float
+ * steps as tile32 (so the same bits). Unsigned quants (Q4_1) multiply the activations directly;
+ * signed ones (Q4_0 less its 8, Q8_0) as |w| times the activations carrying w's sign. */
+AI void tile_x8(const int base, const int MR, const uint8_t *group, const acts *a, int64_t m, float *y,
+                int64_t ldy) {
+    const int64_t gbytes = 8 * block_bytes(base);
+    __m256 acc[4], off[4];
+    for (int r = 0; r < MR; ++r) acc[r] = off[r] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int64_t b = 0; b < a->nb; ++b) {
+        const uint8_t *blk = group + b * gbytes;
+        __m256i w[8];
+        if (base == Q8_0) {
+            for (int k = 0; k < 8; ++k) w[k] = _mm256_loadu_si256((const __m256i *)(((const block_q8_0x8 *)blk)->qs + 32 * k));
+        } else {
+            const uint8_t *qs = base == Q4_0 ? ((const block_q4_0x8 *)blk)->qs : ((const block_q4_1x8 *)blk)->qs;
+            for (int p = 0; p < 4; ++p) {
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
+                w[2 * p] = _mm256_and_si256(x, low);
+                w[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(x, 4), low);
+            }
+            if (base == Q4_0)
+                for (int k = 0; k < 8; ++k) w[k] = _mm256_sub_epi8(w[k], _mm256_set1_epi8(8));
+        }
+        __m256i u[8];
+        for (int k = 0; k < 8; ++k) u[k] = base == Q4_1 ? w[k] : _mm256_sign_epi8(w[k], w[k]);
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk)); /* d[8] leads each struct */
+        const __m256 mw = base == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const block_q4_1x8 *)blk)->m))
+                                       : _mm256_setzero_ps();
+        for (int r = 0; r < MR; ++r) {
+            const int8_t *aq = a->q + (m + r) * a->K + 32 * b;
+            __m256i isum = _mm256_setzero_si256();
+            for (int k = 0; k < 8; ++k) {
+                int32_t four;
+                memcpy(&four, aq + 4 * k, sizeof four);
+                const __m256i s = _mm256_set1_epi32(four);
+                isum = dot_u8s8_acc(isum, u[k], base == Q4_1 ? s : _mm256_sign_epi8(s, w[k]));
+            }
+            const __m256 da = _mm256_set1_ps(a->d[b * a->M + m + r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, da), acc[r]);
+            if (base == Q4_1) off[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a->s[b * a->M + m + r]), off[r]);
+        }
+    }
+    for (int r = 0; r < MR; ++r) _mm256_storeu_ps(y + r * ldy, _mm256_add_ps(acc[r], off[r]));
+}
+
+static void run_tile_x8(int qtype, int mr, const uint8_t *group, const acts *a, int64_t m, float *y, int64_t ldy) {
+    switch (interleaved_base(qtype)) {
+    case Q4_0: mr == 4 ? tile_x8(Q4_0, 4, group, a, m, y, ldy) : tile_x8(Q4_0, 1, group, a, m, y, ldy); break;
+    case Q4_1: mr == 4 ? tile_x8(Q4_1, 4, group, a, m, y, ldy) : tile_x8(Q4_1, 1, group, a, m, y, ldy); break;
+    default: mr == 4 ? tile_x8(Q8_0, 4, group, a, m, y, ldy) : tile_x8(Q8_0, 1, group, a, m, y, ldy); break;
+    }
+}
+
 /* One tile through the SIMD path; (nr, mr) is one of the shapes the caller picks. */
 static void run_tile(int qtype, int nr, int mr, const uint8_t *w, int64_t w_stride, const acts *a, int64_t m,
                      float *y, int64_t ldy) {
@@ -475,6 +589,43 @@ int gguf_simd_level(void) {
 }
 
 int64_t gguf_block_bytes(int qtype) { return block_bytes(qtype); }
+
+/* dst = src (rows x K of a 32-wide format, the file's blocks) with every eight rows interleaved
+ * (block_q4_0x8 and kin, same size); returns the interleaved type, or 0 (nothing written) when
+ * the format has no interleaved form or rows is not a multiple of 8. */
+int gguf_interleave(int qtype, const void *src, int64_t rows, int64_t K, void *dst) {
+    if ((qtype != Q4_0 && qtype != Q4_1 && qtype != Q8_0) || rows % 8 || K % 32) return 0;
+    const int64_t nb = K / 32, bb = block_bytes(qtype);
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < rows / 8; ++g) {
+        for (int64_t b = 0; b < nb; ++b) {
+            uint8_t *out = (uint8_t *)dst + (g * nb + b) * 8 * bb;
+            for (int j = 0; j < 8; ++j) {
+                const uint8_t *blk = (const uint8_t *)src + ((8 * g + j) * nb + b) * bb;
+                if (qtype == Q8_0) {
+                    ((block_q8_0x8 *)out)->d[j] = ((const block_q8_0 *)blk)->d;
+                    for (int i = 0; i < 32; ++i)
+                        ((block_q8_0x8 *)out)->qs[32 * (i / 4) + 4 * j + i % 4] = ((const block_q8_0 *)blk)->qs[i];
+                    continue;
+                }
+                const uint8_t *qs = qtype == Q4_0 ? ((const block_q4_0 *)blk)->qs : ((const block_q4_1 *)blk)->qs;
+                uint8_t *xs = qtype == Q4_0 ? ((block_q4_0x8 *)out)->qs : ((block_q4_1x8 *)out)->qs;
+                for (int i = 0; i < 32; ++i) {
+                    const int v = i < 16 ? qs[i] & 0x0F : qs[i - 16] >> 4; /* the file's position i */
+                    uint8_t *byte = xs + 32 * (i / 8) + 4 * j + i % 4;
+                    *byte = i % 8 < 4 ? (uint8_t)((*byte & 0xF0) | v) : (uint8_t)((*byte & 0x0F) | v << 4);
+                }
+                if (qtype == Q4_0) {
+                    ((block_q4_0x8 *)out)->d[j] = ((const block_q4_0 *)blk)->d;
+                } else {
+                    ((block_q4_1x8 *)out)->d[j] = ((const block_q4_1 *)blk)->d;
+                    ((block_q4_1x8 *)out)->m[j] = ((const block_q4_1 *)blk)->m;
+                }
+            }
+        }
+    }
+    return X8 + qtype;
+}
 
 int gguf_block_elems(int qtype) { return block_bytes(qtype) ? block_elems(qtype) : 0; }
 
@@ -566,6 +717,8 @@ static void matmul_team(const float *x, int64_t M, int64_t K, int64_t ldx, int64
         if (need256) quantize_row(a, &a256, m, 256);
     }
     free(row);
+    /* the portable path's copy of an interleaved row in the file's blocks (at most Q8_0's size) */
+    uint8_t *unpacked = use_simd ? NULL : malloc((K / 32 + 1) * sizeof(block_q8_0));
     /* implicit barrier: every activation row is quantized before any product */
 #pragma omp for schedule(static)
     for (int64_t u = 0; u < units; ++u) {
@@ -575,7 +728,7 @@ static void matmul_team(const float *x, int64_t M, int64_t K, int64_t ldx, int64
             col0 += rows[s];
             ++s;
         }
-        const int qtype = qtypes[s];
+        const int qtype = qtypes[s], base = interleaved_base(qtype);
         const acts *a = block_elems(qtype) == 256 ? &a256 : &a32;
         const int64_t w_stride = a->nb * block_bytes(qtype);
         const int64_t n0 = first * UNIT, n1 = n0 + UNIT < rows[s] ? n0 + UNIT : rows[s];
@@ -583,12 +736,27 @@ static void matmul_team(const float *x, int64_t M, int64_t K, int64_t ldx, int64
         for (int64_t m0 = 0; m0 < M; m0 += m_chunk) {
             const int64_t m1 = m0 + m_chunk < M ? m0 + m_chunk : M;
             if (!use_simd) {
-                for (int64_t n = n0; n < n1; ++n)
+                for (int64_t n = n0; n < n1; ++n) {
+                    const uint8_t *wrow = wseg + n * w_stride;
+                    if (base) { /* the row back in the file's blocks: the portable path reads those */
+                        x8_row(qtype, wseg + n / 8 * 8 * w_stride, (int)(n % 8), a->nb, unpacked);
+                        wrow = unpacked;
+                    }
                     for (int64_t m = m0; m < m1; ++m)
-                        y[m * ldy + col0 + n] = dot_row_scalar(qtype, wseg + n * w_stride, a, m);
+                        y[m * ldy + col0 + n] = dot_row_scalar(base ? base : qtype, wrow, a, m);
+                }
                 continue;
             }
 #if GGUF_SIMD
+            if (base) { /* rows come in 8-row groups (their count is a multiple of 8) */
+                for (int64_t n = n0; n < n1; n += 8)
+                    for (int64_t m = m0; m < m1;) {
+                        const int tile_cols = m + 4 <= m1 ? 4 : 1;
+                        run_tile_x8(qtype, tile_cols, wseg + n * w_stride, a, m, y + m * ldy + col0 + n, ldy);
+                        m += tile_cols;
+                    }
+                continue;
+            }
             const int nr = M == 1 ? 8 : 2;
             for (int64_t n = n0; n < n1;) {
                 const int tile_rows = n + nr <= n1 ? nr : 1;
@@ -602,15 +770,23 @@ static void matmul_team(const float *x, int64_t M, int64_t K, int64_t ldx, int64
 #endif
         }
     }
+    free(unpacked);
 }
 
 /* out[i, :] = dequantized row ids[i] of a packed [*, K] matrix (embedding lookups, tests).
  * The arithmetic is the `gguf` package's (d * q + m in that order), so rows equal its output. */
 void gguf_dequantize_rows(int qtype, const void *weights, int64_t K, const int64_t *ids, int64_t n, float *out) {
     const int64_t nb = K / block_elems(qtype), w_stride = nb * block_bytes(qtype);
+    const int interleaved = interleaved_base(qtype);
+    if (interleaved) qtype = interleaved; /* each row is read back in the file's blocks */
 #pragma omp parallel for schedule(static) if (n > 16)
     for (int64_t i = 0; i < n; ++i) {
         const uint8_t *row = (const uint8_t *)weights + ids[i] * w_stride;
+        uint8_t unpacked[interleaved ? w_stride : 1];
+        if (interleaved) {
+            x8_row(X8 + qtype, (const uint8_t *)weights + ids[i] / 8 * 8 * w_stride, (int)(ids[i] % 8), nb, unpacked);
+            row = unpacked;
+        }
         float *o = out + i * K;
         for (int64_t b = 0; b < nb; ++b) {
             if (qtype == Q4_0 || qtype == Q4_1) {

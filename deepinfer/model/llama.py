@@ -24,7 +24,13 @@ from deepinfer.kernels.gguf_blocks import PackedMatrix
 from deepinfer.model.base import CausalLM, cache_tensor
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.layers.gguf_decode import build_decode_stack, caches_fit, step_rows
-from deepinfer.model.layers.gguf_linear import GGUFEmbedding, GGUFLinear, norm_then_project, packed_linear
+from deepinfer.model.layers.gguf_linear import (
+    GGUFEmbedding,
+    GGUFLinear,
+    KernelLayouts,
+    norm_then_project,
+    packed_linear,
+)
 from deepinfer.model.layers.int8_linear import Int8Linear, quantize_linears_
 from deepinfer.model.layers.norm import RMSNorm
 from deepinfer.model.layers.parallel_linear import (
@@ -232,7 +238,8 @@ class LlamaForCausalLM(CausalLM):
     def use_packed_weights(self, packed: Mapping[str, PackedMatrix]) -> set[str]:
         """Every projection whose parts are all packed (q/k/v and gate/up as one group each), the
         embedding (looked up row by row) and the LM head, which for tied embeddings is the
-        embedding's packed matrix itself."""
+        embedding's packed matrix itself. Each is computed on in the kernels' interleaved layout."""
+        packed = KernelLayouts(packed)
         used: set[str] = set()
         for i, layer in enumerate(self.layers):
             attn, mlp, prefix = layer.self_attn, layer.mlp, f"model.layers.{i}."

@@ -15,7 +15,7 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.kernels.decode_layers import DecodeStack, StepRows
-from deepinfer.kernels.gguf_blocks import PACKED_TYPES, gguf_kernels
+from deepinfer.kernels.gguf_blocks import INTERLEAVED_TYPES, PACKED_TYPES, gguf_kernels
 from deepinfer.model.layers.gguf_linear import GGUFEmbedding, GGUFLinear
 from deepinfer.model.layers.parallel_linear import ColumnParallelLinear
 from deepinfer.model.loader.gguf_tensors import read_tensors
@@ -65,9 +65,8 @@ def test_the_default_for_a_gguf_is_its_own_blocks(
         t.data.nbytes for t in read_tensors(default_model_path) if t.tensor_type.name in PACKED_TYPES
     )
     assert sum({id(m): m.nbytes for m in packed}.values()) == in_file
-    # memory-mapped, not copied: every matrix but the row-permuted q and k is a read-only view
-    mapped = [m for m in packed if not m.data.flags.writeable]
-    assert len(mapped) == len(packed) - 2 * model.config.num_layers
+    # the 32-wide formats (here all of them) interleaved eight rows at a time for the kernels
+    assert {m.qtype for m in packed} <= set(INTERLEAVED_TYPES.values())
     assert dense_llm.engine.core.loaded.resolved_quantization is None
     assert dense_llm.engine.core.fingerprint != default_llm.engine.core.fingerprint
     with pytest.raises(ValueError, match="quantization"):
@@ -133,7 +132,7 @@ def test_a_mixed_format_gguf_loads_packed_and_matches_its_dequantization(tiny_gg
     model = packed.engine.core.loaded.model
     first, second = model.layers
     assert [m.qtype for m in first.self_attn.qkv_proj.group.matrices] == [12, 12, 14]  # Q4_K, Q4_K, Q6_K
-    assert [m.qtype for m in first.mlp.gate_up_proj.group.matrices] == [3, 3]  # Q4_1
+    assert [m.qtype for m in first.mlp.gate_up_proj.group.matrices] == [103, 103]  # Q4_1, interleaved
     assert isinstance(first.mlp.down_proj, GGUFLinear) and isinstance(second.self_attn.o_proj, GGUFLinear)
     # an F16 member: the fused q/k/v goes dense, its Q8_0 siblings dequantized into it
     assert isinstance(second.self_attn.qkv_proj, ColumnParallelLinear)

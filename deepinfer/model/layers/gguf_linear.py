@@ -1,6 +1,7 @@
 """Linear layers and embeddings that compute on GGUF-packed weights (quantization="gguf").
 
-The weights stay in the file's blocks (memory-mapped where no reordering was needed); the C kernel
+The weights stay in the file's blocks (interleaved eight rows at a time for Q4_0/Q4_1/Q8_0,
+KernelLayouts: a copy at load, the same size; memory-mapped otherwise); the C kernel
 quantizes each activation row per block and multiplies with exact integer block dot products, as
 llama.cpp does (numerics in deepinfer/kernels/gguf_matmul.c). A fused projection (q/k/v,
 gate/up) is a group of packed matrices computed in one call, each in its own format, so mixed
@@ -9,7 +10,7 @@ files (a Q6_K v_proj beside Q4_K q/k) need no conversion.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
@@ -22,6 +23,31 @@ def native_kernels() -> GGUFKernels:
     if kernels is None:
         raise RuntimeError("quantization='gguf' needs a C compiler to build its kernels (none found)")
     return kernels
+
+
+class KernelLayouts(Mapping[str, PackedMatrix]):
+    """A loader's packed matrices in the layout the kernels compute on fastest: each one
+    interleaved (GGUFKernels.interleave) when first read, once, so that a tied embedding and LM
+    head share a copy; the loader's own mapping keeps the file's blocks."""
+
+    def __init__(self, packed: Mapping[str, PackedMatrix]) -> None:
+        self._packed = packed
+        self._interleaved: dict[str, PackedMatrix] = {}
+
+    def __getitem__(self, name: str) -> PackedMatrix:
+        matrix = self._interleaved.get(name)
+        if matrix is None:
+            matrix = self._interleaved[name] = native_kernels().interleave(self._packed[name])
+        return matrix
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._packed
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._packed)
+
+    def __len__(self) -> int:
+        return len(self._packed)
 
 
 class GGUFLinear(torch.nn.Module):
