@@ -98,7 +98,7 @@ int decode_layers(const decode_model *model, const decode_step *step, float *h, 
     float *partial = parts > 1 ? malloc(M * KVH * parts * (H / KVH) * (D + 2) * sizeof(float)) : NULL;
     int status = qkv && q && attn && o && gate_up && scratch && (parts == 1 || partial) ? 0 : -2;
     /* One parallel region for the whole step: its threads share out each product's rows and the
-     * attention's (row, kv head) items, and do the small steps in between on one thread (the
+     * attention's (row, kv head, part) items, and do the small steps in between on one thread (the
      * seven thread starts per layer of separate calls cost more than the barriers). */
 #pragma omp parallel if (status == 0)
     for (int64_t l = 0; l < model->num_layers && status == 0; ++l) {

@@ -1,13 +1,14 @@
 /* Decode attention over a paged KV cache (fp32 or fp16 K/V, fp32 arithmetic), for CPUs.
  *
- * One query token per sequence. Work is split over (sequence, kv head): the G query heads that
- * share a kv head (GQA) are processed together, so each key and value row is read from memory
- * once. Keys are visited block by block with an online softmax (running max and sum), so nothing
- * is gathered or padded: the cost is one pass over the sequence's KV. Within a block, scores,
- * exponentials and the value sum are separate loops the compiler vectorizes; exp is a polynomial
- * (relative error ~2e-7) so no vector math library is needed. An fp16 cache halves the bytes read
- * (decode attention is bound by them): each block's rows of the kv head are converted into a small
- * fp32 buffer first, and the same loops run on it.
+ * One query token per sequence. Work is split over (sequence, kv head, part of the context): the
+ * G query heads that share a kv head (GQA) are processed together, so each key and value row is
+ * read from memory once, and the parts' softmax states are merged afterwards. Keys are visited
+ * block by block with an online softmax (running max and sum), so nothing is gathered or padded:
+ * the cost is one pass over the sequence's KV. Within a block, scores, exponentials and the value
+ * sum are separate loops the compiler vectorizes; exp is a polynomial (relative error ~2e-7) so
+ * no vector math library is needed. An fp16 cache halves the bytes read (decode attention is
+ * bound by them): each block's rows of the kv head are converted into a small fp32 buffer first,
+ * and the same loops run on it.
  */
 #include <float.h>
 #include <stdint.h>
