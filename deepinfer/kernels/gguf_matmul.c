@@ -21,9 +21,10 @@
  * residual stream), or SwiGLU of a [gate | up] row.
  * A row's result depends only on its own activations: batching, threads and tiling never change
  * a bit, nor does the layout: the 32-wide formats may be interleaved eight rows at a time
- * (gguf_interleave, below), which changes where the bytes lie, not the arithmetic. The AVX2, AVX-512 VNNI (on 256-bit registers) and portable C paths give identical bits:
- * the integer sums are exact whatever their order, the float operations are the ones above, and
- * the file is compiled with -ffp-contract=off so the compiler fuses nothing behind our back.
+ * (gguf_interleave, below), which changes where the bytes lie, not the arithmetic. The AVX2,
+ * AVX-512 VNNI (on 256-bit registers) and portable C paths give identical bits: the integer sums
+ * are exact whatever their order, the float operations are the ones above, and the file is
+ * compiled with -ffp-contract=off so the compiler fuses nothing behind our back.
  */
 #include <math.h>
 #include <stdint.h>

@@ -17,7 +17,10 @@ _BRANCH = b""  # a node whose recorded children differ: a block hash is never em
 
 
 class ConversationTree:
-    def __init__(self, max_nodes: int = 1_000_000) -> None:
+    # ~170 bytes a node (a 32-byte hash key, its child, the dict slot): 2^18 nodes, about 45 MB,
+    # hold the prefixes of 4M prompt tokens; the oldest recorded are forgotten first (a forgotten
+    # branch only makes a new conversation look like a continuation, as without the tree)
+    def __init__(self, max_nodes: int = 1 << 18) -> None:
         self.max_nodes = max_nodes
         self._child: dict[bytes, bytes] = {}  # node -> its only recorded child, or _BRANCH
 

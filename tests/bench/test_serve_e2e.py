@@ -171,7 +171,11 @@ def test_request_rate_spreads_the_requests() -> None:
         result = run_serve(_options(url, num_prompts=6, max_concurrency=None, request_rate=20.0))
     starts = sorted(r["start_s"] for r in result["runs"][0]["requests"])
     expected = session_start_times(6, 20.0, 0)
-    assert starts == pytest.approx(expected, abs=0.05)
+    # Never before its time; late only by the load generator's own stalls, which reach tens of
+    # milliseconds while the server holds both cores of the machine (70 ms in one full run).
+    lags = [start - planned for start, planned in zip(starts, expected, strict=True)]
+    assert all(-0.01 <= lag <= 0.15 for lag in lags), lags
+    assert starts[-1] - starts[0] >= 0.8 * (expected[-1] - expected[0])
 
 
 def test_think_time_separates_a_sessions_turns() -> None:
