@@ -59,15 +59,12 @@ def _dense(group: PackedGroup) -> torch.Tensor:
     return torch.from_numpy(np.concatenate(parts).astype(np.float32))
 
 
-def model_groups(interleaved: bool) -> dict[str, list[PackedGroup]]:
+def model_groups() -> dict[str, list[PackedGroup]]:
     tensors = {t.name: t for t in read_tensors(default_model_path())}
     layers = 1 + max(int(name.split(".")[1]) for name in tensors if name.startswith("blk."))
-    kernels = gguf_kernels()
-    assert kernels is not None
 
     def group(*names: str) -> PackedGroup:
-        matrices = [_matrix(tensors[name]) for name in names]
-        return PackedGroup([kernels.interleave(m) for m in matrices] if interleaved else matrices)
+        return PackedGroup([_matrix(tensors[name]) for name in names])
 
     groups: dict[str, list[PackedGroup]] = {"qkv": [], "o": [], "gate_up": [], "down": []}
     for i in range(layers):
@@ -106,7 +103,11 @@ def main() -> None:
         f"roofline: bandwidth {roof.peak_bytes_per_s / 1e9:.1f} GB/s (copy {roof.copy_bytes_per_s / 1e9:.1f}, "
         f"add {roof.add_bytes_per_s / 1e9:.1f}), fp32 GEMM peak {roof.peak_flops / 1e9:.1f} GFLOP/s\n"
     )
-    groups, file_groups = model_groups(interleaved=True), model_groups(interleaved=False)
+    file_groups = model_groups()
+    groups = {
+        name: [PackedGroup([kernels.interleave(m) for m in g.matrices]) for g in items]
+        for name, items in file_groups.items()
+    }
     print(
         "| projection (layer 0) | M | file layout ms | interleaved ms | GB/s | GOP/s | fp32 F.linear ms "
         "| speed-up over fp32 |"

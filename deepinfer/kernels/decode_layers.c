@@ -26,7 +26,8 @@ typedef void (*attend_part_fn)(const float *q, const void *k_cache, const void *
 typedef void (*attend_merge_fn)(float *out, const int64_t *seq_lens, const int64_t *seq_starts, int64_t num_heads,
                                 int64_t num_kv_heads, int64_t head_dim, int64_t parts, const float *partial,
                                 int64_t pair);
-typedef int64_t (*attend_parts_fn)(const int64_t *seq_lens, const int64_t *seq_starts, int64_t num_seqs);
+typedef int64_t (*attend_parts_fn)(const int64_t *seq_lens, const int64_t *seq_starts, int64_t num_seqs,
+                                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t *scratch_floats);
 
 /* Packed matrices multiplied as one (a PackedGroup): count segments, all of `cols` columns. */
 typedef struct {
@@ -94,8 +95,9 @@ int decode_layers(const decode_model *model, const decode_step *step, float *h, 
     float *gate_up = malloc(M * 2 * inter * sizeof(float));
     void *scratch = malloc(scratch_bytes);
     /* the attention's work items: (row, kv head, part of the row's context), as paged_attention.c */
-    const int64_t parts = model->attend_parts(step->seq_lens, step->starts, M);
-    float *partial = parts > 1 ? malloc(M * KVH * parts * (H / KVH) * (D + 2) * sizeof(float)) : NULL;
+    int64_t partial_floats;
+    const int64_t parts = model->attend_parts(step->seq_lens, step->starts, M, H, KVH, D, &partial_floats);
+    float *partial = partial_floats ? malloc(partial_floats * sizeof(float)) : NULL;
     int status = qkv && q && attn && o && gate_up && scratch && (parts == 1 || partial) ? 0 : -2;
     /* One parallel region for the whole step: its threads share out each product's rows and the
      * attention's (row, kv head, part) items, and do the small steps in between on one thread (the

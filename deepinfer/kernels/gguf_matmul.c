@@ -96,9 +96,13 @@ static int64_t block_bytes(int qtype) {
     }
 }
 
-/* Value at position i (0..31) of row j of an interleaved nibble block's quants. */
+/* Where position i (0..31) of row j lies in an interleaved block's quants: Q8_0's byte, and the
+ * nibble formats' byte (the low nibble when i % 8 < 4, else the high one). */
+static inline int64_t x8_q8_at(int j, int i) { return 32 * (i / 4) + 4 * j + i % 4; }
+static inline int64_t x8_nibble_at(int j, int i) { return 32 * (i / 8) + 4 * j + i % 4; }
+
 static inline int x8_nibble(const uint8_t *qs, int j, int i) {
-    const uint8_t byte = qs[32 * (i / 8) + 4 * j + i % 4];
+    const uint8_t byte = qs[x8_nibble_at(j, i)];
     return i % 8 < 4 ? byte & 0x0F : byte >> 4;
 }
 
@@ -111,7 +115,7 @@ static void x8_row(int qtype, const uint8_t *group, int j, int64_t nb, uint8_t *
             const block_q8_0x8 *x = (const block_q8_0x8 *)blk;
             block_q8_0 *o = (block_q8_0 *)row + b;
             o->d = x->d[j];
-            for (int i = 0; i < 32; ++i) o->qs[i] = x->qs[32 * (i / 4) + 4 * j + i % 4];
+            for (int i = 0; i < 32; ++i) o->qs[i] = x->qs[x8_q8_at(j, i)];
             continue;
         }
         const uint8_t *qs = base == Q4_0 ? ((const block_q4_0x8 *)blk)->qs : ((const block_q4_1x8 *)blk)->qs;
@@ -285,17 +289,19 @@ static float dot_row_scalar(int qtype, const uint8_t *wrow, const acts *a, int64
 #if GGUF_SIMD
 /* ---------------------------------------------------------------- AVX2 / AVX-512 VNNI paths */
 
-/* Eight int32 lanes, lane l = sum of bytes 4l..4l+3 of u * s (u unsigned, s signed; our ranges
- * never saturate the 16-bit step, so both forms give the same integers). */
-AI __m256i dot_u8s8(__m256i u, __m256i s) {
+/* acc + eight int32 lanes, lane l = sum of bytes 4l..4l+3 of u * s (u unsigned, s signed; our
+ * ranges never saturate the 16-bit step, so both forms give the same integers). */
+AI __m256i dot_u8s8_acc(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+    return _mm256_dpbusd_epi32(acc, u, s);
 #elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
 #else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
 }
+
+AI __m256i dot_u8s8(__m256i u, __m256i s) { return dot_u8s8_acc(_mm256_setzero_si256(), u, s); }
 
 /* The same with each 16-bit pair sum multiplied by scale16 (the k-quants' sub-block scales). */
 AI __m256i dot_u8s8_scaled(__m256i u, __m256i s, __m256i scale16) {
@@ -487,17 +493,6 @@ AI void tile_q6k(const int MR, const uint8_t *w, const acts *a, int64_t m, float
         else tile32(QT, 1, 1, w, w_stride, a, m, y, ldy);                                                     \
         break;
 
-/* Accumulating form of dot_u8s8. */
-AI __m256i dot_u8s8_acc(__m256i acc, __m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(acc, u, s);
-#elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(acc, u, s);
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-#endif
-}
-
 /* The eight rows of an interleaved group x activation rows [m, m + MR): y[r * ldy + j] for row j.
  * Per block, lane j of the integer sums is row j's exact block dot product, then the same float
  * steps as tile32 (so the same bits). Unsigned quants (Q4_1) multiply the activations directly;
@@ -591,11 +586,16 @@ int gguf_simd_level(void) {
 
 int64_t gguf_block_bytes(int qtype) { return block_bytes(qtype); }
 
+/* The interleaved type of a rows x K matrix of `qtype`, 0 when it has none. */
+int gguf_interleaved_type(int qtype, int64_t rows, int64_t K) {
+    return (qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0) && rows % 8 == 0 && K % 32 == 0 ? X8 + qtype : 0;
+}
+
 /* dst = src (rows x K of a 32-wide format, the file's blocks) with every eight rows interleaved
  * (block_q4_0x8 and kin, same size); returns the interleaved type, or 0 (nothing written) when
  * the format has no interleaved form or rows is not a multiple of 8. */
 int gguf_interleave(int qtype, const void *src, int64_t rows, int64_t K, void *dst) {
-    if ((qtype != Q4_0 && qtype != Q4_1 && qtype != Q8_0) || rows % 8 || K % 32) return 0;
+    if (!gguf_interleaved_type(qtype, rows, K)) return 0;
     const int64_t nb = K / 32, bb = block_bytes(qtype);
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < rows / 8; ++g) {
@@ -606,14 +606,14 @@ int gguf_interleave(int qtype, const void *src, int64_t rows, int64_t K, void *d
                 if (qtype == Q8_0) {
                     ((block_q8_0x8 *)out)->d[j] = ((const block_q8_0 *)blk)->d;
                     for (int i = 0; i < 32; ++i)
-                        ((block_q8_0x8 *)out)->qs[32 * (i / 4) + 4 * j + i % 4] = ((const block_q8_0 *)blk)->qs[i];
+                        ((block_q8_0x8 *)out)->qs[x8_q8_at(j, i)] = ((const block_q8_0 *)blk)->qs[i];
                     continue;
                 }
                 const uint8_t *qs = qtype == Q4_0 ? ((const block_q4_0 *)blk)->qs : ((const block_q4_1 *)blk)->qs;
                 uint8_t *xs = qtype == Q4_0 ? ((block_q4_0x8 *)out)->qs : ((block_q4_1x8 *)out)->qs;
                 for (int i = 0; i < 32; ++i) {
                     const int v = i < 16 ? qs[i] & 0x0F : qs[i - 16] >> 4; /* the file's position i */
-                    uint8_t *byte = xs + 32 * (i / 8) + 4 * j + i % 4;
+                    uint8_t *byte = xs + x8_nibble_at(j, i);
                     *byte = i % 8 < 4 ? (uint8_t)((*byte & 0xF0) | v) : (uint8_t)((*byte & 0x0F) | v << 4);
                 }
                 if (qtype == Q4_0) {

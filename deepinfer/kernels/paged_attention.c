@@ -193,19 +193,23 @@ static inline int64_t row_parts(int64_t start, int64_t len) {
     return parts > 1 ? parts : 1;
 }
 
-/* Parts per row for a call: the work items are (row, kv head, part < this), the scratch holds
- * that many partial results per (row, kv head). */
-int64_t paged_decode_attention_parts(const int64_t *seq_lens, const int64_t *seq_starts, int64_t num_seqs) {
+/* Floats of scratch per (row, kv head, part): the group's unnormalized outputs, maxima and sums. */
+static inline int64_t partial_floats(int64_t group, int64_t head_dim) { return group * (head_dim + 2); }
+
+/* Parts per row for a call: the work items are (row, kv head, part < this). *scratch_floats: the
+ * floats of the `partial` scratch those items need (0 for one part: no row is merged). */
+int64_t paged_decode_attention_parts(const int64_t *seq_lens, const int64_t *seq_starts, int64_t num_seqs,
+                                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                     int64_t *scratch_floats) {
     int64_t parts = 1;
     for (int64_t s = 0; s < num_seqs; ++s) {
         const int64_t p = row_parts(seq_starts ? seq_starts[s] : 0, seq_lens[s]);
         parts = p > parts ? p : parts;
     }
+    const int64_t per_part = partial_floats(num_heads / num_kv_heads, head_dim);
+    *scratch_floats = parts > 1 ? num_seqs * num_kv_heads * parts * per_part : 0;
     return parts;
 }
-
-/* Floats of scratch per (row, kv head, part): the group's unnormalized outputs, maxima and sums. */
-static inline int64_t partial_floats(int64_t group, int64_t head_dim) { return group * (head_dim + 2); }
 
 /* Work item `work` of paged_decode_attention (below): row work / parts / num_kv_heads, kv head
  * work / parts % num_kv_heads, part work % parts. A row of one part writes its output; otherwise
@@ -303,12 +307,11 @@ void paged_decode_attention(const float *q, const void *k_cache, const void *v_c
      * (seq_starts NULL: from 0; a sliding window starts later). The parts' states go to a
      * scratch allocated here (if that fails, every row runs as one part). */
     const int64_t pairs = num_seqs * num_kv_heads;
-    int64_t parts = paged_decode_attention_parts(seq_lens, seq_starts, num_seqs);
-    float *partial = NULL;
-    if (parts > 1) {
-        partial = malloc(pairs * parts * partial_floats(num_heads / num_kv_heads, head_dim) * sizeof(float));
-        if (partial == NULL) parts = 1;
-    }
+    int64_t scratch_floats;
+    int64_t parts =
+        paged_decode_attention_parts(seq_lens, seq_starts, num_seqs, num_heads, num_kv_heads, head_dim, &scratch_floats);
+    float *partial = scratch_floats ? malloc(scratch_floats * sizeof(float)) : NULL;
+    if (partial == NULL) parts = 1;
 #pragma omp parallel
     {
 #pragma omp for schedule(dynamic, 1)
