@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script:
 from bench.server_process import running_server
 
 OURS = {
-    "deepinfer gguf": {},
-    "deepinfer gguf, fp16 KV": {"kv_cache_dtype": "float16"},
+    "deepinfer gguf (fp16 KV, the default)": {},
+    "deepinfer gguf, fp32 KV": {"kv_cache_dtype": "float32"},
     "deepinfer fp32 (quantization=none)": {"quantization": "none"},
 }
 

@@ -259,7 +259,11 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["none", "int8", "gguf"],
         help="gguf: a GGUF's own blocks (the default for a GGUF); none: fp32; int8: W8A8 linears",
     )
-    parser.add_argument("--kv-cache-dtype", choices=["auto", "float16"], help="default: the model dtype")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "float16", "float32"],
+        help="default: fp16 for a GGUF, else the model dtype",
+    )
     parser.add_argument("--result-json")
     parser.add_argument("--quiet", action="store_true")
 

@@ -38,10 +38,11 @@ class CacheConfig:
     )
     num_blocks: int | None = option(None, help="number of KV-cache blocks (overrides --kv-cache-memory)")
     enable_prefix_caching: bool = option(True, help="reuse the KV of shared prompt prefixes")
-    kv_cache_dtype: Literal["auto", "float16"] = option(
+    kv_cache_dtype: Literal["auto", "float16", "float32"] = option(
         "auto",
         help="float16: half the KV bytes, twice the tokens per GiB (attention still in fp32); "
-        "auto: the model's dtype",
+        "float32: full precision (an fp32 model only); auto: float16 for a model running on a "
+        "GGUF's own blocks (llama.cpp's default), else the model's dtype",
     )
 
     def __post_init__(self) -> None:
@@ -49,7 +50,7 @@ class CacheConfig:
         check_positive("block_size", self.block_size, allow_none=False)
         check_positive("kv_cache_memory", self.kv_cache_memory)
         check_positive("num_blocks", self.num_blocks)
-        check_choice("kv_cache_dtype", self.kv_cache_dtype, ("auto", "float16"))
+        check_choice("kv_cache_dtype", self.kv_cache_dtype, ("auto", "float16", "float32"))
 
 
 @dataclass(frozen=True, slots=True)

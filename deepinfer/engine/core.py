@@ -62,8 +62,17 @@ def engine_device(config: EngineConfig, parallel: RankContext | None) -> torch.d
     return device
 
 
-def kv_cache_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtype:
-    return torch.float16 if config.cache.kv_cache_dtype == "float16" else dtype
+def kv_cache_dtype(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type. `auto`: fp16 for a model running on a GGUF's own blocks, as
+    llama.cpp keeps it (batched decode reads the cache more than the weights, and half the bytes
+    is most of its time), the model's dtype otherwise."""
+    choice = config.cache.kv_cache_dtype
+    if choice == "auto":
+        packed = loaded.resolved_quantization == "gguf" and loaded.model.supports_kv_cache_dtype
+        return torch.float16 if packed else dtype
+    if choice == "float32" and dtype != torch.float32:
+        raise ValueError(f"kv_cache_dtype='float32' needs an fp32 model; this one computes in {dtype}")
+    return torch.float16 if choice == "float16" else torch.float32
 
 
 def plan_engine_caches(
@@ -158,7 +167,7 @@ class EngineCore:
         check_model_options(config, self.loaded)
         self.loaded.model.configure(config)
         model = self.loaded.model
-        kv_dtype = kv_cache_dtype(config, dtype)
+        kv_dtype = kv_cache_dtype(config, self.loaded, dtype)
         max_positions = self.loaded.config.max_position_embeddings
         self.max_model_len = min(config.scheduler.max_model_len or max_positions, max_positions)
 

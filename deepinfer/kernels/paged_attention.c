@@ -1,14 +1,14 @@
 /* Decode attention over a paged KV cache (fp32 or fp16 K/V, fp32 arithmetic), for CPUs.
  *
  * One query token per sequence. Work is split over (sequence, kv head, part of the context): the
- * G query heads that share a kv head (GQA) are processed together, so each key and value row is
- * read from memory once, and the parts' softmax states are merged afterwards. Keys are visited
- * block by block with an online softmax (running max and sum), so nothing is gathered or padded:
- * the cost is one pass over the sequence's KV. Within a block, scores, exponentials and the value
- * sum are separate loops the compiler vectorizes; exp is a polynomial (relative error ~2e-7) so
- * no vector math library is needed. An fp16 cache halves the bytes read (decode attention is
- * bound by them): each block's rows of the kv head are converted into a small fp32 buffer first,
- * and the same loops run on it.
+ * G query heads that share a kv head (GQA) are processed together, several per pass (a tile), so
+ * each key and value row is read from memory once, and the parts' softmax states are merged
+ * afterwards. Keys are visited block by block with an online softmax (running max and sum), so
+ * nothing is gathered or padded: the cost is one pass over the sequence's KV. Within a block,
+ * scores, exponentials and the value sum are separate loops over vectors of 16; exp is a
+ * polynomial (relative error ~2e-7) so no vector math library is needed. An fp16 cache halves the
+ * bytes read (batched decode attention is bound by them): its rows are converted as they are
+ * loaded (F16C), and the same arithmetic runs on them.
  */
 #include <float.h>
 #include <stdint.h>
@@ -22,6 +22,12 @@
 #define MAX_HEAD_DIM 512
 #define MAX_BLOCK 256
 #define MAX_HALF_ROWS 8192 /* block_size * head_dim of an fp16 cache (the caller checks) */
+
+/* GCC vector types: AVX-512 registers where the machine has them, pairs of AVX2 ones otherwise. */
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
 
 /* exp(x) for x <= 0 (the only case here: scores minus their running max). */
 static inline float exp_nonpositive(float x) {
@@ -42,6 +48,25 @@ static inline float exp_nonpositive(float x) {
     bits += (int32_t)n << 23; /* multiply by 2^n */
     memcpy(&p, &bits, sizeof p);
     return p;
+}
+
+/* exp_nonpositive on 16 lanes, the same operations lane by lane (so the same bits): the compiler
+ * does not vectorize the scalar form's floor and exponent arithmetic. */
+static inline v16 exp16_nonpositive(v16 x) {
+    const vi16 low = x < -87.0f;
+    x = (v16)(((vi16)x & ~low) | ((vi16)(x * 0.0f - 87.0f) & low));
+    const v16 t = x * 1.44269504088896341f;
+    const v16 toward_zero = __builtin_convertvector(__builtin_convertvector(t, vi16), v16);
+    const v16 n = toward_zero + __builtin_convertvector(toward_zero > t, v16); /* floor: t <= 0 */
+    const v16 f = t - n;
+    v16 p = f * 0.0f + 1.535336188319500e-4f;
+    p = p * f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    return (v16)((vi16)p + (__builtin_convertvector(n, vi16) << 23));
 }
 
 /* The rows j = 0..n-1 of one block for kv head kvh, as fp32 rows `*row_stride` floats apart:
@@ -75,15 +100,32 @@ static inline const float *block_rows(const void *cache, int64_t kv_half, int64_
  * own start and length, never on the batch, so a row's result is the same in every batch. */
 #define PART_TOKENS 128
 
-/* GCC vector types: AVX-512 registers where the machine has them, pairs of AVX2 ones otherwise. */
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-
 static inline v16 load16(const float *p) {
     v16 x;
     memcpy(&x, p, sizeof x);
     return x;
+}
+
+/* 16 fp16 values as fp32 (exact): one conversion instruction with AVX-512, two with F16C. */
+static inline v16 load16_half(const _Float16 *p) {
+    v16 x;
+#if defined(__AVX512F__)
+    const __m512 wide = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    memcpy(&x, &wide, sizeof x);
+#elif defined(__F16C__)
+    const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)));
+    memcpy(&x, &lo, sizeof lo);
+    memcpy((char *)&x + sizeof lo, &hi, sizeof hi);
+#else
+    for (int i = 0; i < 16; ++i) x[i] = (float)p[i];
+#endif
+    return x;
+}
+
+/* Values index .. index+15 of a block's K or V rows: fp32, or fp16 (HALF) converted as loaded. */
+static inline __attribute__((always_inline)) v16 row16(const void *rows, const int HALF, int64_t index) {
+    return HALF ? load16_half((const _Float16 *)rows + index) : load16((const float *)rows + index);
 }
 
 static inline float sum16(v16 x) {
@@ -93,18 +135,74 @@ static inline float sum16(v16 x) {
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
+/* Query heads handled per pass over a block's keys and values: each K/V row is loaded once for
+ * the tile and every head of it advances its own chain (one FMA chain per head would wait on its
+ * own latency). Bounded by the registers: with AVX-512, a tile's value accumulators (TILE * D / 16
+ * vectors) and one value row fit in 32; AVX2 registers hold half as much, so one head at a time. */
+#ifdef __AVX512F__
+#define TILE_FOR(D) ((D) <= 64 ? 4 : 2)
+#else
+#define TILE_FOR(D) 1
+#endif
+
+/* Scores of query heads qs[t * D ..], t < T, against a block's n key rows (k_stride apart). Each
+ * head's dot product is summed in the same order whatever the tile, so the bits do not depend on it. */
+static inline __attribute__((always_inline)) void tile_scores(const int64_t D, const int HALF, const int T,
+                                                              const float *qs, const void *k_rows,
+                                                              int64_t k_stride, int64_t n,
+                                                              float (*scores)[MAX_BLOCK]) {
+    for (int64_t j = 0; j < n; ++j) {
+        v16 kv[MAX_HEAD_DIM / 16]; /* fixed sizes: a variable-length array stays on the stack */
+        for (int64_t c = 0; c < D / 16; ++c) kv[c] = row16(k_rows, HALF, j * k_stride + 16 * c);
+        for (int t = 0; t < T; ++t) {
+            const float *qt = qs + t * D;
+            v16 dot = load16(qt) * kv[0];
+            for (int64_t c = 1; c < D / 16; ++c) dot += load16(qt + 16 * c) * kv[c];
+            scores[t][j] = sum16(dot);
+        }
+    }
+}
+
+/* acc[t * D ..] = acc * correction[t] + sum_j weights[t][j] * value row j, for t < T, keys in order. */
+static inline __attribute__((always_inline)) void tile_values(const int64_t D, const int HALF, const int T,
+                                                              float *acc, const float *correction,
+                                                              const void *v_rows, int64_t v_stride, int64_t n,
+                                                              float (*weights)[MAX_BLOCK]) {
+    v16 av[4][MAX_HEAD_DIM / 16];
+    for (int t = 0; t < T; ++t)
+        for (int64_t c = 0; c < D / 16; ++c) av[t][c] = load16(acc + t * D + 16 * c) * correction[t];
+    for (int64_t j = 0; j < n; ++j) {
+        v16 vv[MAX_HEAD_DIM / 16];
+        for (int64_t c = 0; c < D / 16; ++c) vv[c] = row16(v_rows, HALF, j * v_stride + 16 * c);
+        for (int t = 0; t < T; ++t)
+            for (int64_t c = 0; c < D / 16; ++c) av[t][c] += weights[t][j] * vv[c];
+    }
+    for (int t = 0; t < T; ++t) memcpy(acc + t * D, av[t], D * sizeof(float));
+}
+
+/* call(T) for a tile of `count` heads (at most 4), T the same number as a constant. */
+#define DISPATCH_TILE(count, call) \
+    switch (count) {               \
+    case 1: call(1); break;        \
+    case 2: call(2); break;        \
+    case 3: call(3); break;        \
+    default: call(4); break;       \
+    }
+
 /* Fold positions first .. last-1 of one (row, kv head) into its online softmax: running max m[g],
  * sum l[g] and unnormalized output acc[g * D ..] of the group's query heads qs[g * D ..] (already
- * scaled). Inlined with D a constant where the caller dispatches on it, so that a head's
- * accumulator (D / 16 vectors) stays in registers across a block's values. */
+ * scaled). Inlined with D and HALF (kv_half) constants where the caller dispatches on them, so
+ * that a tile's accumulators stay in registers across a block's values and fp16 rows are
+ * converted as they are loaded. */
 static inline __attribute__((always_inline)) void attend_span(
-    const int64_t D, const float *qs, const void *k_cache, const void *v_cache, const int64_t *table, int64_t first,
-    int64_t last, int64_t group, int64_t column, int64_t slot_stride, int64_t block_size, int64_t kv_half, float *m,
-    float *l, float *acc) {
+    const int64_t D, const int HALF, const float *qs, const void *k_cache, const void *v_cache, const int64_t *table,
+    int64_t first, int64_t last, int64_t group, int64_t column, int64_t slot_stride, int64_t block_size,
+    int64_t kv_half, float *m, float *l, float *acc) {
     const int64_t element = kv_half ? 2 : 4;
     const int vectors = D % 16 == 0; /* every head_dim a model ships; others take scalar loops */
+    const int64_t tile = TILE_FOR(D);
     float scores[MAX_GROUP][MAX_BLOCK];
-    float k_buffer[MAX_HALF_ROWS], v_buffer[MAX_HALF_ROWS];
+    float k_buffer[MAX_HALF_ROWS], v_buffer[MAX_HALF_ROWS]; /* fp16 rows as fp32 for the scalar loops */
     for (int64_t start = first; start < last;) {
         const int64_t offset = start % block_size;
         const int64_t room = block_size - offset;
@@ -122,20 +220,19 @@ static inline __attribute__((always_inline)) void attend_span(
                 }
             }
         }
-        int64_t k_stride, v_stride;
-        const float *k_rows = block_rows(k_cache, kv_half, base, n, slot_stride, column, D, k_buffer, &k_stride);
-        for (int64_t g = 0; g < group; ++g) {
-            const float *qg = qs + g * D;
+        const int64_t first_value = base * slot_stride + column;
+        int64_t k_stride = slot_stride, v_stride = slot_stride;
+        const float *k_rows =
+            vectors ? NULL : block_rows(k_cache, kv_half, base, n, slot_stride, column, D, k_buffer, &k_stride);
+        for (int64_t g = 0; g < group; g += vectors ? tile : 1) {
             if (vectors) {
-                v16 qv[D / 16];
-                for (int64_t c = 0; c < D / 16; ++c) qv[c] = load16(qg + 16 * c);
-                for (int64_t j = 0; j < n; ++j) {
-                    const float *k = k_rows + j * k_stride;
-                    v16 dot = qv[0] * load16(k);
-                    for (int64_t c = 1; c < D / 16; ++c) dot += qv[c] * load16(k + 16 * c);
-                    scores[g][j] = sum16(dot);
-                }
+                const int64_t count = group - g < tile ? group - g : tile;
+                const void *rows = (const char *)k_cache + first_value * element;
+#define SCORES(T) tile_scores(D, HALF, T, qs + g * D, rows, k_stride, n, scores + g)
+                DISPATCH_TILE(count, SCORES)
+#undef SCORES
             } else {
+                const float *qg = qs + g * D;
                 for (int64_t j = 0; j < n; ++j) {
                     const float *k = k_rows + j * k_stride;
                     float dot = 0.0f;
@@ -151,8 +248,13 @@ static inline __attribute__((always_inline)) void attend_span(
             float block_max = m[g];
             for (int64_t j = 0; j < n; ++j) block_max = sg[j] > block_max ? sg[j] : block_max;
             float block_sum = 0.0f;
-#pragma omp simd reduction(+ : block_sum)
-            for (int64_t j = 0; j < n; ++j) {
+            int64_t j = 0;
+            for (; j + 16 <= n; j += 16) {
+                const v16 e = exp16_nonpositive(load16(sg + j) - block_max);
+                memcpy(sg + j, &e, sizeof e);
+                block_sum += sum16(e);
+            }
+            for (; j < n; ++j) {
                 sg[j] = exp_nonpositive(sg[j] - block_max);
                 block_sum += sg[j];
             }
@@ -160,19 +262,18 @@ static inline __attribute__((always_inline)) void attend_span(
             l[g] = l[g] * correction[g] + block_sum;
             m[g] = block_max;
         }
-        const float *v_rows = block_rows(v_cache, kv_half, base, n, slot_stride, column, D, v_buffer, &v_stride);
-        for (int64_t g = 0; g < group; ++g) {
-            float *a = acc + g * D;
-            const float *pg = scores[g];
+        const float *v_rows =
+            vectors ? NULL : block_rows(v_cache, kv_half, base, n, slot_stride, column, D, v_buffer, &v_stride);
+        for (int64_t g = 0; g < group; g += vectors ? tile : 1) {
             if (vectors) {
-                v16 av[D / 16];
-                for (int64_t c = 0; c < D / 16; ++c) av[c] = load16(a + 16 * c) * correction[g];
-                for (int64_t j = 0; j < n; ++j) {
-                    const float *v = v_rows + j * v_stride;
-                    for (int64_t c = 0; c < D / 16; ++c) av[c] += pg[j] * load16(v + 16 * c);
-                }
-                memcpy(a, av, D * sizeof(float));
+                const int64_t count = group - g < tile ? group - g : tile;
+                const void *rows = (const char *)v_cache + first_value * element;
+#define VALUES(T) tile_values(D, HALF, T, acc + g * D, correction + g, rows, v_stride, n, scores + g)
+                DISPATCH_TILE(count, VALUES)
+#undef VALUES
             } else {
+                float *a = acc + g * D;
+                const float *pg = scores[g];
 #pragma omp simd
                 for (int64_t d = 0; d < D; ++d) a[d] *= correction[g];
                 for (int64_t j = 0; j < n; ++j) {
@@ -244,15 +345,22 @@ __attribute__((noinline)) void paged_decode_attention_part(
     }
     const int64_t *table = block_tables + s * max_blocks;
     const int64_t column = kvh * head_dim;
-    if (head_dim == 64)
-        attend_span(64, qs, k_cache, v_cache, table, first, last, group, column, slot_stride, block_size, kv_half, m,
-                    l, acc);
+#define ATTEND(D, HALF)                                                                                          \
+    attend_span(D, HALF, qs, k_cache, v_cache, table, first, last, group, column, slot_stride, block_size, kv_half, \
+                m, l, acc)
+    if (head_dim == 64 && kv_half)
+        ATTEND(64, 1);
+    else if (head_dim == 64)
+        ATTEND(64, 0);
+    else if (head_dim == 128 && kv_half)
+        ATTEND(128, 1);
     else if (head_dim == 128)
-        attend_span(128, qs, k_cache, v_cache, table, first, last, group, column, slot_stride, block_size, kv_half,
-                    m, l, acc);
+        ATTEND(128, 0);
+    else if (kv_half)
+        ATTEND(head_dim, 1);
     else
-        attend_span(head_dim, qs, k_cache, v_cache, table, first, last, group, column, slot_stride, block_size,
-                    kv_half, m, l, acc);
+        ATTEND(head_dim, 0);
+#undef ATTEND
     if (count == 1) {
         for (int64_t g = 0; g < group; ++g) {
             float *o = out + (s * num_heads + kvh * group + g) * head_dim;

@@ -72,7 +72,7 @@ def build_tensor_parallel_runner(config: EngineConfig, context: RankContext) -> 
     dtype = torch_dtype(config.dtype, device)
     loaded = load_model(config.model, dtype, device, config.quantization, context.model_parallel())
     model = loaded.model
-    declared = {"target": model.cache_groups(kv_cache_dtype(config, dtype))}
+    declared = {"target": model.cache_groups(kv_cache_dtype(config, loaded, dtype))}
     layout = plan_engine_caches(config, declared["target"], device, context)
     caches = KVCaches(layout, declared, device)
     return ModelRunner(
