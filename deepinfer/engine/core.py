@@ -24,6 +24,7 @@ from deepinfer.engine.parallel.context import RankContext, rank_threads
 from deepinfer.engine.scheduler import Scheduler, SequenceUpdate
 from deepinfer.engine.stats import EngineStats
 from deepinfer.image_input import check_images, embeddings_layout
+from deepinfer.kernels.openmp import release_thread_pool
 from deepinfer.model.base import CausalLM
 from deepinfer.model.layers.expert_parallel import ExpertBalancer
 from deepinfer.model.loader.load import LoadedModel, check_model_engine, load_model
@@ -220,6 +221,8 @@ class EngineCore:
         self._forward_thread = (
             ThreadPoolExecutor(1, thread_name_prefix="forward") if config.scheduler.async_scheduling else None
         )
+        if self._forward_thread is not None:
+            release_thread_pool()  # from now on the forward thread leads every parallel region
         self._in_flight: InFlightStep | None = None
         log.info(
             "engine ready: %s, %d KV blocks in %d cache group(s) (%.0f bytes/token), attention=%s",

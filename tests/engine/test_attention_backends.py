@@ -85,6 +85,33 @@ def test_cpu_kernel_matches_reference(
     torch.testing.assert_close(outputs[0], outputs[1], atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"),
+    [
+        (8, 1, 64),  # two tiles of four query heads per key row
+        (12, 2, 128),  # tiles of two (the accumulators of 128-wide heads)
+        (5, 1, 80),  # a head_dim of whole vectors but no specialization: tiles of 2, 2, 1
+        (4, 2, 40),  # not whole vectors: the scalar loops
+    ],
+)
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_decode_kernel_matches_reference_for_other_head_shapes(
+    heads: int, kv_heads: int, head_dim: int, kv_dtype: torch.dtype
+) -> None:
+    query_lens, seq_lens = [1, 1, 1], [9, 130, 300]
+    torch.manual_seed(0)
+    num_blocks = sum(-(-n // BLOCK) for n in seq_lens) + 8
+    cache = torch.randn(num_blocks * BLOCK, 2, kv_heads, head_dim).to(kv_dtype)
+    q = torch.randn(3, heads, head_dim)
+    k, v = torch.randn(3, kv_heads, head_dim), torch.randn(3, kv_heads, head_dim)
+    outputs = []
+    for backend in (CpuPagedBackend(), TorchReferenceBackend()):
+        meta = _step(query_lens, seq_lens, num_blocks, seed=1)
+        backend.prepare(meta)
+        outputs.append(backend.forward(q, k, v, cache.clone(), meta, head_dim**-0.5))
+    torch.testing.assert_close(outputs[0], outputs[1], atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("window", [None, 37, 200])
 def test_row_kernel_only_is_the_same_however_a_prompt_is_chunked(window: int | None) -> None:
     """A 300-token prompt attended in one chunk, and again as chunks of 100 and 7 over the cache

@@ -1,4 +1,5 @@
-"""kv_cache_dtype="float16": half the KV bytes, fp32 attention, greedy output batch-invariant."""
+"""kv_cache_dtype="float16": half the KV bytes, fp32 attention, greedy output batch-invariant; the
+default ("auto") for a model on a GGUF's own blocks, as llama.cpp keeps it."""
 
 from __future__ import annotations
 
@@ -61,3 +62,17 @@ def test_half_kv_round_trips_through_the_store(default_llm: LLM, tmp_path: Path)
 def test_bad_kv_cache_dtype_is_named(default_llm: LLM) -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         LLM(loaded=default_llm.engine.core.loaded, kv_cache_memory=16 << 20, kv_cache_dtype="int4")
+
+
+def test_auto_is_half_for_a_gguf_and_the_model_dtype_otherwise(default_llm: LLM, dense_llm: LLM) -> None:
+    def dtypes(llm: LLM) -> set[str]:
+        return {t.dtype for g in llm.engine.core.layout.groups for t in g.group.tensors}
+
+    assert dtypes(default_llm) == {"float16"}  # quantization="gguf"
+    assert dtypes(dense_llm) == {"float32"}  # the same file dequantized: the model's dtype
+    full = LLM(loaded=default_llm.engine.core.loaded, kv_cache_memory=16 << 20, kv_cache_dtype="float32")
+    try:
+        assert dtypes(full) == {"float32"}
+        assert full.engine.core.kv_bytes_per_token == 2 * default_llm.engine.core.kv_bytes_per_token
+    finally:
+        full.close()
