@@ -10,13 +10,15 @@ run one thread each; the router, the load generator and the replicas share the m
 
 The default workload is sized to finish in a few minutes on two cores: 6 sessions of 5 turns, a
 ~350-token system prompt, ~100 new tokens of history per turn (last prompts ~870 tokens), 16-token
-answers. Each of the 2 or 3 replicas has a KV cache of 182 blocks (128 MiB): enough for the
+answers. Each of the 2 or 3 replicas has a KV cache of 182 blocks (64 MiB of fp16 KV): enough for the
 system prompt and the histories of the sessions one replica gets when sessions stay where their
 prefix is (3 or 2), not for all six (~250 blocks), which round robin makes every replica hold;
-the single replica has room for everything (384 MiB, 546 blocks), the hit rate to aim at. With
+the single replica has room for everything (192 MiB, 546 blocks), the hit rate to aim at. With
 caches that hold every session on every replica, round robin on 2 replicas misses only the last
 ~2 turns of a history (a turn lands where the one before the last went), and no routing can beat
-it by 2x: `--kv-cache-memory 384MiB` shows that case.
+it by 2x: `--kv-cache-memory 192MiB` shows that case. `--context-len` opens every session with a
+context of its own (the files an agent attaches): round robin then recomputes it on the replica
+that has not seen the session yet.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ def _one_run(args: argparse.Namespace, name: str, replicas: list[Child], policy:
             agent_turns=args.turns,
             input_len=args.system_len,
             agent_user_len=args.user_len,
+            agent_context_len=args.context_len,
             output_len=args.output_len,
             max_concurrency=args.sessions,
             request_rate=args.session_rate,
@@ -208,11 +211,17 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--user-len", type=int, default=64, help="words per user turn")
     p.add_argument(
+        "--context-len",
+        type=int,
+        default=0,
+        help="words of a session's own context in its first turn (the files an agent attaches)",
+    )
+    p.add_argument(
         "--output-len", type=int, default=16, help="tokens per answer (and per synthetic history turn)"
     )
-    p.add_argument("--kv-cache-memory", default="128MiB", help="per replica of the 2- and 3-replica runs")
+    p.add_argument("--kv-cache-memory", default="64MiB", help="per replica of the 2- and 3-replica runs")
     p.add_argument(
-        "--single-kv-cache-memory", default="384MiB", help="the single replica's (room for every session)"
+        "--single-kv-cache-memory", default="192MiB", help="the single replica's (room for every session)"
     )
     p.add_argument("--replica-counts", default="2,3", help="replica counts to run, from 2 and 3")
     p.add_argument("--policies", default=",".join(POLICIES), help="routing policies to run, comma-separated")

@@ -66,6 +66,12 @@ def _add_serve(commands: Any) -> None:
     p.add_argument("--range-ratio", type=float, default=0.0, help="random: vary lengths by ±ratio")
     p.add_argument("--agent-turns", type=int, default=4, help="agent: turns per session")
     p.add_argument("--agent-user-len", type=int, default=64, help="agent: words per user turn")
+    p.add_argument(
+        "--agent-context-len",
+        type=int,
+        default=0,
+        help="agent: words of a session's own context in its first turn (files attached to the task)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-concurrency", type=int, help="cap on requests in flight")
     p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals/s (default inf)")
@@ -124,6 +130,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         range_ratio=args.range_ratio,
         agent_turns=args.agent_turns,
         agent_user_len=args.agent_user_len,
+        agent_context_len=args.agent_context_len,
         seed=args.seed,
         max_concurrency=args.max_concurrency,
         request_rate=args.request_rate,

@@ -8,7 +8,8 @@ tokenizer such a word (with its leading space) is about one token, so a requeste
   --dataset-name random``), optionally varied by ``range_ratio``.
 - ``agent``: multi-turn sessions. Every turn resends one long system prompt (policy text plus
   tool descriptions, identical across all sessions) and the session's growing history, then a
-  new user message. Turns of a session go out one after another, each when the previous one
+  new user message; the first may carry a context of the session's own (``context_len`` words:
+  the files an agent attaches to its task). Turns of a session go out one after another, each when the previous one
   has finished: the traffic where prefix caching pays. The assistant turns in the history are
   synthetic (not the server's replies) so every engine sees exactly the same prompts.
 - ``sharegpt-like``: a synthetic conversational mix. Prompt and reply lengths are lognormal
@@ -367,13 +368,17 @@ def agent_dataset(
     seed: int,
     turns_per_session: int = 4,
     user_len: int = 64,
+    context_len: int = 0,
 ) -> Dataset:
-    """Sessions of ``turns_per_session`` turns sharing one system prompt; ``num_prompts`` turns in all."""
+    """Sessions of ``turns_per_session`` turns sharing one system prompt; ``num_prompts`` turns in
+    all; each session's first user message is ``context_len`` words longer (its own context)."""
     _check_positive("num_prompts", num_prompts)
     _check_positive("input_len (the shared system prompt)", system_len)
     _check_positive("output_len", output_len)
     _check_positive("agent_turns", turns_per_session)
     _check_positive("agent_user_len", user_len)
+    if context_len < 0:
+        raise ValueError(f"agent_context_len must be >= 0, got {context_len}")
     rng = random.Random(seed)
     system = _agent_system_prompt(rng, system_len)
     sessions: list[list[BenchRequest]] = []
@@ -383,7 +388,8 @@ def agent_dataset(
         history: list[dict[str, str]] = []
         session: list[BenchRequest] = []
         for turn in range(min(turns_per_session, remaining)):
-            history.append({"role": "user", "content": _sentences(rng, user_len)})
+            words = user_len + (context_len if turn == 0 else 0)
+            history.append({"role": "user", "content": _sentences(rng, words)})
             messages = list(history)
             session.append(
                 BenchRequest(
@@ -456,13 +462,20 @@ def build_dataset(
     range_ratio: float = 0.0,
     agent_turns: int = 4,
     agent_user_len: int = 64,
+    agent_context_len: int = 0,
 ) -> Dataset:
     """The named dataset; lengths left None take that dataset's defaults."""
     if name == "random":
         return random_dataset(num_prompts, input_len or 1024, output_len or 128, seed, range_ratio)
     if name == "agent":
         return agent_dataset(
-            num_prompts, input_len or 1024, output_len or 128, seed, agent_turns, agent_user_len
+            num_prompts,
+            input_len or 1024,
+            output_len or 128,
+            seed,
+            agent_turns,
+            agent_user_len,
+            agent_context_len,
         )
     if name == "sharegpt-like":
         return sharegpt_like_dataset(

@@ -38,6 +38,7 @@ class ServeOptions:
     range_ratio: float = 0.0
     agent_turns: int = 4
     agent_user_len: int = 64
+    agent_context_len: int = 0
     seed: int = 0
     max_concurrency: int | None = None
     request_rate: float = math.inf
@@ -101,6 +102,7 @@ def run_serve(options: ServeOptions, argv: Sequence[str] | None = None) -> dict[
         options.range_ratio,
         options.agent_turns,
         options.agent_user_len,
+        options.agent_context_len,
     )
     base_load = LoadConfig(
         max_concurrency=options.max_concurrency,

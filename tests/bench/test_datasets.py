@@ -56,6 +56,18 @@ def test_agent_sessions_share_the_system_prompt_and_grow_their_history() -> None
     assert len(set(first_turns)) == len(first_turns)
 
 
+def test_an_agent_session_can_open_with_its_own_context() -> None:
+    dataset = agent_dataset(
+        4, system_len=200, output_len=8, seed=2, turns_per_session=2, user_len=10, context_len=300
+    )
+    for session in dataset.sessions:
+        first, second = session
+        assert len(first.messages[0]["content"].split()) == 310  # the context and the question
+        assert len(second.messages[-1]["content"].split()) == 10  # later turns: the question only
+    with pytest.raises(ValueError, match="agent_context_len"):
+        agent_dataset(2, system_len=200, output_len=8, seed=0, context_len=-1)
+
+
 def test_sharegpt_like_lengths_follow_the_documented_means() -> None:
     dataset = sharegpt_like_dataset(3000, seed=0)
     inputs = [r.approx_input_tokens for r in dataset.requests]
