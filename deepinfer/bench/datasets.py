@@ -9,8 +9,8 @@ tokenizer such a word (with its leading space) is about one token, so a requeste
 - ``agent``: multi-turn sessions. Every turn resends one long system prompt (policy text plus
   tool descriptions, identical across all sessions) and the session's growing history, then a
   new user message; the first may carry a context of the session's own (``context_len`` words:
-  the files an agent attaches to its task). Turns of a session go out one after another, each when the previous one
-  has finished: the traffic where prefix caching pays. The assistant turns in the history are
+  the files an agent attaches to its task). Turns of a session go out one after another, each
+  when the previous one has finished: the traffic where prefix caching pays. The assistant turns in the history are
   synthetic (not the server's replies) so every engine sees exactly the same prompts.
 - ``sharegpt-like``: a synthetic conversational mix. Prompt and reply lengths are lognormal
   with means matched to the ShareGPT statistics reported in the vLLM paper (Kwon et al., 2023:

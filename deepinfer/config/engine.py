@@ -460,6 +460,8 @@ class EngineConfig:
         if self.quantization is not None:
             check_choice("quantization", self.quantization, ("none", "int8", "gguf"))
         check_positive("grammar_compile_timeout", self.grammar_compile_timeout, allow_none=False)
+        if self.cache.kv_cache_dtype == "float32" and self.dtype in ("bfloat16", "float16"):
+            raise ConfigError("kv_cache_dtype", f"float32 needs an fp32 model, not dtype={self.dtype}")
         self._check_yoco()
         if self.parallel.world_size > 1:
             if self.speculative.enabled:

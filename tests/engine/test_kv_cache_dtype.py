@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.config import CacheConfig, EngineConfig
 from tests.engine.greedy import CHAT, assert_greedy_batch_invariant
 
 
@@ -76,3 +77,8 @@ def test_auto_is_half_for_a_gguf_and_the_model_dtype_otherwise(default_llm: LLM,
         assert full.engine.core.kv_bytes_per_token == 2 * default_llm.engine.core.kv_bytes_per_token
     finally:
         full.close()
+
+
+def test_a_full_precision_cache_needs_a_full_precision_model() -> None:
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineConfig(dtype="bfloat16", cache=CacheConfig(kv_cache_dtype="float32"))
