@@ -2,8 +2,8 @@
 
 A `PackedMatrix` is a weight matrix in the file's own blocks (a view of the memory-mapped file
 when nothing had to be reordered), or, for the 32-wide formats, the same blocks with every eight
-rows interleaved (`GGUFKernels.interleave`: a copy the size of the file's, computed on 1.5-3x
-faster, with the same bits). A `PackedGroup` is one or more of them with the same number of
+rows interleaved (`GGUFKernels.interleave`: a copy the size of the file's, computed on 1.3-2x
+faster at one row and 2-4x at several (bench/gguf_kernels.py), with the same bits). A `PackedGroup` is one or more of them with the same number of
 columns, multiplied as if their rows were concatenated (fused q/k/v, gate/up), each in its own
 format, in one kernel call. The numerics are described at the top of gguf_matmul.c.
 """
@@ -79,8 +79,8 @@ class GGUFKernels:
 
     def interleave(self, matrix: PackedMatrix) -> PackedMatrix:
         """The matrix with every eight rows interleaved, a new copy (the same products, bit for
-        bit, about 1.5x faster at one row and 3x at several); the matrix itself when its format
-        or row count has no interleaved form."""
+        bit, faster: bench/gguf_kernels.py); the matrix itself when its format or row count has
+        no interleaved form."""
         if not self._lib.gguf_interleaved_type(matrix.qtype, matrix.rows, matrix.cols):
             return matrix
         source = np.ascontiguousarray(matrix.data)

@@ -14,6 +14,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "rowops.h"
 #ifdef __F16C__
 #include <immintrin.h>
 #endif
@@ -29,29 +31,9 @@ typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
 typedef int32_t vi16 __attribute__((vector_size(64)));
 
-/* exp(x) for x <= 0 (the only case here: scores minus their running max). */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float t = x * 1.44269504088896341f; /* x / ln 2 */
-    const float n = __builtin_floorf(t);
-    const float f = t - n; /* in [0, 1) */
-    /* 2^f, minimax polynomial of degree 6 */
-    float p = 1.535336188319500e-4f;
-    p = p * f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
-    p = p * f + 1.0f;
-    int32_t bits;
-    memcpy(&bits, &p, sizeof bits);
-    bits += (int32_t)n << 23; /* multiply by 2^n */
-    memcpy(&p, &bits, sizeof p);
-    return p;
-}
-
-/* exp_nonpositive on 16 lanes, the same operations lane by lane (so the same bits): the compiler
- * does not vectorize the scalar form's floor and exponent arithmetic. */
+/* rowops.h's exp_clamped on 16 lanes for x <= 0 (scores minus their running max), the same
+ * operations lane by lane (so the same bits): the compiler does not vectorize the scalar form's
+ * floor and exponent arithmetic. */
 static inline v16 exp16_nonpositive(v16 x) {
     const vi16 low = x < -87.0f;
     x = (v16)(((vi16)x & ~low) | ((vi16)(x * 0.0f - 87.0f) & low));
@@ -59,13 +41,7 @@ static inline v16 exp16_nonpositive(v16 x) {
     const v16 toward_zero = __builtin_convertvector(__builtin_convertvector(t, vi16), v16);
     const v16 n = toward_zero + __builtin_convertvector(toward_zero > t, v16); /* floor: t <= 0 */
     const v16 f = t - n;
-    v16 p = f * 0.0f + 1.535336188319500e-4f;
-    p = p * f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
-    p = p * f + 1.0f;
+    const v16 p = EXP2_OF_FRACTION(f);
     return (v16)((vi16)p + (__builtin_convertvector(n, vi16) << 23));
 }
 
@@ -255,10 +231,10 @@ static inline __attribute__((always_inline)) void attend_span(
                 block_sum += sum16(e);
             }
             for (; j < n; ++j) {
-                sg[j] = exp_nonpositive(sg[j] - block_max);
+                sg[j] = exp_clamped(sg[j] - block_max);
                 block_sum += sg[j];
             }
-            correction[g] = exp_nonpositive(m[g] - block_max);
+            correction[g] = exp_clamped(m[g] - block_max);
             l[g] = l[g] * correction[g] + block_sum;
             m[g] = block_max;
         }
@@ -396,7 +372,7 @@ __attribute__((noinline)) void paged_decode_attention_merge(float *out, const in
         for (int64_t d = 0; d < head_dim; ++d) o[d] = 0.0f;
         for (int64_t p = 0; p < count; ++p) {
             const float *state = states + p * stride;
-            const float w = exp_nonpositive(state[group * head_dim + g] - top);
+            const float w = exp_clamped(state[group * head_dim + g] - top);
             total += state[group * head_dim + group + g] * w;
             for (int64_t d = 0; d < head_dim; ++d) o[d] += state[g * head_dim + d] * w;
         }
