@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.deepinfer-installed
 
-.PHONY: serve test lint format install clean test-services agent-clients
+.PHONY: serve test lint format install clean test-services agent-clients gateways python-clients
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,7 +33,7 @@ format: $(STAMP)
 test-services:
 	command -v redis-server >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
 
-# The agent CLIs the end-to-end client tests drive (tests/agents), pinned, installed under build/npm.
+# The agent CLIs the end-to-end client tests drive (tests/server/test_agent_clients.py), pinned, installed under build/npm.
 AGENT_CLIENTS := @openai/codex@0.169.0 @anthropic-ai/claude-code@2.1.328
 NPM_PREFIX := build/npm
 AGENT_STAMP := $(NPM_PREFIX)/.installed-codex-0.169.0-claude-2.1.328
@@ -42,12 +42,41 @@ $(AGENT_STAMP):
 	@if command -v npm >/dev/null; then \
 		mkdir -p $(NPM_PREFIX) && npm install --silent --no-audit --no-fund --prefix $(NPM_PREFIX) $(AGENT_CLIENTS) && touch $(AGENT_STAMP); \
 	else \
-		echo "npm is not installed: the Codex CLI and Claude Code tests (tests/agents) will be skipped"; \
+		echo "npm is not installed: the Codex CLI and Claude Code tests (tests/server/test_agent_clients.py) will be skipped"; \
 	fi
 
 agent-clients: $(AGENT_STAMP)
 
-test: lint test-services agent-clients
+# The gateways the deployment tests put in front of our replicas (tests/gateways), pinned, each in
+# a venv of its own under build/gateways (never in .venv: their dependencies are not ours).
+GATEWAY_DIR := build/gateways
+GATEWAY_STAMP := $(GATEWAY_DIR)/.installed-smg-1.13.0-vllm-router-0.1.17
+
+$(GATEWAY_STAMP):
+	@if $(PYTHON) -m venv $(GATEWAY_DIR)/smg && $(GATEWAY_DIR)/smg/bin/pip install -q smg==1.13.0 \
+		&& $(PYTHON) -m venv $(GATEWAY_DIR)/vllm-router && $(GATEWAY_DIR)/vllm-router/bin/pip install -q vllm-router==0.1.17; then \
+		touch $(GATEWAY_STAMP); \
+	else \
+		echo "smg or vllm-router could not be installed: the gateway tests (tests/gateways) will be skipped"; \
+	fi
+
+gateways: $(GATEWAY_STAMP)
+
+# Python clients whose pins clash with ours, each in a venv of its own under build/clients:
+# instructor 1.17.0 needs jiter<0.15 and openai 3.57 jiter>=0.16 (in .venv, pip would downgrade openai).
+CLIENT_DIR := build/clients
+CLIENT_STAMP := $(CLIENT_DIR)/.installed-instructor-1.17.0
+
+$(CLIENT_STAMP):
+	@if $(PYTHON) -m venv $(CLIENT_DIR)/instructor && $(CLIENT_DIR)/instructor/bin/pip install -q instructor==1.17.0; then \
+		touch $(CLIENT_STAMP); \
+	else \
+		echo "instructor could not be installed: tests/server/test_instructor.py will be skipped"; \
+	fi
+
+python-clients: $(CLIENT_STAMP)
+
+test: lint test-services agent-clients gateways python-clients
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 clean:

@@ -8,8 +8,12 @@ benchmark (`timeout`'s default, a closed terminal) unwinds it like Ctrl-C, stopp
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import functools
 import os
+import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -25,9 +29,28 @@ from types import FrameType
 import httpx
 
 from deepinfer.bench.serve import BenchError
+from deepinfer.security import read_cluster_key
+from deepinfer.security.signing import PEER_HEADER, peer_token
 
 PR_SET_PDEATHSIG = 1
 STOP_TIMEOUT_S = 30.0
+
+
+@functools.cache
+def cluster_key_file() -> str:
+    """The benchmark cluster's shared secret (PD handoffs need one), removed at exit."""
+    directory = tempfile.mkdtemp(prefix="deepinfer-bench-key-")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    path = os.path.join(directory, "cluster.key")
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as file:
+        file.write(secrets.token_hex(32))
+    return path
+
+
+def peer_get(url: str, path: str, timeout: float) -> httpx.Response:
+    """A GET of a peer-only route (/v1/engine_info) as the router makes it."""
+    token = peer_token(read_cluster_key(cluster_key_file()), "GET", path)
+    return httpx.get(url + path, headers={PEER_HEADER: token}, timeout=timeout)
 
 
 def free_port() -> int:
@@ -61,6 +84,8 @@ def replica(name: str, *args: str, threads: int = 1, kv_cache_memory: str = "384
         kv_cache_memory,
         "--kv-events-endpoint",
         "tcp://127.0.0.1:0",
+        "--cluster-key-file",
+        cluster_key_file(),
         "--log-level",
         "warning",
         *args,
@@ -77,6 +102,8 @@ def router(name: str, *args: str) -> Child:
         "router",
         "--port",
         str(port),
+        "--cluster-key-file",
+        cluster_key_file(),
         "--log-level",
         "warning",
         *args,
@@ -146,7 +173,7 @@ def _wait_ready(children: Sequence[Child], startup_timeout_s: float) -> None:
                     f"{child.name} exited with code {child.process.returncode}:\n{_tail(child.log)}"
                 )
             try:
-                if httpx.get(child.url + child.ready_path, timeout=5.0).status_code == 200:
+                if peer_get(child.url, child.ready_path, 5.0).status_code == 200:
                     waiting.remove(child)
             except httpx.HTTPError:
                 pass

@@ -32,7 +32,7 @@ from typing import Any
 
 import httpx
 
-from bench.cluster import Child, replica, reset_caches, router, running
+from bench.cluster import Child, peer_get, replica, reset_caches, router, running
 from deepinfer.bench.report import markdown_table, provenance, write_json
 from deepinfer.bench.serve_command import ServeOptions, run_serve
 
@@ -89,7 +89,7 @@ def _one_run(args: argparse.Namespace, name: str, replicas: list[Child], policy:
     split = routed["requests_per_replica"]
     routed["split"] = "/".join(f"{split.get(r.url, 0.0):.0f}" for r in replicas)
     summary = result["runs"][0]["summary"]
-    blocks = [httpx.get(r.url + "/v1/engine_info", timeout=30).json().get("num_blocks") for r in replicas]
+    blocks = [peer_get(r.url, "/v1/engine_info", 30).json().get("num_blocks") for r in replicas]
     return {
         "kv_blocks_per_replica": blocks,
         "name": name,

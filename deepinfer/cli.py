@@ -42,6 +42,7 @@ def _add_serve(commands: Any) -> None:
     p = commands.add_parser(
         "serve",
         help="serve a model over HTTP (OpenAI- and Anthropic-compatible)",
+        usage="%(prog)s [options] [model]",  # every flag is listed below, by group
         description="Serve a model: OpenAI Chat Completions, Completions and Responses, Anthropic "
         "Messages, plus /health, /metrics, /tokenize and /detokenize.",
     )
@@ -57,16 +58,39 @@ def _add_serve(commands: Any) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from deepinfer.config import ServerConfig
-    from deepinfer.config.flags import build_config, given_options
-    from deepinfer.server.serve import run_server
+    from deepinfer.config import ConfigError, EngineConfig, ServerConfig
+    from deepinfer.config.flags import build_config, flag_message, given_options
+    from deepinfer.engine.ipc.transport import EngineStartError
+    from deepinfer.model.loader.preflight import check_context, check_model_source
+    from deepinfer.recipe import RecipeError
 
     # Every option is validated here, before the engine process starts loading weights.
     server_config = build_config(args.parser, ServerConfig, given_options(args, ServerConfig))
     engine_config = engine_config_from_args(args.parser, args, args.model)
+    _check_cluster_key(args.parser, engine_config.disaggregation.cluster_key_file)
+    if engine_config.disaggregation.role in ("prefill", "decode"):
+        _require_cluster_key(args.parser, engine_config.disaggregation, "--role")
     logging.basicConfig(
         level=server_config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # A start that fails says why in one line; the traceback is for --log-level debug.
+    try:
+        path = check_model_source(engine_config.model)
+        try:
+            check_context(path, engine_config.scheduler.max_model_len, engine_config.rope_scaling)
+        except ConfigError as error:
+            args.parser.error(flag_message(EngineConfig, error))
+        return _serve(args, engine_config, server_config)
+    except (OSError, ValueError, EngineStartError, RecipeError) as error:
+        if server_config.log_level == "debug":
+            raise
+        print(f"deepinfer serve: error: {error} (--log-level debug shows where)", file=sys.stderr)
+        return 1
+
+
+def _serve(args: argparse.Namespace, engine_config: Any, server_config: Any) -> int:
+    from deepinfer.server.serve import run_server
+
     if engine_config.disaggregation.role == "encode":
         from deepinfer.config import ConfigError
         from deepinfer.encoder.serve import run_encoder
@@ -88,6 +112,27 @@ def _run_serve(args: argparse.Namespace) -> int:
             return run_node(engine_config, server_config.log_level)
     run_server(engine_config, server_config)
     return 0
+
+
+def _check_cluster_key(parser: argparse.ArgumentParser, path: str | None) -> None:
+    """A key file that is missing, short or not private is a usage error before anything starts."""
+    if path is None:
+        return
+    from deepinfer.security import ClusterKeyError, read_cluster_key
+
+    try:
+        read_cluster_key(path)
+    except ClusterKeyError as error:
+        parser.error(str(error))
+
+
+def _require_cluster_key(parser: argparse.ArgumentParser, config: Any, what: str) -> None:
+    """Prefill/decode handoffs are signed with the cluster key: without one they cannot work."""
+    if config.cluster_key_file is None:
+        parser.error(
+            f"{what}: prefill/decode handoffs are signed with the deployment's secret; give the "
+            "router and every prefill and decode engine the same --cluster-key-file"
+        )
 
 
 # ------------------------------------------------------------------------------------ router
@@ -114,6 +159,9 @@ def _run_router(args: argparse.Namespace) -> int:
     from deepinfer.router.main import run_router
 
     config = build_config(args.parser, RouterConfig, given_options(args, RouterConfig))
+    _check_cluster_key(args.parser, config.cluster_key_file)
+    if config.prefill:
+        _require_cluster_key(args.parser, config, "--prefill/--decode")
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -133,7 +181,10 @@ def _add_generate(commands: Any) -> None:
     )
     p.add_argument("prompt", help="the prompt text; '-' reads it from stdin")
     p.add_argument(
-        "--model", default=None, help="a .gguf file or a HF directory (default: the embedded model)"
+        "--model",
+        default=None,
+        metavar="PATH",
+        help="a .gguf file or a HF directory (default: the embedded model)",
     )
     p.add_argument("--chat", action="store_true", help="treat the prompt as a user message")
     p.add_argument("--system", help="system message (with --chat)")
@@ -144,21 +195,28 @@ def _add_generate(commands: Any) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", default=[], help="stop string; repeat for several")
-    p.add_argument("--recipe-family", help="override the detected prompt family")
+    p.add_argument("--recipe-family", metavar="NAME", help="override the detected prompt family")
     add_engine_options(p)
     p.set_defaults(handler=_run_generate, parser=p)
 
 
 def _run_generate(args: argparse.Namespace) -> int:
     from deepinfer.engine.llm_engine import LLMEngine
+    from deepinfer.model.loader.preflight import check_model_source
     from deepinfer.model.loader.source import resolve_model_path
     from deepinfer.recipe import RecipeError
     from deepinfer.recipe.events import ReasoningDelta, TextDelta, ToolCallEnd
     from deepinfer.sampling_params import InvalidRequestError, SamplingParams
     from deepinfer.validation import check_prompt, max_tokens_for
 
+    config = engine_config_from_args(args.parser, args, args.model)
+    try:
+        check_model_source(config.model)  # a path that is no model: one line, before torch loads it
+    except (OSError, ValueError) as error:
+        print(f"deepinfer generate: error: {error}", file=sys.stderr)
+        return 1
     prompt_text = sys.stdin.read() if args.prompt == "-" else args.prompt
-    engine = LLMEngine(engine_config_from_args(args.parser, args, args.model))
+    engine = LLMEngine(config)
     tokenizer, max_model_len = engine.tokenizer, engine.core.max_model_len
     parser = None
     try:

@@ -36,9 +36,10 @@ class MLAStepMetadata:
     decode_slots: torch.Tensor  # [D, Lmax] context slots of each decode row (padding: block 0, masked)
     decode_mask: torch.Tensor  # [D, 1, 1, Lmax] bool: True where a row may attend
     prefills: list[PrefillChunk]
+    triton: bool = False  # decode rows through the Triton kernel (kernels/triton/mla_decode.py)
 
     @classmethod
-    def build(cls, meta: AttentionMetadata) -> MLAStepMetadata:
+    def build(cls, meta: AttentionMetadata, triton: bool = False) -> MLAStepMetadata:
         d = meta.num_decodes
         tables, bs = meta.block_tables, meta.block_size
         if d:
@@ -56,7 +57,7 @@ class MLAStepMetadata:
             slots = tables[i, positions // bs] * bs + positions % bs
             prefills.append(PrefillChunk(start, meta.query_lens[i], slots))
             start += meta.query_lens[i]
-        return cls(d, decode_slots, decode_mask, prefills)
+        return cls(d, decode_slots, decode_mask, prefills, triton)
 
 
 def write_latent(
@@ -84,6 +85,28 @@ def mla_decode(
         query, context, context[..., :rank], attn_mask=step.decode_mask, scale=scale
     )  # [D, 1, H, rank]
     return torch.bmm(out_latent.squeeze(1).transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+
+def _mla_decode_triton(
+    q_nope: torch.Tensor,  # [D, H, nope]
+    q_rope: torch.Tensor,  # [D, H, rope]
+    cache: torch.Tensor,  # [S, rank + rope]
+    w_uk: torch.Tensor,  # [H, nope, rank]
+    w_uv: torch.Tensor,  # [H, v, rank]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [D, H, v]
+    """mla_decode with the attention over the latent cache in the Triton kernel (read through the
+    block table, no gathered copy of the context)."""
+    from deepinfer.kernels.triton.mla_decode import mla_decode_latent
+
+    d, rank = q_nope.shape[0], w_uk.shape[-1]
+    q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [D, H, rank]
+    query = torch.cat([q_latent, q_rope], dim=-1)  # [D, H, rank + rope]
+    out_latent = mla_decode_latent(
+        query, cache, rank, meta.block_tables[:d], meta.seq_lens[:d], meta.block_size, scale
+    )  # [D, H, rank]
+    return torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
 
 def mla_prefill(
@@ -132,7 +155,10 @@ def mla_attention(
     if d:
         w_kv = kv_b_weight.view(num_heads, nope + v_head_dim, -1)
         w_uk, w_uv = w_kv[:, :nope], w_kv[:, nope:]
-        out[:d] = mla_decode(q_nope[:d], q_rope[:d], cache, w_uk, w_uv, step, scale)
+        if step.triton:
+            out[:d] = _mla_decode_triton(q_nope[:d], q_rope[:d], cache, w_uk, w_uv, meta, scale)
+        else:
+            out[:d] = mla_decode(q_nope[:d], q_rope[:d], cache, w_uk, w_uv, step, scale)
     for chunk in step.prefills:
         rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
         out[rows] = mla_prefill(

@@ -13,11 +13,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from deepinfer.config.fields import ConfigError, check_choice, check_positive, normalize_sizes, option
+from deepinfer.config.rope import parse_rope_scaling
+from deepinfer.security.loopback import require_loopback
 from deepinfer.store.config import KVStoreConfig, StoreLocation, parse_store_url
 from deepinfer.store.retention import RetentionPolicy, parse_retention
 
@@ -58,7 +60,10 @@ class SchedulerConfig:
     max_num_seqs: int = option(128, help="most sequences running at once")
     max_num_batched_tokens: int = option(2048, help="token budget of one step")
     prefill_chunk_size: int | None = option(None, help="most prompt tokens of one sequence per step")
-    max_model_len: int | None = option(None, help="context length (default: the model's)")
+    max_model_len: int | None = option(
+        None,
+        help="context length (default: the model's); past its trained context only with --rope-scaling",
+    )
     scheduling_policy: Literal["fcfs", "priority"] = option(
         "fcfs", help="fcfs, or priority (lower value first)"
     )
@@ -99,7 +104,9 @@ class SpeculativeConfig:
         "and the profiled step cost; fixed: always the most",
     )
     speculative_model: str | None = option(
-        None, help="draft model for --speculative-method draft (default: the target model itself)"
+        None,
+        metavar="PATH",
+        help="draft model for --speculative-method draft (default: the target model itself)",
     )
     speculative_ngram_min: int = option(2, help="shortest suffix n-gram prompt lookup matches")
     speculative_ngram_max: int = option(4, help="longest suffix n-gram prompt lookup tries first")
@@ -153,6 +160,11 @@ class StoreConfig:
     kv_chunk_blocks: int = option(
         DEFAULT_CHUNK_BLOCKS, help="full blocks per KV chunk (stored, and moved by the PD handoffs)"
     )
+    kv_store_encrypt: bool = option(
+        False,
+        help="encrypt stored KV chunks with AES-GCM keyed by --cluster-key-file (a store others can "
+        "read); with the key alone chunks are authenticated, not encrypted",
+    )
 
     def __post_init__(self) -> None:
         normalize_sizes(self)
@@ -200,6 +212,7 @@ class StoreConfig:
             retention=self.retention,
             blocks_per_chunk=self.kv_chunk_blocks,
             size_cap_bytes=self.kv_store_max_bytes,
+            encrypt=self.kv_store_encrypt,
         )
 
 
@@ -224,7 +237,9 @@ class DisaggregationConfig:
         "it over TCP) or store (through the shared --kv-store both engines use)",
     )
     kv_transfer_host: str = option(
-        "127.0.0.1", help="address the prefill engine's KV transfer listener binds (direct transfer)"
+        "127.0.0.1",
+        help="address the prefill engine's (or encoder's) KV transfer listener binds; another than "
+        "loopback needs --cluster-key-file",
     )
     kv_transfer_port: int = option(0, help="port of the prefill engine's KV transfer listener (0: any free)")
     kv_transfer_lease: float = option(
@@ -246,6 +261,7 @@ class DisaggregationConfig:
         default_factory=tuple,
         flag="--encoder",
         repeat=True,
+        metavar="URL",
         help="http(s) URL of a `--role encode` server that encodes this engine's request images (their "
         "embeddings come back over the direct transfer); repeat for several, tried in turn",
     )
@@ -258,6 +274,17 @@ class DisaggregationConfig:
         None,
         help="publish KV events (block stored / removed, per tier) on this ZMQ PUB endpoint in vLLM's "
         "wire format, e.g. tcp://127.0.0.1:5557 (port 0: any free port, reported by /v1/engine_info)",
+    )
+    kv_events_token_ids: bool = option(
+        True,
+        help="KV events carry each block's token ids (vLLM's format); --no-kv-events-token-ids sends "
+        "empty token id lists, the block hashes alone, to consumers that need only those",
+    )
+    cluster_key_file: str | None = option(
+        None,
+        metavar="PATH",
+        help="the deployment's shared secret (a file of 32+ bytes, mode 600) every peer proves it holds: "
+        "KV transfer, PD handoff, KV events, encoder. Without it peer-facing listeners bind loopback only",
     )
 
     def __post_init__(self) -> None:
@@ -282,6 +309,21 @@ class DisaggregationConfig:
                 "kv_events_endpoint",
                 f"expected a ZMQ endpoint such as tcp://127.0.0.1:5557, got {endpoint!r}",
             )
+        if self.cluster_key_file is None:
+            self._check_keyless_binds()
+
+    def _check_keyless_binds(self) -> None:
+        try:
+            require_loopback(self.kv_transfer_host, "--kv-transfer-host")
+        except ValueError as error:
+            raise ConfigError("kv_transfer_host", str(error)) from None
+        endpoint = self.kv_events_endpoint
+        if endpoint is not None and endpoint.startswith("tcp://"):
+            host = endpoint[len("tcp://") :].rsplit(":", 1)[0]
+            try:
+                require_loopback(host, "--kv-events-endpoint")
+            except ValueError as error:
+                raise ConfigError("kv_events_endpoint", str(error)) from None
 
     @property
     def direct_prefill(self) -> bool:
@@ -416,7 +458,10 @@ class EngineConfig:
         "auto", help="weights and activations dtype (auto: float32 on CPU, bfloat16 on CUDA)"
     )
     device: str = option("auto", help="auto, cpu or cuda[:N]")
-    attention_backend: Literal["auto", "torch", "cpu_paged"] = option("auto", help="attention implementation")
+    attention_backend: Literal["auto", "torch", "cpu_paged", "triton"] = option(
+        "auto",
+        help="attention implementation (auto: the C kernels on CPU, Triton on CUDA when installed)",
+    )
     num_threads: int | None = option(
         None, help="CPU threads for torch, per rank (default: the machine's cores split over its ranks)"
     )
@@ -432,6 +477,13 @@ class EngineConfig:
         10.0,
         help="seconds a structured-output grammar (JSON schema, forced tool call) may take to compile; "
         "slower ones are refused (400)",
+    )
+    rope_scaling: Mapping[str, Any] | None = option(
+        None,
+        metavar="JSON",
+        help="RoPE scaling of a Llama-family model, overriding its checkpoint's, to serve past its "
+        'trained context, e.g. \'{"rope_type":"yarn","factor":4.0,"original_max_position_embeddings":8192}\' '
+        "(rope_type yarn, linear or llama3); the context becomes factor x the original length",
     )
     yoco_prefill_truncation: Literal["off", "compact"] = option(
         "off",
@@ -455,14 +507,18 @@ class EngineConfig:
         check_choice("dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
         if not isinstance(self.device, str) or not _DEVICE.match(self.device):
             raise ConfigError("device", f"expected auto, cpu or cuda[:N], got {self.device!r}")
-        check_choice("attention_backend", self.attention_backend, ("auto", "torch", "cpu_paged"))
+        check_choice("attention_backend", self.attention_backend, ("auto", "torch", "cpu_paged", "triton"))
         check_positive("num_threads", self.num_threads)
         if self.quantization is not None:
             check_choice("quantization", self.quantization, ("none", "int8", "gguf"))
         check_positive("grammar_compile_timeout", self.grammar_compile_timeout, allow_none=False)
+        if self.rope_scaling is not None:
+            object.__setattr__(self, "rope_scaling", parse_rope_scaling(self.rope_scaling))
         if self.cache.kv_cache_dtype == "float32" and self.dtype in ("bfloat16", "float16"):
             raise ConfigError("kv_cache_dtype", f"float32 needs an fp32 model, not dtype={self.dtype}")
         self._check_yoco()
+        if self.store.kv_store_encrypt and self.disaggregation.cluster_key_file is None:
+            raise ConfigError("kv_store_encrypt", "encrypting stored KV chunks needs --cluster-key-file")
         if self.parallel.world_size > 1:
             if self.speculative.enabled:
                 raise ConfigError(
@@ -507,6 +563,7 @@ class EngineConfig:
             ("kv_store", self.store.enabled, "it has no KV cache"),
             ("speculative_method", self.speculative.enabled, "it generates nothing"),
             ("yoco_prefill_truncation", self.yoco_prefill_truncation != "off", "it runs no prefill"),
+            ("rope_scaling", self.rope_scaling is not None, "it runs no language model"),
             ("async_scheduling", self.scheduler.async_scheduling, "it schedules nothing"),
             ("tensor_parallel_size", self.parallel.world_size > 1, "it runs on one rank"),
         )

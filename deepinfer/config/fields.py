@@ -25,12 +25,13 @@ def option(
     size: bool = False,
     flag: str | None = None,
     repeat: bool = False,
+    metavar: str | None = None,
     default_factory: Any = dataclasses.MISSING,
 ) -> Any:
     """A config field. `size`: parsed with `parse_size` (flags and Python values alike);
     `flag`: the command-line spelling when it is not `--field-name`; `repeat`: a list given
-    by repeating the flag."""
-    metadata = {"help": help, "size": size, "flag": flag, "repeat": repeat}
+    by repeating the flag; `metavar`: what `--help` calls the value (see flags.metavar_of)."""
+    metadata = {"help": help, "size": size, "flag": flag, "repeat": repeat, "metavar": metavar}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)

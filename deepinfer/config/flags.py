@@ -11,12 +11,12 @@ import argparse
 import dataclasses
 import types
 import typing
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from deepinfer.config.engine import SUB_CONFIGS, EngineConfig
 from deepinfer.config.fields import ConfigError
-from deepinfer.config.units import parse_int_list, parse_size
+from deepinfer.config.units import format_size, parse_int_list, parse_size
 
 
 def size_argument(text: str) -> int:
@@ -55,6 +55,21 @@ def flag_name(f: dataclasses.Field) -> str:
     return flag_names(f)[0]
 
 
+def metavar_of(f: dataclasses.Field, kind: Any) -> str:
+    """What `--help` calls a flag's value: the field's own word (`KEY`, `NAME`, `JSON`), `SIZE`
+    for sizes (which take units), `N` for integers, `SECONDS` for timeouts, else the flag's
+    name (`--host HOST`)."""
+    if f.metadata.get("metavar"):
+        return f.metadata["metavar"]
+    if f.metadata.get("size"):
+        return "SIZE"
+    if kind is int:
+        return "N"
+    if kind is float and f.metadata["help"].startswith("seconds"):
+        return "SECONDS"
+    return flag_name(f).lstrip("-").replace("-", "_").upper()
+
+
 def _leaf_fields(cls: type) -> Iterator[tuple[dataclasses.Field, Any]]:
     """(field, type hint) of every option of `cls`, sub-configs flattened."""
     hints = typing.get_type_hints(cls)
@@ -76,6 +91,8 @@ def add_config_flags(
             continue
         kind = _unwrap_optional(hint)
         default = f.default if f.default is not dataclasses.MISSING else None
+        if f.metadata.get("size") and isinstance(default, int):
+            default = format_size(default)  # as it would be typed: 32MiB, not 33554432
         shown = (
             f" (default: {default})"
             if default not in (None, (), "") and not isinstance(default, bool)
@@ -83,8 +100,9 @@ def add_config_flags(
         )
         text = f.metadata["help"] + shown.replace("%", "%%")
         name = flag_name(f)
+        metavar = metavar_of(f, kind)
         if f.metadata.get("repeat"):
-            group.add_argument(name, dest=f.name, action="append", default=None, help=text)
+            group.add_argument(name, dest=f.name, action="append", default=None, metavar=metavar, help=text)
         elif kind is bool:
             group.add_argument(
                 name, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=text
@@ -92,8 +110,11 @@ def add_config_flags(
         elif typing.get_origin(kind) is typing.Literal:
             group.add_argument(name, dest=f.name, choices=typing.get_args(kind), default=None, help=text)
         else:
+            # A size takes units; a structured value (a mapping: JSON) is parsed by its config.
             convert = size_argument if f.metadata.get("size") else kind
-            group.add_argument(name, dest=f.name, type=convert, default=None, help=text)
+            if typing.get_origin(kind) is Mapping:
+                convert = str
+            group.add_argument(name, dest=f.name, type=convert, default=None, metavar=metavar, help=text)
 
 
 def given_options(args: argparse.Namespace, cls: type, skip: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -105,15 +126,18 @@ def given_options(args: argparse.Namespace, cls: type, skip: tuple[str, ...] = (
     return values
 
 
+def flag_message(cls: type, exc: ConfigError) -> str:
+    """The error with the option's name as the user typed it (`--max-model-len: ...`)."""
+    flags = {f.name: flag_name(f) for f, _ in _leaf_fields(cls)}
+    message = str(exc)
+    return flags[exc.name] + message[len(exc.name) :] if exc.name in flags else message
+
+
 def build_config(parser: argparse.ArgumentParser, cls: type, values: dict[str, Any]) -> Any:
     """`cls` from flat option values; a ConfigError becomes a usage error naming the flag."""
     try:
         return cls.from_kwargs(**values) if cls is EngineConfig else cls(**values)
     except ConfigError as exc:
-        flags = {f.name: flag_name(f) for f, _ in _leaf_fields(cls)}
-        message = str(exc)
-        if exc.name in flags:
-            message = flags[exc.name] + message[len(exc.name) :]
-        parser.error(message)
+        parser.error(flag_message(cls, exc))
     except ValueError as exc:  # checks of a field's own parser, already naming the flag
         parser.error(str(exc))

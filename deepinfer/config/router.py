@@ -90,6 +90,14 @@ class RouterConfig:
     request_timeout: float = option(600.0, help="seconds a replica may take to answer a request")
     drain_timeout: float = option(30.0, help="seconds in-flight requests may take to finish on SIGTERM")
     max_body_bytes: int = option(32 << 20, size=True, help="larger request bodies get 413")
+    api_keys: Sequence[str] = option(
+        default_factory=tuple,
+        flag="--api-key",
+        repeat=True,
+        metavar="KEY",
+        help="the replicas' API keys: a request without one of them gets 401 here, before its body is "
+        "read or its prompt tokenized (default: the replicas alone check keys); repeat for several",
+    )
     model: str | None = option(
         None,
         flag="--model",
@@ -97,10 +105,19 @@ class RouterConfig:
         "cache-aware routing and prefill/decode handoff (default: the embedded model)",
     )
     recipe_family: str | None = option(None, help="override the detected prompt family (as on the replicas)")
+    cluster_key_file: str | None = option(
+        None,
+        metavar="PATH",
+        help="the replicas' --cluster-key-file: signs prefill/decode handoffs and authenticates to the "
+        "replicas' KV events (required when they have one)",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = option("info", help="log level")
 
     def __post_init__(self) -> None:
         normalize_sizes(self)
+        object.__setattr__(self, "api_keys", tuple(self.api_keys))
+        if any(not key for key in self.api_keys):
+            raise ConfigError("api_keys", "an API key must not be empty")
         object.__setattr__(self, "replicas", _check_urls("replicas", self.replicas))
         object.__setattr__(self, "prefill", _check_urls("prefill", self.prefill))
         object.__setattr__(self, "decode", _check_urls("decode", self.decode))

@@ -36,12 +36,14 @@ class ServerConfig:
         default_factory=tuple,
         flag="--api-key",
         repeat=True,
+        metavar="KEY",
         help="require this key (Authorization: Bearer or x-api-key); repeat for several",
     )
     served_model_names: Sequence[str] = option(
         default_factory=tuple,
         flag="--served-model-name",
         repeat=True,
+        metavar="NAME",
         help="a name clients use in `model` (default: the model's); repeat for several",
     )
     max_waiting_requests: int = option(
@@ -53,12 +55,35 @@ class ServerConfig:
         help="output bound of a request that sets none (max_tokens, max_output_tokens); default: the "
         "chat encoding's, else the rest of the context. Agent clients such as Codex send no bound",
     )
-    cache_salt_per_key: bool = option(
-        False, help="isolate the prefix cache between API keys (on top of any cache_salt in bodies)"
+    shared_prefix_cache: bool = option(
+        False,
+        help="share the prefix cache between API keys (by default each key has its own): repeated "
+        "prompts get faster across tenants, but usage.cached_tokens and time to first token then tell "
+        "one tenant what another sent (docs/security.md)",
     )
+    admin_keys: Sequence[str] = option(
+        default_factory=tuple,
+        flag="--admin-key",
+        repeat=True,
+        metavar="KEY",
+        help="the key of /metrics and /reset_prefix_cache (which every tenant shares); with API keys "
+        "and no admin key, both are refused (see --public-metrics); repeat for several",
+    )
+    public_metrics: bool = option(
+        False, help="serve /metrics without a key even when API or admin keys are set"
+    )
+    header_timeout: float = option(
+        10.0, help="seconds a client may take to send a request's headers before it is disconnected"
+    )
+    image_max_pixels: int = option(
+        4096 * 4096,
+        help="images with more pixels (width x height, read from the header before decoding) get 400",
+    )
+    max_images_per_request: int = option(16, help="requests with more images get 400")
     recipe_family: str | None = option(
         None,
         flag=("--chat-encoding", "--recipe-family"),
+        metavar="NAME",
         help="the chat encoding (prompt format and output parser), overriding the one detected from the "
         "model: deepseek_v41, deepseek_v4, deepseek_v32, deepseek_v31, deepseek_r1 or chat_template",
     )
@@ -67,8 +92,14 @@ class ServerConfig:
         help="Responses tools the server cannot run (web_search, file_search, ...): drop them from the "
         "prompt, or answer 400",
     )
+    json_schema_additional_properties: Literal["forbid", "allow"] = option(
+        "forbid",
+        help="object schemas of response formats and forced tool calls that declare properties but "
+        "not additionalProperties: forbid other keys (OpenAI's strict semantics), or allow them",
+    )
     reasoning_key: str | None = option(
         None,
+        metavar="HEX",
         help="key for the Responses API's encrypted reasoning (64 hex digits); default: a new key at every "
         "start (blobs from before a restart then fail to decrypt)",
     )
@@ -130,6 +161,9 @@ class ServerConfig:
         check_choice("engine_mode", self.engine_mode, ("process", "thread"))
         check_choice("log_level", self.log_level, LOG_LEVELS)
         check_choice("hosted_tools", self.hosted_tools, ("drop", "reject"))
+        check_choice(
+            "json_schema_additional_properties", self.json_schema_additional_properties, ("forbid", "allow")
+        )
         if self.reasoning_key is not None:
             try:
                 key = bytes.fromhex(self.reasoning_key)
@@ -147,6 +181,22 @@ class ServerConfig:
             )
         if any(not key for key in self.api_keys):
             raise ConfigError("api_keys", "an API key must not be empty")
+        object.__setattr__(self, "admin_keys", tuple(self.admin_keys))
+        if any(not key for key in self.admin_keys):
+            raise ConfigError("admin_keys", "an admin key must not be empty")
+        if set(self.admin_keys) & set(self.api_keys):
+            raise ConfigError("admin_keys", "an admin key must differ from every API key")
+        check_positive("header_timeout", self.header_timeout, allow_none=False)
+        for name in ("image_max_pixels", "max_images_per_request"):
+            value = getattr(self, name)
+            check_positive(name, value, allow_none=False)
+            if isinstance(value, float):
+                raise ConfigError(name, "must be an integer")
+
+    @property
+    def prefix_cache_per_key(self) -> bool:
+        """Whether each API key gets its own prefix cache (the default once keys are set)."""
+        return bool(self.api_keys) and not self.shared_prefix_cache
 
     def image_fetch_policy(self) -> FetchPolicy:
         return FetchPolicy(

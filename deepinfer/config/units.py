@@ -43,3 +43,13 @@ def parse_int_list(text: str) -> list[int]:
     if not values or any(v < 1 for v in values):
         raise ValueError(f"expected positive integers, got {text!r}")
     return values
+
+
+def format_size(size: int) -> str:
+    """Bytes as a user would type them: the largest binary unit that divides them (`32MiB`), else
+    the plain number; parse_size reads it back to the same value."""
+    for power in range(len(_POWERS) - 1, 0, -1):
+        unit = 1024**power
+        if size and size % unit == 0:
+            return f"{size // unit}{_POWERS[power].upper()}iB"
+    return str(size)

@@ -15,6 +15,8 @@ from deepinfer.encoder.service import EncoderService, build_encoder_app
 from deepinfer.encoder.tower import VisionTower, read_config
 from deepinfer.engine.kv_transfer import KVTransferServer
 from deepinfer.model.loader.source import resolve_model_path
+from deepinfer.security.cluster_key import cluster_key_of
+from deepinfer.server.header_timeout import header_timeout_protocol
 from deepinfer.server.images import image_pool
 from deepinfer.server.serve import base_url, bind_socket
 
@@ -40,20 +42,27 @@ async def serve_encoder(engine_config: EngineConfig, server_config: ServerConfig
     try:
         tower = await asyncio.to_thread(VisionTower, path, engine_config.num_threads)
         transfer = KVTransferServer(
-            tower.layout, pd.kv_transfer_host, pd.kv_transfer_port, pd.kv_transfer_lease
+            tower.layout,
+            pd.kv_transfer_host,
+            pd.kv_transfer_port,
+            pd.kv_transfer_lease,
+            key=cluster_key_of(pd.cluster_key_file),  # engines prove they hold it before a pull
         )
     except BaseException:
         sock.close()
         raise
-    service = EncoderService(
-        tower, transfer, image_pool(server_config.image_workers), server_config.image_fetch_policy()
-    )
+    service = EncoderService(tower, transfer, image_pool(server_config.image_workers), server_config)
     url = base_url(sock)
     line = (
         f"DeepInfer encoder is serving {path.name} at {url}  (POST {url}/v1/encode, health: {url}/health, "
         f"metrics: {url}/metrics; embeddings leased on {transfer.address}; pid {os.getpid()})"
     )
-    config = uvicorn.Config(build_encoder_app(service), log_level=server_config.log_level, lifespan="off")
+    config = uvicorn.Config(
+        build_encoder_app(service),
+        http=header_timeout_protocol(server_config.header_timeout),
+        log_level=server_config.log_level,
+        lifespan="off",
+    )
     reaper = asyncio.get_running_loop().create_task(service.reap_forever())
     try:
         await _AnnouncingServer(config, line).serve(sockets=[sock])

@@ -19,12 +19,14 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from deepinfer.config import ServerConfig
 from deepinfer.encoder.tower import VisionTower
 from deepinfer.engine.kv_transfer import KVTransferServer
-from deepinfer.recipe.images.fetch import FetchPolicy
 from deepinfer.recipe.ir import ImagePart
+from deepinfer.server.auth import check_api_key
 from deepinfer.server.errors import ApiError, error_response
-from deepinfer.server.images import prepare_images
+from deepinfer.server.http_io import read_json
+from deepinfer.server.images import ImageLimits, prepare_images
 
 REAP_INTERVAL_S = 0.25
 
@@ -40,26 +42,25 @@ class EncodeBody(msgspec.Struct):
     images: list[PartWire]
 
 
-_bodies = msgspec.json.Decoder(EncodeBody)
-
-
 class EncoderService:
     """The tower, the preprocessing pool and the transfer listener, shared by the routes."""
 
     def __init__(
-        self, tower: VisionTower, transfer: KVTransferServer, pool: ProcessPoolExecutor, policy: FetchPolicy
+        self, tower: VisionTower, transfer: KVTransferServer, pool: ProcessPoolExecutor, config: ServerConfig
     ) -> None:
         self.tower = tower
         self.transfer = transfer
         self.pool = pool
-        self.policy = policy
+        self.config = config
+        self.policy = config.image_fetch_policy()
+        self.limits = ImageLimits(config.max_images_per_request, config.image_max_pixels)
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="vision-tower")  # the tower is not shared
         self.num_requested = 0  # images asked for (encoded, or found in the cache)
 
     async def encode(self, parts: list[ImagePart]) -> list[dict[str, object]]:
         """Preprocess, encode and lease every part; a bad image is an ApiError(400) naming it.
         Adds one lease per image to the transfer listener."""
-        images = await prepare_images(self.pool, parts, self.policy)
+        images = await prepare_images(self.pool, parts, self.policy, self.limits)
         loop = asyncio.get_running_loop()
         payloads = await loop.run_in_executor(self._compute, self.tower.embeddings, images)
         self.num_requested += len(images)
@@ -106,6 +107,12 @@ class EncoderService:
             ("leases_expired", "counter", "leases that ended before an engine pulled them", t.num_expired),
             ("leases_active", "gauge", "embeddings leased, not yet pulled or expired", t.num_leases),
             ("leased_bytes", "gauge", "host memory the leased embeddings hold", t.num_bytes),
+            (
+                "transfer_peers_refused",
+                "counter",
+                "transfer connections closed unread: over the limit, or without the cluster key",
+                t.num_refused,
+            ),
         ]
         lines = []
         for name, kind, text, value in rows:
@@ -128,10 +135,13 @@ def build_encoder_app(service: EncoderService) -> FastAPI:
 
     @app.post("/v1/encode")
     async def encode(request: Request) -> JSONResponse:
+        # The key first, then the body within its limit: nothing unauthenticated is read.
+        check_api_key(service.config.api_keys, request.headers)
+        raw = await read_json(request, service.config.max_body_bytes)
         try:
-            body = _bodies.decode(await request.body())
-        except msgspec.DecodeError as error:
-            raise ApiError(400, f"POST /v1/encode: {error}") from None
+            body = msgspec.convert(raw, EncodeBody)
+        except msgspec.ValidationError as error:
+            raise ApiError(400, f"POST /v1/encode: {error}", param="images") from None
         parts = [
             ImagePart(url=p.url, media_type=p.media_type, detail=p.detail, path=p.path) for p in body.images
         ]
@@ -142,7 +152,10 @@ def build_encoder_app(service: EncoderService) -> FastAPI:
         return JSONResponse({"status": "ok", "role": "encode"})
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        config = service.config
+        if (config.api_keys or config.admin_keys) and not config.public_metrics:
+            check_api_key(config.admin_keys or config.api_keys, request.headers)
         return Response(service.metrics(), media_type="text/plain; version=0.0.4")
 
     return app

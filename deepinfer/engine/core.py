@@ -11,6 +11,7 @@ import torch
 
 from deepinfer.cache_layout import CacheGroup, CacheLayout, plan_cache_layout
 from deepinfer.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from deepinfer.config.rope import check_context_length
 from deepinfer.engine.grammar import GrammarManager
 from deepinfer.engine.image_pull import ImagePuller
 from deepinfer.engine.kv_cache.events import KVEvent, KVEventLog
@@ -24,6 +25,7 @@ from deepinfer.engine.parallel.context import RankContext, rank_threads
 from deepinfer.engine.scheduler import Scheduler, SequenceUpdate
 from deepinfer.engine.stats import EngineStats
 from deepinfer.image_input import check_images, embeddings_layout
+from deepinfer.kernels import isa
 from deepinfer.kernels.openmp import release_thread_pool
 from deepinfer.model.base import CausalLM
 from deepinfer.model.layers.expert_parallel import ExpertBalancer
@@ -32,6 +34,7 @@ from deepinfer.runner.device import torch_device, torch_dtype
 from deepinfer.runner.kv_caches import KVCaches
 from deepinfer.runner.model_runner import ModelRunner, PreparedStep, StepResult
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.security.cluster_key import cluster_key_of
 from deepinfer.sequence import EngineRequest, Sequence
 from deepinfer.speculative.build import build_speculative_decoder, load_draft_model, proposer_cache_groups
 from deepinfer.speculative.decoder import SpeculativeDecoder
@@ -163,14 +166,21 @@ class EngineCore:
         else:
             type(loaded.model).check_engine(loaded.config, config)
         self.loaded = loaded or load_model(
-            config.model, dtype, device, config.quantization, parallel.model_parallel() if parallel else None
+            config.model,
+            dtype,
+            device,
+            config.quantization,
+            parallel.model_parallel() if parallel else None,
+            config.rope_scaling,
         )
         check_model_options(config, self.loaded)
         self.loaded.model.configure(config)
         model = self.loaded.model
         kv_dtype = kv_cache_dtype(config, self.loaded, dtype)
         max_positions = self.loaded.config.max_position_embeddings
-        self.max_model_len = min(config.scheduler.max_model_len or max_positions, max_positions)
+        # Past the positions the model places (trained, or stretched by --rope-scaling): refused.
+        check_context_length(config.scheduler.max_model_len, max_positions, config.rope_scaling)
+        self.max_model_len = config.scheduler.max_model_len or max_positions
 
         draft = load_draft_model(config, self.loaded, self.max_model_len, dtype, device)
         declared: dict[str, list[CacheGroup]] = {
@@ -212,7 +222,11 @@ class EngineCore:
         pd = config.disaggregation
         # Images an encode-role server encoded: their embeddings are pulled as requests arrive.
         self.image_puller = (
-            ImagePuller(embeddings_layout(self.loaded.config.raw), pd.kv_transfer_timeout)
+            ImagePuller(
+                embeddings_layout(self.loaded.config.raw),
+                pd.kv_transfer_timeout,
+                cluster_key_of(pd.cluster_key_file),
+            )
             if pd.encoders and model.accepts_images
             else None
         )
@@ -225,12 +239,14 @@ class EngineCore:
             release_thread_pool()  # from now on the forward thread leads every parallel region
         self._in_flight: InFlightStep | None = None
         log.info(
-            "engine ready: %s, %d KV blocks in %d cache group(s) (%.0f bytes/token), attention=%s",
+            "engine ready: %s, %d KV blocks in %d cache group(s) (%.0f bytes/token), attention=%s, "
+            "C kernels for %s",
             self.loaded.name,
             self.kv.num_blocks,
             len(self.layout.groups),
             self.layout.bytes_per_token,
             self.runner.backend.name,
+            isa.describe(),
         )
 
     def _build_connector(self, caches: KVCaches) -> KVConnector | None:
@@ -239,7 +255,9 @@ class EngineCore:
         store = build_kv_store(
             self.config.store.settings(),
             on_host_evict=tier_events.host_evicted if tier_events is not None else None,
+            cluster_key=cluster_key_of(self.config.disaggregation.cluster_key_file),
         )
+        self.kv_store = store
         connectors: list[KVConnector] = []
         if store is not None:
             connectors.append(KVOffloader(store, self.kv, caches, tier_events))
@@ -503,6 +521,7 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         kv = self.kv
+        store = self.kv_store.metrics if self.kv_store is not None else None
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -515,4 +534,8 @@ class EngineCore:
             prefix_cached_blocks=kv.num_cached_blocks,
             num_preemptions=self.num_preemptions,
             images_encoded=self.runner.images.num_encoded if self.runner.images is not None else 0,
+            kv_store_errors=store.errors if store is not None else 0,
+            kv_store_corrupt_chunks=store.corrupt_objects if store is not None else 0,
+            kv_store_forged_chunks=store.forged_objects if store is not None else 0,
+            kv_store_write_drops=store.write_drops if store is not None else 0,
         )

@@ -43,9 +43,9 @@ class ImagePuller:
     sequence back, poll() (each engine step) lands them or reports the failures, forget()
     drops an aborted sequence's."""
 
-    def __init__(self, layout: str, timeout_s: float) -> None:
+    def __init__(self, layout: str, timeout_s: float, key: bytes | None = None) -> None:
         self.layout = layout  # image_input.embeddings_layout of this engine's model
-        self._puller = KVPuller(timeout_s, threads=4)
+        self._puller = KVPuller(timeout_s, threads=4, key=key)  # key: the cluster key
         self._pending: dict[int, _Pending] = {}  # seq_id -> what it waits for
         self.num_pulled = 0
         self.num_reused = 0  # leased images the encoder-output cache already held

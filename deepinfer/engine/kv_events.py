@@ -8,18 +8,26 @@ medium]`, `["AllBlocksCleared"]`. Our block hashes are the 32-byte chained SHA-2
 (bytes), which vLLM's decoders accept (its ExternalBlockHash is bytes or int). A subscriber
 that sees a gap in the sequence numbers has lost events (PUB drops when a subscriber lags);
 there is no replay socket, so it should forget what it knew of this engine.
+
+With a cluster key the PUB socket is a CURVE server (security/curve.py): only a subscriber
+holding the key-derived client key completes the handshake, and the events are encrypted; the
+messages inside are unchanged. `token_ids=False` publishes empty token id lists (a consumer that
+matches by block hash needs no more, and the events then carry no prompt text).
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 import time
 from typing import Any
 
 import msgspec
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
 from deepinfer.engine.kv_cache.events import Cleared, KVEvent, Removed, Stored
+from deepinfer.security.curve import client_keys, server_keys
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +69,11 @@ class KVEventBatch(EventBatch):
 WireEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-def to_wire(event: KVEvent) -> WireEvent:
+def to_wire(event: KVEvent, token_ids: bool = True) -> WireEvent:
     if isinstance(event, Stored):
+        tokens = event.token_ids if token_ids else []
         return BlockStored(
-            event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size, None, event.medium
+            event.block_hashes, event.parent_block_hash, tokens, event.block_size, None, event.medium
         )
     if isinstance(event, Removed):
         return BlockRemoved(event.block_hashes, event.medium)
@@ -81,16 +90,31 @@ _DECODER = msgspec.msgpack.Decoder(KVEventBatch)
 
 class KVEventPublisher:
     """The engine's PUB socket. `publish` never blocks: a slow subscriber loses messages (and
-    sees the gap in the sequence numbers), the engine never waits for one."""
+    sees the gap in the sequence numbers), the engine never waits for one. `key`: the cluster
+    key (CURVE, subscribers must hold it); `token_ids`: whether stored blocks name their tokens."""
 
     def __init__(
-        self, endpoint: str, topic: bytes = DEFAULT_TOPIC, context: zmq.Context | None = None
+        self,
+        endpoint: str,
+        topic: bytes = DEFAULT_TOPIC,
+        context: zmq.Context | None = None,
+        *,
+        key: bytes | None = None,
+        token_ids: bool = True,
     ) -> None:
         self._own_context = context is None
         self._context = context or zmq.Context()
+        self._authenticator: ThreadAuthenticator | None = None
         self._socket = self._context.socket(zmq.PUB)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.SNDHWM, 100_000)
+        if key is not None:
+            self._authenticator = ThreadAuthenticator(self._context)
+            self._authenticator.start()
+            self._authenticator.configure_curve_callback("*", _ClusterPeers(client_keys(key)[0]))
+            self._socket.curve_secretkey = server_keys(key)[1]
+            self._socket.curve_server = True
+        self._token_ids = token_ids
         self._socket.bind(endpoint)
         self.endpoint: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._topic = topic
@@ -101,7 +125,7 @@ class KVEventPublisher:
     def publish(self, events: list[KVEvent]) -> None:
         if not events:
             return
-        batch = KVEventBatch(ts=time.time(), events=[to_wire(e) for e in events])
+        batch = KVEventBatch(ts=time.time(), events=[to_wire(e, self._token_ids) for e in events])
         frames = [self._topic, self._sequence.to_bytes(8, "big"), self._encoder.encode(batch)]
         self._sequence += 1
         try:
@@ -112,5 +136,17 @@ class KVEventPublisher:
 
     def close(self) -> None:
         self._socket.close(linger=0)
+        if self._authenticator is not None:
+            self._authenticator.stop()
         if self._own_context:
             self._context.term()
+
+
+class _ClusterPeers:
+    """The ZAP check: a subscriber's CURVE key must be the one derived from the cluster key."""
+
+    def __init__(self, public: bytes) -> None:
+        self._public = public
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return hmac.compare_digest(key, self._public)

@@ -54,6 +54,7 @@ from deepinfer.engine.kv_cache.manager import KVCacheManager
 from deepinfer.engine.kv_chunks import BlockTransfer, ChunkLayout, install_chunk, read_chunk
 from deepinfer.engine.kv_transfer import KVPuller, KVTransferServer
 from deepinfer.engine.outputs import KVHandoff
+from deepinfer.security.cluster_key import cluster_key_of
 from deepinfer.sequence import Sequence
 from deepinfer.store import TieredKVStore
 
@@ -97,6 +98,7 @@ class PrefillHandoff:
                 config.kv_transfer_host,
                 config.kv_transfer_port,
                 config.kv_transfer_lease,
+                key=cluster_key_of(config.cluster_key_file),
             )
         elif store is None or store.backend is None:
             raise ValueError("kv_transfer='store' needs a shared --kv-store")
@@ -190,6 +192,7 @@ class PrefillHandoff:
                 pd_transfers_failed=self.server.num_failed,
                 pd_leases_expired=self.server.num_expired,
                 pd_pulls_unknown=self.server.num_unknown,
+                pd_peers_refused=self.server.num_refused,
             )
         return metrics
 
@@ -217,7 +220,7 @@ class DecodeReceiver:
         self.config = config
         self.chunks = ChunkLayout(kv.groups, kv.block_size, chunk_blocks)
         self.layout = self.chunks.describe()
-        self.puller = KVPuller(config.kv_transfer_timeout)
+        self.puller = KVPuller(config.kv_transfer_timeout, key=cluster_key_of(config.cluster_key_file))
         self._pulls: list[_Pull] = []
         self.num_pulls = 0
         self.num_failed = 0

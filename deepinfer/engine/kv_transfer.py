@@ -14,6 +14,10 @@ frames; numpy buffers go out and come in without copies (`sendall` of the array,
 it); and nothing new is installed. Mooncake's transfer engine would bring RDMA on machines
 that have it, but needs its own metadata service for a TCP-only loopback setup like ours.
 
+Peers first authenticate each other (security/peer_auth.py: HMAC challenge-response with the
+cluster key, both ways) before the listener reads a byte of variable size; a listener serves
+at most MAX_CONNECTIONS at once (more are closed on accept) and gives each a deadline.
+
 Frames: 4-byte big-endian length, then msgpack. Decoder -> prefiller: PullRequest, naming the
 decoder's chunk layout (`ChunkLayout.describe()`: another model, cache layout or chunk size is
 refused, status `mismatch`, and the lease ends). Prefiller -> decoder: PullReply, then (status
@@ -37,11 +41,18 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
+from deepinfer.security.peer_auth import HANDSHAKE_TIMEOUT_S, PeerAuthError, accept_peer, dial_peer
 from deepinfer.sequence import KVSource
 
 log = logging.getLogger(__name__)
 
-MAX_HEADER_BYTES = 64 << 20  # a request lists one 32-byte key per chunk: far below this
+MAX_REPLY_BYTES = 1 << 20  # a reply lists one size per chunk asked for
+# A request is its transfer id, layout and one 32-byte key per chunk: the limit of one is this
+# plus REQUEST_BYTES_PER_CHUNK per chunk of the largest lease held (checked before allocating).
+REQUEST_BASE_BYTES = 64 << 10
+REQUEST_BYTES_PER_CHUNK = 40
+MAX_CONNECTIONS = 64  # at once, per listener: decoders pull with a few threads each
+REQUEST_TIMEOUT_S = 10.0  # from accept to a whole request read, beyond the handshake
 _LENGTH = 4
 
 
@@ -90,12 +101,13 @@ def recv_into(sock: socket.socket, view: memoryview, deadline: float | None = No
         received += n
 
 
-def recv_frame(sock: socket.socket, deadline: float | None = None) -> bytes:
+def recv_frame(sock: socket.socket, limit: int, deadline: float | None = None) -> bytes:
+    """One frame of at most `limit` bytes (a larger announcement fails before any allocation)."""
     length = bytearray(_LENGTH)
     recv_into(sock, memoryview(length), deadline)
     size = int.from_bytes(length, "big")
-    if size > MAX_HEADER_BYTES:
-        raise TransferError(f"a {size}-byte header is larger than any the protocol sends")
+    if size > limit:
+        raise TransferError(f"a {size}-byte frame is larger than the {limit} bytes expected here")
     data = bytearray(size)
     recv_into(sock, memoryview(data), deadline)
     return bytes(data)
@@ -138,7 +150,8 @@ class KVTransferServer:
     SENDING) by at most one pull, under the lock, and `reap` drops only READY leases past their
     deadline and DONE ones. A send is bounded by the lease's deadline: a decoder that stops
     reading loses the connection when the lease ends. `layout` is the engine's chunk layout
-    (`ChunkLayout.describe()`): a decoder of another one is refused.
+    (`ChunkLayout.describe()`): a decoder of another one is refused. `key`: the cluster key
+    every puller must prove it holds (None: no check, which config allows on loopback only).
     """
 
     def __init__(
@@ -148,10 +161,17 @@ class KVTransferServer:
         port: int,
         lease_s: float,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        key: bytes | None = None,
+        max_connections: int = MAX_CONNECTIONS,
+        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
     ) -> None:
         self.layout = layout
         self.lease_s = lease_s
         self.clock = clock
+        self._key = key
+        self._handshake_timeout_s = handshake_timeout_s
+        self._slots = threading.BoundedSemaphore(max_connections)
         self._listener = socket.create_server((host, port))
         self._listener.settimeout(0.25)  # the accept loop notices close() within this
         bound_host, bound_port = self._listener.getsockname()[:2]
@@ -164,6 +184,7 @@ class KVTransferServer:
         self.num_failed = 0
         self.num_expired = 0
         self.num_unknown = 0
+        self.num_refused = 0  # connections closed unread: over the limit, or not a key holder
         self._accept_thread = threading.Thread(target=self._accept, name="kv-transfer-accept", daemon=True)
         self._accept_thread.start()
 
@@ -226,36 +247,60 @@ class KVTransferServer:
                 continue
             except OSError:
                 return  # closed
+            if not self._slots.acquire(blocking=False):
+                with self._lock:
+                    self.num_refused += 1
+                _reset_on_close(conn)
+                conn.close()
+                continue
             threading.Thread(target=self._serve, args=(conn,), name="kv-transfer-send", daemon=True).start()
 
+    def _request_limit(self) -> int:
+        with self._lock:
+            most = max((len(lease.chunk_keys) for lease in self._leases.values()), default=0)
+        return REQUEST_BASE_BYTES + REQUEST_BYTES_PER_CHUNK * most
+
     def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            try:
-                request = _requests.decode(recv_frame(conn, self.clock() + self.lease_s))
-            except (OSError, TransferError, msgspec.DecodeError) as error:
-                log.debug("a KV pull request was not read: %s", error)
-                return
-            lease = self._claim(request.transfer_id)
-            if lease is None:
-                with self._lock:
-                    self.num_unknown += 1
-                self._reply_quietly(
-                    conn, PullReply(UNKNOWN, f"no KV is leased under {request.transfer_id!r}")
-                )
-                return
-            sent = False
-            try:
-                if request.layout == self.layout:
-                    sent = self._send(conn, lease, request.chunk_keys)
-                else:  # the lease was for this decoder: it ends
-                    conn.settimeout(max(lease.deadline - self.clock(), 0.001))
-                    send_frame(conn, PullReply(MISMATCH, self._mismatch(request.layout)))
-            except (OSError, TransferError) as error:
-                log.warning("KV transfer %s failed or stalled past its lease: %s", lease.transfer_id, error)
-                _reset_on_close(conn)
-            finally:
-                self._done(lease, sent)
+        try:
+            with conn:
+                self._serve_authenticated(conn)
+        finally:
+            self._slots.release()
+
+    def _serve_authenticated(self, conn: socket.socket) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            accept_peer(conn, self._key, self._handshake_timeout_s)
+        except (OSError, PeerAuthError) as error:
+            with self._lock:
+                self.num_refused += 1
+            log.debug("a KV transfer peer was refused: %s", error)  # counted: num_refused
+            _reset_on_close(conn)
+            return
+        deadline = time.monotonic() + min(REQUEST_TIMEOUT_S, self.lease_s)
+        try:
+            request = _requests.decode(recv_frame(conn, self._request_limit(), deadline))
+        except (OSError, TransferError, msgspec.DecodeError) as error:
+            log.debug("a KV pull request was not read: %s", error)
+            return
+        lease = self._claim(request.transfer_id)
+        if lease is None:
+            with self._lock:
+                self.num_unknown += 1
+            self._reply_quietly(conn, PullReply(UNKNOWN, f"no KV is leased under {request.transfer_id!r}"))
+            return
+        sent = False
+        try:
+            if request.layout == self.layout:
+                sent = self._send(conn, lease, request.chunk_keys)
+            else:  # the lease was for this decoder: it ends
+                conn.settimeout(max(lease.deadline - self.clock(), 0.001))
+                send_frame(conn, PullReply(MISMATCH, self._mismatch(request.layout)))
+        except (OSError, TransferError) as error:
+            log.warning("KV transfer %s failed or stalled past its lease: %s", lease.transfer_id, error)
+            _reset_on_close(conn)
+        finally:
+            self._done(lease, sent)
 
     def _send(self, conn: socket.socket, lease: Lease, wanted: list[bytes]) -> bool:
         keys = lease.chunk_keys
@@ -312,10 +357,12 @@ def _reset_on_close(conn: socket.socket) -> None:
 
 class KVPuller:
     """The decode engine's side: pulls run on a small thread pool, each bounded by `timeout_s`
-    from connection to the last byte."""
+    from connection to the last byte. `key`: the cluster key the prefiller must prove it holds
+    (and this side proves to it) before a byte of KV is read: a stranger's "KV" never lands."""
 
-    def __init__(self, timeout_s: float, threads: int = 2) -> None:
+    def __init__(self, timeout_s: float, threads: int = 2, *, key: bytes | None = None) -> None:
         self.timeout_s = timeout_s
+        self._key = key
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kv-transfer-pull")
 
     def pull(self, source: KVSource, chunk_keys: list[bytes], layout: str) -> Future[list[np.ndarray]]:
@@ -330,9 +377,10 @@ class KVPuller:
         try:
             with socket.create_connection((host, port), timeout=self.timeout_s) as sock:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                dial_peer(sock, self._key, max(deadline - time.monotonic(), 0.001))
                 sock.settimeout(max(deadline - time.monotonic(), 0.001))
                 send_frame(sock, PullRequest(source.transfer_id, chunk_keys, layout))
-                reply = _replies.decode(recv_frame(sock, deadline))
+                reply = _replies.decode(recv_frame(sock, MAX_REPLY_BYTES, deadline))
                 if reply.status != OK:
                     raise TransferError(
                         f"the prefill engine at {source.address} answered {reply.status}: {reply.message}"
@@ -347,6 +395,8 @@ class KVPuller:
             raise TimeoutError(
                 f"the KV transfer from {source.address} took longer than {self.timeout_s:g} s"
             ) from None
+        except PeerAuthError as error:
+            raise TransferError(f"the peer at {source.address} was refused: {error}") from None
         except ConnectionError as error:
             raise TransferError(f"the prefill engine at {source.address} is unreachable: {error}") from None
 

@@ -20,6 +20,12 @@ class EngineStats:
     num_preemptions: int
     # Images run through the vision tower (an encoder-cache hit does not count); 0 without one.
     images_encoded: int = 0
+    # The KV store (counters since start; 0 without one): failures, chunks found damaged or
+    # failing the cluster key's authentication (both deleted), writes dropped.
+    kv_store_errors: int = 0
+    kv_store_corrupt_chunks: int = 0
+    kv_store_forged_chunks: int = 0
+    kv_store_write_drops: int = 0
     # Data parallelism: the stats of every rank, in rank order (the fields above sum them).
     per_rank: list[EngineStats] = field(default_factory=list)
 

@@ -1,10 +1,11 @@
 """Compile the C kernels once per machine and load them with ctypes.
 
 Plain C with no torch headers compiles in about a second, so it is built on first use and cached
-under the DeepInfer cache directory, keyed by the source and the compiler flags. `-march=native`
-is safe because the binary never leaves the machine that built it (a caller may name another
-target, e.g. `-mavx2` to test an AVX2 path on an AVX-512 machine). If no compiler is available
-the caller falls back to the PyTorch reference path.
+under the DeepInfer cache directory, keyed by the source and the compiler flags. The target is
+`kernels/isa.py`'s: the best instruction-set level this CPU reports by default (the binary never
+leaves the machine that built it), or the level `DEEPINFER_CPU_ISA` names (a caller may also name
+a level's flags, as the tests do to run every path this CPU has). If no compiler is available the caller
+falls back to the PyTorch reference path.
 """
 
 from __future__ import annotations
@@ -19,22 +20,26 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
+from deepinfer.kernels import isa
 from deepinfer.utils import cache_dir
 
 log = logging.getLogger(__name__)
 
 _FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno"]
-NATIVE = ("-march=native",)
 
 
-@cache
 def load_kernel_library(
-    name: str, extra_flags: tuple[str, ...] = (), target_flags: tuple[str, ...] = NATIVE
+    name: str, extra_flags: tuple[str, ...] = (), target_flags: tuple[str, ...] | None = None
 ) -> ctypes.CDLL | None:
     """Build (if needed) and load `<name>.c` from this package; None when it cannot be built.
 
-    `target_flags` picks the instruction set (default: this machine's); `extra_flags` are the
-    library's own (e.g. -ffp-contract=off)."""
+    `target_flags` picks the instruction set (default: `isa.compiler_flags()`, read when called);
+    `extra_flags` are the library's own (e.g. -ffp-contract=off)."""
+    return _load(name, extra_flags, isa.compiler_flags() if target_flags is None else target_flags)
+
+
+@cache
+def _load(name: str, extra_flags: tuple[str, ...], target_flags: tuple[str, ...]) -> ctypes.CDLL | None:
     source = Path(__file__).with_name(f"{name}.c")
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:

@@ -11,11 +11,11 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 
-from deepinfer.kernels.build import NATIVE, load_kernel_library
+from deepinfer.kernels import isa
+from deepinfer.kernels.build import load_kernel_library
 from deepinfer.kernels.gguf_blocks import PackedGroup
 
 _FLAGS = ("-ffp-contract=off",)  # gguf_matmul.c's own: the products must match its library's bits
@@ -152,7 +152,6 @@ class DecodeStack:
         return h, residual
 
 
-@cache
 def decode_layers_library() -> ctypes.CDLL | None:
-    """The compiled library (this machine's instruction set); None without a C compiler."""
-    return load_kernel_library("decode_layers", _FLAGS, NATIVE)
+    """The compiled library for kernels/isa.py's level; None without a C compiler."""
+    return load_kernel_library("decode_layers", _FLAGS, isa.compiler_flags())

@@ -19,7 +19,8 @@ from functools import cache
 import numpy as np
 import torch
 
-from deepinfer.kernels.build import NATIVE, load_kernel_library
+from deepinfer.kernels import isa
+from deepinfer.kernels.build import load_kernel_library
 
 # ggml type ids of the formats the kernel computes on directly.
 PACKED_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
@@ -220,8 +221,13 @@ class PackedGroup:
         return sum(m.nbytes for m in self.matrices)
 
 
+def gguf_kernels(target_flags: tuple[str, ...] | None = None) -> GGUFKernels | None:
+    """The kernels built for `target_flags` (default: kernels/isa.py's level); None when no C
+    compiler is available."""
+    return _gguf_kernels(isa.compiler_flags() if target_flags is None else target_flags)
+
+
 @cache
-def gguf_kernels(target_flags: tuple[str, ...] = NATIVE) -> GGUFKernels | None:
-    """The kernels built for `target_flags`; None when no C compiler is available."""
+def _gguf_kernels(target_flags: tuple[str, ...]) -> GGUFKernels | None:
     lib = load_kernel_library("gguf_matmul", _FLAGS, target_flags)
     return None if lib is None else GGUFKernels(lib)

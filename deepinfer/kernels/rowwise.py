@@ -11,6 +11,7 @@ from functools import cache
 
 import torch
 
+from deepinfer.kernels import isa
 from deepinfer.kernels.build import load_kernel_library
 
 
@@ -54,7 +55,12 @@ def fits(x: torch.Tensor) -> bool:
     return x.dtype is torch.float32 and x.is_cpu and x.is_contiguous()
 
 
+def rowwise_kernels(target_flags: tuple[str, ...] | None = None) -> RowwiseKernels | None:
+    """The kernels built for `target_flags` (default: kernels/isa.py's level); None without a C compiler."""
+    return _rowwise_kernels(isa.compiler_flags() if target_flags is None else target_flags)
+
+
 @cache
-def rowwise_kernels() -> RowwiseKernels | None:
-    lib = load_kernel_library("rowwise", ("-ffp-contract=off",))
+def _rowwise_kernels(target_flags: tuple[str, ...]) -> RowwiseKernels | None:
+    lib = load_kernel_library("rowwise", ("-ffp-contract=off",), target_flags)
     return None if lib is None else RowwiseKernels(lib)

@@ -41,6 +41,9 @@ class CausalLM(torch.nn.Module):
     # Whether the model has a vision tower: it then has `embed_images` and its forward takes
     # `image_embeds` / `image_mask` (the runner passes them only in a step that has images).
     accepts_images = False
+    # Whether the rotary embedding follows ModelConfig.rope_scaling, so `--rope-scaling` can
+    # replace it (the Llama family); other models place positions their own way.
+    takes_rope_scaling = False
 
     @classmethod
     def from_config(cls, config: ModelConfig, parallel: ModelParallel | None = None) -> CausalLM:

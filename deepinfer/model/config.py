@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from deepinfer.config.rope import scaled_context
 
 
 @dataclass(slots=True)
@@ -72,6 +75,14 @@ class ModelConfig:
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
             raw=dict(raw),
         )
+
+    def scale_rope(self, scaling: Mapping[str, Any]) -> None:
+        """Take a RoPE scaling given to the engine (`--rope-scaling`, checked by the config) in
+        place of the checkpoint's: the rotary tables and the context grow to factor x the original
+        length (the scaling's `original_max_position_embeddings`, else this checkpoint's)."""
+        scaling = {"original_max_position_embeddings": self.max_position_embeddings, **scaling}
+        self.rope_scaling = scaling
+        self.max_position_embeddings = scaled_context(self.max_position_embeddings, scaling)
 
 
 def _layer_windows(cfg: dict[str, Any], model_type: str, num_layers: int) -> list[int | None]:

@@ -132,6 +132,7 @@ class LlamaDecoderLayer(torch.nn.Module):
 @register_model("llama", "qwen2", "qwen3", "mistral", "smollm")
 class LlamaForCausalLM(CausalLM):
     supports_kv_cache_dtype = True
+    takes_rope_scaling = True
 
     def __init__(self, cfg: ModelConfig, parallel: ModelParallel | None = None) -> None:
         super().__init__()

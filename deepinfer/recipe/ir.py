@@ -79,7 +79,10 @@ class Message:
 
     `prefix` (the last assistant message only): the reply continues this text instead of
     starting a new turn. `tools` (system messages after the first turn): tool schemas loaded
-    on the way (tool search), which DeepSeek V4.1 announces in place.
+    on the way (tool search), which DeepSeek V4.1 announces in place. `in_turns` (system
+    messages): the client placed it among the turns (an Anthropic Messages `system` entry, such
+    as Claude Code's environment block); encodings without system turns merge it into the
+    system prompt, DeepSeek's place it as their codec does.
     """
 
     role: Role
@@ -91,6 +94,7 @@ class Message:
     is_error: bool = False  # tool results only
     prefix: bool = False
     tools: list[Tool] = field(default_factory=list)
+    in_turns: bool = False
 
     @property
     def text(self) -> str:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +36,24 @@ if TYPE_CHECKING:
 _PLANE = 0x100000
 _PLANE_END = 0x10FFFD
 _ESCAPE = chr(_PLANE)  # stands for itself: the client's own U+100000
+# Characters one regex search scans at most: a search holds the GIL, and a server renders
+# prompts on a thread beside its event loop, so a megabyte prompt is scanned in short steps.
+_WINDOW = 1 << 16
+
+
+def _matches(pattern: re.Pattern[str], text: str, longest: int) -> Iterator[re.Match[str]]:
+    """`pattern.finditer(text)` in searches of about _WINDOW characters. A match starting in a
+    window ends within `longest - 1` characters past it, so bounding each search there finds
+    the same matches as one search over the whole text."""
+    pos, size = 0, len(text)
+    while pos < size:
+        end = min(size, pos + _WINDOW)
+        match = pattern.search(text, pos, min(size, end + longest - 1))
+        if match is None or match.start() >= end:
+            pos = end
+            continue
+        yield match
+        pos = max(match.end(), match.start() + 1)
 
 
 class MissingSpecialToken(RecipeError):
@@ -54,6 +72,7 @@ class SpecialTextGuard:
         self._spelling = {v: k for k, v in self._placeholder.items()}
         self._spelling[_ESCAPE] = _ESCAPE
         self._special_re = re.compile("|".join(re.escape(s) for s in ordered)) if ordered else None
+        self._longest = max((len(s) for s in ordered), default=1)
         plane = f"[{re.escape(chr(_PLANE))}-{re.escape(chr(_PLANE_END))}]"
         self._in_re = re.compile("|".join([*(re.escape(s) for s in ordered), plane]) if ordered else plane)
         self._out_re = re.compile(plane)
@@ -61,7 +80,13 @@ class SpecialTextGuard:
     # -- client text -> placeholders
 
     def protect_text(self, text: str) -> str:
-        return self._in_re.sub(self._swap_in, text)
+        out: list[str] = []
+        pos = 0
+        for match in _matches(self._in_re, text, self._longest):
+            out += (text[pos : match.start()], self._swap_in(match))
+            pos = match.end()
+        out.append(text[pos:])
+        return "".join(out)
 
     def _swap_in(self, match: re.Match[str]) -> str:
         found = match.group(0)
@@ -74,7 +99,7 @@ class SpecialTextGuard:
         out: list[str] = []
         pos = 0
         escaped = False
-        for match in self._out_re.finditer(text):
+        for match in _matches(self._out_re, text, 1):
             char = match.group(0)
             out.append(text[pos : match.start()])
             pos = match.end()
@@ -99,7 +124,7 @@ class SpecialTextGuard:
         pieces: list[tuple[str, bool]] = []
         pos = 0
         if self._special_re is not None:
-            for match in self._special_re.finditer(rendered):
+            for match in _matches(self._special_re, rendered, self._longest):
                 if match.start() > pos:
                     pieces.append((self.restore(rendered[pos : match.start()]), False))
                 pieces.append((match.group(0), True))
@@ -141,7 +166,8 @@ class PromptTokenizer:
         self._text = HfTokenizer.from_str(json.dumps(config))
 
     def encode_text(self, text: str) -> list[int]:
-        return self._text.encode(text, add_special_tokens=False).ids if text else []
+        # encode_batch releases the GIL (encode does not): see Tokenizer.encode.
+        return self._text.encode_batch([text], add_special_tokens=False)[0].ids if text else []
 
     def encode(self, pieces: list[tuple[str, bool]], *, strict: bool) -> list[int]:
         """Ids of rendered pieces. A marker the tokenizer lacks is refused when `strict` (DeepSeek

@@ -44,6 +44,9 @@ from deepinfer.router.proxy import (
     until_dead,
 )
 from deepinfer.router.replica import Replica, ReplicaSet
+from deepinfer.security.cluster_key import cluster_key_of
+from deepinfer.security.signing import PEER_HEADER, peer_token, sign_handoff
+from deepinfer.server.auth import check_api_key
 from deepinfer.server.errors import ApiError, error_response, flavor_of
 
 log = logging.getLogger(__name__)
@@ -84,6 +87,8 @@ class Router:
         self.metrics = metrics
         self.policies = {role: Policy(config) for role in ("both", "prefill", "decode")}
         self.conversations = ConversationTree()  # where routed prompts branch off each other
+        # Signs handoffs and the calls to /v1/pd/prefill: decode engines act on nothing else.
+        self.cluster_key = cluster_key_of(config.cluster_key_file)
         self.draining = False
 
     # -- choosing -------------------------------------------------------------------------------
@@ -97,15 +102,19 @@ class Router:
         for replica in self.replicas.pool(role):
             if not replica.available or replica.name in exclude:
                 continue
-            match, total = None, 0
+            match, total, sent = None, 0, 0
             if features is not None and replica.fingerprint and replica.block_size:
                 salt = features.salt_for(api_key, replica.cache_salt_per_key)
                 hashes = features.block_hashes(replica.fingerprint, replica.block_size, salt)
                 total = len(hashes)
-                match = self.index.match(replica.name, hashes, self.conversations.shared_blocks(hashes))
+                shared = self.conversations.shared_blocks(hashes)
+                match = self.index.match(replica.name, hashes, shared)
+                previous = self.conversations.previous_turn(hashes, role)
+                if previous is not None and previous[1] == replica.name and previous[0] > shared:
+                    sent = previous[0]  # this conversation's previous turn went there
                 chains[replica.name] = hashes
             cached = self.index.size(replica.name).get(DEVICE, 0)
-            candidates.append(Candidate(replica, match, total, cached))
+            candidates.append(Candidate(replica, match, total, cached, sent))
         return candidates, chains
 
     def _pick(
@@ -120,7 +129,7 @@ class Router:
         replica = decision.replica
         assert isinstance(replica, Replica)
         if replica.name in chains:
-            self.conversations.record(chains[replica.name])
+            self.conversations.record(chains[replica.name], replica.name, role)
         replica.breaker.allow()  # an open circuit past its cooldown lets this one through as the probe
         self.metrics.routed(role, replica.name, decision.reason, decision.total_blocks, decision.credit)
         return replica
@@ -147,6 +156,8 @@ class Router:
             }
             headers = {k: v for k, v in request.headers.items() if k in AUTH_HEADERS}
             headers[REQUEST_ID_HEADER] = request_id
+            if self.cluster_key is not None:
+                headers[PEER_HEADER] = peer_token(self.cluster_key, "POST", "/v1/pd/prefill")
             replica.inflight += 1
             try:
                 answer = await until_dead(
@@ -184,10 +195,18 @@ class Router:
                 handoff["address"] = replica.kv_transfer_address
             else:
                 handoff = {}  # through the shared store: the decode replica reads it there
-            return msgspec.json.encode(handoff).decode()
+            return self._signed(handoff)
         self.metrics.handoffs.labels("failed").inc()
         log.warning("prefill failed (%s); the decode replica decides by its policy", error)
-        return msgspec.json.encode({"error": error}).decode()
+        return self._signed({"error": error})
+
+    def _signed(self, handoff: dict[str, str]) -> str:
+        """The header's JSON, with the signature a decode replica requires (server/peers.py)."""
+        if self.cluster_key is not None:
+            handoff["signature"] = sign_handoff(
+                self.cluster_key, handoff.get("transfer_id"), handoff.get("address"), handoff.get("error")
+            )
+        return msgspec.json.encode(handoff).decode()
 
     # -- the request ----------------------------------------------------------------------------
 
@@ -197,6 +216,9 @@ class Router:
         if self.draining:
             return error_response(ApiError(503, "the router is shutting down", code="draining"), flavor)
         try:
+            # The key before the body: a keyless client costs its headers only, not a read
+            # and a tokenization of whatever it sends.
+            check_api_key(self.config.api_keys, request.headers)
             body = await self._read_body(request)
         except ApiError as error:
             return error_response(error, flavor)
@@ -234,8 +256,13 @@ class Router:
                 self.metrics.retries.inc()
             last_error = f"the replica {replica.url} was busy or failing"
         self.metrics.requests.labels("no_replica").inc()
+        # Replicas' addresses are internal: the log names them, the client's error does not.
+        log.warning("no replica could serve %s: %s", request_id, last_error)
         error = ApiError(
-            503, f"no replica could serve the request: {last_error}", code="no_replica_available"
+            503,
+            "no replica could serve the request; retry later",
+            code="no_replica_available",
+            headers={"retry-after": "1"},
         )
         answer = error_response(error, flavor)
         answer.headers[REQUEST_ID_HEADER] = request_id
@@ -257,13 +284,20 @@ class Router:
     async def _features(self, request: Request, path: str, body: bytes) -> PromptFeatures | None:
         if self.renderer is None or request.method != "POST" or path not in GENERATING_PATHS:
             return None
+        # Decoding, rendering and tokenizing a long prompt take up to seconds: off the event
+        # loop (the tokenizer releases the GIL).
+        return await asyncio.to_thread(self._features_of, path, body, request.headers)
+
+    def _features_of(self, path: str, body: bytes, headers: Any) -> PromptFeatures | None:
+        assert self.renderer is not None
         try:
             parsed: Any = msgspec.json.decode(body)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             return None  # the replica answers the 400
-        renderer = self.renderer
-        # Rendering and tokenizing a long prompt takes milliseconds: off the event loop.
-        return await asyncio.to_thread(renderer.features, path, parsed, request.headers)
+        try:
+            return self.renderer.features(path, parsed, headers)
+        except RecursionError:
+            return None  # nested too deeply to render: the replica answers the 400
 
     async def _forward(
         self, replica: Replica, request: Request, body: bytes, extra: dict[str, str], final: bool

@@ -7,6 +7,10 @@ new session after a common system prompt) shares the blocks up to that point wit
 a replica holding only them holds nothing of this conversation, and every replica will hold
 them after computing them once. A later turn of the same conversation follows its own chain past
 that point, and the blocks beyond are its own.
+
+The tree also remembers where each routed prompt was sent (by its last block): a later turn that
+extends a previous prompt of its conversation knows the replica computing or holding that
+history from the router's own decisions, before (or without) that replica's KV events.
 """
 
 from __future__ import annotations
@@ -23,22 +27,40 @@ class ConversationTree:
     def __init__(self, max_nodes: int = 1 << 18) -> None:
         self.max_nodes = max_nodes
         self._child: dict[bytes, bytes] = {}  # node -> its only recorded child, or _BRANCH
+        # (pool, a routed prompt's last block) -> the replica of that pool it went to
+        self._sent: dict[tuple[str, bytes], str] = {}
 
     def __len__(self) -> int:
         return len(self._child)
 
-    def record(self, chain: list[bytes]) -> None:
-        """Add a routed prompt's links (mutates the tree; the oldest nodes go beyond max_nodes)."""
+    def record(self, chain: list[bytes], replica: str | None = None, pool: str = "both") -> None:
+        """Add a routed prompt's links and, with `replica`, where it was sent in `pool` (both,
+        prefill or decode) (mutates the tree; the oldest nodes and prompt ends go beyond
+        max_nodes)."""
         for parent, child in pairwise(chain):
             known = self._child.get(parent)
             if known is None:
                 self._child[parent] = child
             elif known != child:
                 self._child[parent] = _BRANCH
-        excess = len(self._child) - self.max_nodes
-        if excess > 0:
-            for node in list(islice(self._child, excess)):
-                del self._child[node]
+        if replica is not None and chain:
+            self._sent.pop((pool, chain[-1]), None)  # re-inserted: the latest is the youngest
+            self._sent[pool, chain[-1]] = replica
+        for table in (self._child, self._sent):
+            excess = len(table) - self.max_nodes
+            if excess > 0:
+                for node in list(islice(table, excess)):
+                    del table[node]
+
+    def previous_turn(self, chain: list[bytes], pool: str = "both") -> tuple[int, str] | None:
+        """The longest prompt routed in `pool` that `chain` starts with: its length in blocks and
+        the replica it was sent to (None: no routed prompt is a prefix of this one); mutates
+        nothing. Block hashes are chained, so a prompt's last block stands for all of it."""
+        for depth in range(len(chain), 0, -1):
+            replica = self._sent.get((pool, chain[depth - 1]))
+            if replica is not None:
+                return depth, replica
+        return None
 
     def shared_blocks(self, chain: list[bytes]) -> int:
         """How many leading blocks of `chain` some other recorded prompt shares and then leaves it

@@ -14,6 +14,12 @@ blocks, past what it shares with other conversations (branches.py), count as hol
 a new session that shares a system prompt with cached ones is a new conversation, placed by load,
 and the system prompt is computed once more on the replica it lands on; SGLang's rule (every
 cached block counts) gathers such sessions on the replica that served the first.
+A replica the router sent the conversation's previous turn to holds that history as far as the
+router is concerned, whatever its KV events say yet (`Candidate.sent_blocks`): they lag behind the
+answer, and a replica's index is forgotten when its events are lost or it misses health checks.
+So a later turn stays with its own history, the longest match, instead of being placed by load
+like a new conversation (SGLang's router likewise inserts a prompt into the chosen worker's tree
+when it routes it).
 
 Least work: the replica where the request's first token is estimated to come soonest, the prompt
 blocks it would compute there (the prompt less the replica's credit) plus `request_cost_blocks`
@@ -50,10 +56,23 @@ class Candidate:
     match: PrefixMatch | None  # None: nothing known of the prompt (no features, or no events)
     total_blocks: int
     cached_blocks: int = 0  # blocks the replica's device cache holds (the router's index)
+    # blocks of this prompt the router sent to this replica as the conversation's previous turn
+    # (0: none, or that turn was only what other conversations share too)
+    sent_blocks: int = 0
 
     @property
     def credit(self) -> float:
         return self.match.credit if self.match is not None else 0.0
+
+    @property
+    def held(self) -> float:
+        """What the replica holds of the prompt: its index's credit, or the previous turn the
+        router sent it when its events have not told (or no longer tell) as much."""
+        return max(self.credit, float(self.sent_blocks))
+
+    @property
+    def holds_own_history(self) -> bool:
+        return self.sent_blocks > 0 or (self.match is not None and self.match.own_credit > 0)
 
 
 @dataclass(slots=True)
@@ -106,11 +125,11 @@ class Policy:
             return Decision(chosen.replica, "balance", chosen.credit, chosen.total_blocks)
         holders = candidates
         if config.spread_shared_prefixes:  # replicas holding some of this conversation's own blocks
-            holders = [c for c in candidates if c.match is not None and c.match.own_credit > 0]
-        best = max((c.credit for c in holders), default=0.0)
+            holders = [c for c in candidates if c.holds_own_history]
+        best = max((c.held for c in holders), default=0.0)
         total = candidates[0].total_blocks
         if total and best / total >= config.cache_threshold:
-            tied = [c for c in holders if c.credit >= best - CREDIT_EPSILON]
+            tied = [c for c in holders if c.held >= best - CREDIT_EPSILON]
             chosen = self._least_loaded(tied, session)
             return Decision(chosen.replica, "cache", chosen.credit, chosen.total_blocks)
         last = self._sessions.get(session) if session is not None else None
@@ -123,7 +142,7 @@ class Policy:
         last = self._sessions.get(session) if session is not None else None
 
         def work(c: Candidate) -> tuple[float, bool, int]:
-            blocks_left = max(c.total_blocks - c.credit, 0.0)
+            blocks_left = max(c.total_blocks - c.held, 0.0)
             return (round(blocks_left + cost * c.replica.load, 6), c.replica.name != last, c.replica.load)
 
         chosen = min(candidates, key=work)

@@ -61,7 +61,8 @@ class PromptFeatures:
         return hashes
 
     def salt_for(self, api_key: str | None, per_key: bool) -> str | None:
-        """The salt a replica applies (its --cache-salt-per-key scopes it to the API key)."""
+        """The salt a replica applies (one with API keys scopes it to the key, unless it runs
+        with --shared-prefix-cache)."""
         if per_key and api_key:
             return tenant_cache_salt(api_key, self.cache_salt)
         return self.cache_salt

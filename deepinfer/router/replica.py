@@ -25,6 +25,9 @@ import zmq.asyncio
 from deepinfer.config.router import RouterConfig
 from deepinfer.engine.kv_events import decode_batch
 from deepinfer.router.index import PrefixIndex
+from deepinfer.security.cluster_key import cluster_key_of
+from deepinfer.security.curve import client_keys, server_keys
+from deepinfer.security.signing import PEER_HEADER, peer_token
 from deepinfer.store.breaker import BreakerState, CircuitBreaker
 
 log = logging.getLogger(__name__)
@@ -110,6 +113,8 @@ class ReplicaSet:
         roles += [("prefill", u) for u in config.prefill] + [("decode", u) for u in config.decode]
         self.replicas = [Replica(url, role, config) for role, url in roles]
         self._context = zmq.asyncio.Context()
+        # Proves this router is a peer: engine_info polls (a token) and KV events (CURVE keys).
+        self._cluster_key = cluster_key_of(config.cluster_key_file)
         self._subscriptions: dict[str, tuple[str, asyncio.Task[None]]] = {}
         self._health_task: asyncio.Task[None] | None = None
         self.events_lost = 0
@@ -129,7 +134,9 @@ class ReplicaSet:
     async def _check(self, replica: Replica) -> None:
         try:
             response = await self.client.get(
-                replica.url + "/v1/engine_info", timeout=self.config.health_timeout
+                replica.url + "/v1/engine_info",
+                headers=self._info_headers(),
+                timeout=self.config.health_timeout,
             )
             info = response.json()
             if response.status_code != 200 or not info.get("healthy", False):
@@ -155,6 +162,16 @@ class ReplicaSet:
         replica.healthy = True
         replica.dead.clear()
         self._subscribe(replica)
+
+    def _info_headers(self) -> dict[str, str]:
+        """A peer token (engines with a cluster key want one) and an API key, if this router has
+        them (a keyless, loopback-only engine wants one of its API keys)."""
+        headers = {}
+        if self._cluster_key is not None:
+            headers[PEER_HEADER] = peer_token(self._cluster_key, "GET", "/v1/engine_info")
+        if self.config.api_keys:
+            headers["authorization"] = f"Bearer {self.config.api_keys[0]}"
+        return headers
 
     def _check_failed(self, replica: Replica, error: str) -> None:
         replica.failed_checks += 1
@@ -186,6 +203,10 @@ class ReplicaSet:
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.RCVHWM, 100_000)
         socket.setsockopt(zmq.SUBSCRIBE, b"")
+        if self._cluster_key is not None:  # the engine's publisher is a CURVE server
+            public, secret = client_keys(self._cluster_key)
+            socket.curve_publickey, socket.curve_secretkey = public, secret
+            socket.curve_serverkey = server_keys(self._cluster_key)[0]
         socket.connect(endpoint)
         last: int | None = None
         try:

@@ -13,6 +13,7 @@ import torch
 from deepinfer.attention.backend import AttentionBackend, OwnAttention, TorchReferenceBackend
 from deepinfer.attention.metadata import ForwardMetadata
 from deepinfer.image_input import images_in
+from deepinfer.kernels.triton import triton_installed
 from deepinfer.model.base import CausalLM
 from deepinfer.model.layers.expert_parallel import ExpertBalancer
 from deepinfer.runner.image_embeds import ImageEmbeddings
@@ -37,13 +38,18 @@ def make_attention_backend(
     device: torch.device,
     kv_dtype: torch.dtype = torch.float32,
 ) -> AttentionBackend:
-    """`auto` picks the C kernel backend on CPU when it builds and fits the model, else the reference.
+    """`auto` picks the C kernel backend on CPU when it builds and fits the model, Triton on CUDA
+    when it is installed, else the reference.
 
     For a model that rounds its activations, every prompt row goes through the per-row kernel:
     the tiled prefill's GEMMs sum in an order that depends on the chunk's shape (differences of
     ~1e-6), which the rounding can turn into another token once a prompt is chunked or cached."""
     if not model.uses_attention_backend:
         return OwnAttention()
+    if name == "triton" or (name == "auto" and device.type == "cuda" and triton_installed()):
+        from deepinfer.attention.triton_backend import TritonBackend
+
+        return TritonBackend(device)
     if name == "torch" or (name == "auto" and device.type != "cpu"):
         return TorchReferenceBackend()
     from deepinfer.attention.cpu_paged import CpuPagedBackend

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from fastapi import APIRouter, Request
@@ -30,10 +31,10 @@ async def messages(request: Request) -> Response:
     api_key = state.authorize(request)
     body = await read_json(request, state.config.max_body_bytes)
     model = state.model_name(body)
-    conv = messages_to_conversation(body)
-    prompt = state.render(conv, param="messages")
+    conv = await asyncio.to_thread(messages_to_conversation, body)
+    prompt = await state.render(conv, param="messages")
     assert prompt.token_ids is not None
-    images = await state.place_images(prompt, param="messages")
+    images = await state.place_images(prompt, param="messages", api_key=api_key)
     params = state.sampling_params(
         conv.params,
         len(prompt.token_ids),
@@ -67,6 +68,7 @@ async def count_tokens(request: Request) -> JSONResponse:
     state.authorize(request)
     body = await read_json(request, state.config.max_body_bytes)
     state.model_name(body)
-    conv = count_tokens_to_conversation(body)
-    prompt = state.require_recipe().render(conv, tokenizer=state.tokenizer.backend)
+    conv = await asyncio.to_thread(count_tokens_to_conversation, body)
+    recipe = state.require_recipe()
+    prompt = await asyncio.to_thread(recipe.render, conv, tokenizer=state.tokenizer.backend)
     return JSONResponse(count_tokens_body(len(await state.counted_tokens(prompt, param="messages"))))

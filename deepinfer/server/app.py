@@ -77,6 +77,12 @@ def build_app(state: ServerState) -> FastAPI:
     async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
         return error_response(ApiError(400, str(error)), flavor_of(request.url.path))
 
+    @app.exception_handler(RecursionError)
+    async def too_deep(request: Request, error: RecursionError) -> JSONResponse:
+        # read_json bounds a body's nesting; this catches what nests deeper once parsed.
+        message = "the request is nested too deeply to process"
+        return error_response(ApiError(400, message, param="body"), flavor_of(request.url.path))
+
     @app.exception_handler(Exception)
     async def internal_error(request: Request, error: Exception) -> JSONResponse:
         # Details go to the log, not to the client.

@@ -12,6 +12,9 @@ What a request may constrain, and how:
 - Both at once is a 400: a forced call is the whole answer, so there is no text left for the
   format to shape.
 A model that may think first is constrained only after its thinking section (`</think>`).
+An object schema (of a format or a forced call's arguments) that declares `properties` but not
+`additionalProperties` allows no other key, as OpenAI's strict mode has it, unless the server
+runs with `--json-schema-additional-properties allow` (JSON Schema's own reading).
 
 The check compiles the grammar on the API side (the engine process compiles it again: grammars
 do not cross the process boundary). Compiles run on the compile service's worker threads and are
@@ -25,8 +28,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Literal
 
 from deepinfer.recipe import RenderedPrompt
 from deepinfer.recipe.ir import Conversation
@@ -43,6 +46,7 @@ from deepinfer.structured import (
     TokenizerInfo,
     tool_call_spec,
 )
+from deepinfer.structured.json_schema import closed_objects
 from deepinfer.tokenizer import Tokenizer
 
 # The recipe's tool formats a forced call can be written in (deepinfer.structured.tool_calls).
@@ -78,11 +82,16 @@ def output_constraint(
     *,
     parallel_calls: bool,
     special_tokens: frozenset[str],
+    additional_properties: Literal["forbid", "allow"] = "forbid",
 ) -> GrammarSpec | None:
     """The engine's constraint for a chat request (None: free text); 400 for a bad combination."""
     choice = conv.tool_choice
+    strict = additional_properties == "forbid"
     if choice.mode not in ("required", "named") or not conv.tools:
-        return grammar_for(conv.response_format, fmt.name, thinks=thinks(prompt), schema_param=fmt.schema)
+        spec = grammar_for(conv.response_format, fmt.name, thinks=thinks(prompt), schema_param=fmt.schema)
+        if spec is not None and spec.kind == "json" and strict:
+            spec = replace(spec, schema=closed_objects(spec.schema))
+        return spec
     forced = "a named tool" if choice.mode == "named" else f"{choice.mode!r}"
     if conv.response_format is not None and conv.response_format.type != "text":
         raise InvalidRequestError(
@@ -98,8 +107,11 @@ def output_constraint(
             f"syntax ({tool_format}); supported: {', '.join(FORCEABLE_TOOL_FORMATS)}. Use tool_choice 'auto'",
             param="tool_choice",
         )
+    tools = (
+        [replace(t, parameters=closed_objects(t.parameters)) for t in conv.tools] if strict else conv.tools
+    )
     return tool_call_spec(
-        conv.tools,
+        tools,
         tool_format,  # type: ignore[arg-type]
         name=choice.name if choice.mode == "named" else None,
         parallel=parallel_calls,

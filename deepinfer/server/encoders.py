@@ -31,9 +31,11 @@ class EncoderClient:
         self._next = itertools.cycle(range(len(self.urls)))
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=CONNECT_TIMEOUT_S))
 
-    async def encode(self, parts: list[ImagePart]) -> list[ImageInput]:
+    async def encode(self, parts: list[ImagePart], api_key: str | None = None) -> list[ImageInput]:
         """The parts' images as the engine gets them (no pixels: `encoded` says where their
-        embeddings wait), offsets 0 (expand_placeholders places them)."""
+        embeddings wait), offsets 0 (expand_placeholders places them). The client's `api_key`
+        goes along: an encoder started with the engines' --api-key values checks it."""
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         body = {
             "images": [
                 {"url": p.url or "", "detail": p.detail, "media_type": p.media_type, "path": p.path}
@@ -44,7 +46,7 @@ class EncoderClient:
         failures = []
         for url in self.urls[first:] + self.urls[:first]:
             try:
-                response = await self._http.post(url + "/v1/encode", json=body)
+                response = await self._http.post(url + "/v1/encode", json=body, headers=headers)
             except httpx.HTTPError as error:
                 failures.append(f"{url}: {type(error).__name__} {error}".rstrip())
                 continue
@@ -58,7 +60,7 @@ class EncoderClient:
         log.warning("no image encoder answered: %s", "; ".join(failures))
         raise ApiError(
             503,
-            f"no image encoder answered ({'; '.join(failures)})",
+            f"no image encoder answered (of {len(self.urls)}; their addresses are in the server's log)",
             code="encoder_unavailable",
             headers={"retry-after": "1"},
         )

@@ -33,15 +33,35 @@ class ImageRefused:
     message: str
 
 
-def prepare_for_engine(part: ImagePart, policy: FetchPolicy | None = None) -> ImageInput | ImageRefused:
+def prepare_for_engine(
+    part: ImagePart, policy: FetchPolicy | None = None, max_pixels: int | None = None
+) -> ImageInput | ImageRefused:
     """Runs in a worker: one image part -> the engine's ImageInput (offset set by the caller)."""
     try:
-        image = prepare_image(part, policy)
+        image = prepare_image(part, policy, max_pixels)
     except ImageInputError as error:
         return ImageRefused(error.param, str(error))
     rows, cols = image.layout.patch_rows, image.layout.patch_cols
     pixels = image.pixels.tobytes()
     return ImageInput(0, image.num_tokens, rows, cols, pixels, image_content_hash(pixels, rows, cols))
+
+
+@dataclass(slots=True, frozen=True)
+class ImageLimits:
+    """What one request may make a server decode (--max-images-per-request, --image-max-pixels):
+    its memory and time are bounded by them, not by the client."""
+
+    max_images: int
+    max_pixels: int
+
+    def check_count(self, parts: list[ImagePart]) -> None:
+        if len(parts) > self.max_images:
+            where = parts[self.max_images].path or "images"
+            raise ApiError(
+                400,
+                f"{where}: the request has {len(parts)} images; at most {self.max_images} are accepted",
+                param=where,
+            )
 
 
 def image_pool(workers: int) -> ProcessPoolExecutor:
@@ -50,12 +70,14 @@ def image_pool(workers: int) -> ProcessPoolExecutor:
 
 
 async def prepare_images(
-    pool: ProcessPoolExecutor, parts: list[ImagePart], policy: FetchPolicy
+    pool: ProcessPoolExecutor, parts: list[ImagePart], policy: FetchPolicy, limits: ImageLimits
 ) -> list[ImageInput]:
-    """Every part preprocessed (in parallel across the pool); the first bad one is a 400 naming it."""
+    """Every part preprocessed (in parallel across the pool); the first bad one is a 400 naming
+    it, as are more images than the limit (before any is read)."""
+    limits.check_count(parts)
     loop = asyncio.get_running_loop()
     results = await asyncio.gather(
-        *(loop.run_in_executor(pool, prepare_for_engine, p, policy) for p in parts)
+        *(loop.run_in_executor(pool, prepare_for_engine, p, policy, limits.max_pixels) for p in parts)
     )
     for result in results:
         if isinstance(result, ImageRefused):

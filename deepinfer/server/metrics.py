@@ -22,6 +22,14 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0
 _TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 OUTCOMES = ("stop", "length", "abort", "error", "rejected")
+# vLLM metric name -> our engine gauge (kv_cache_usage_perc is vLLM's current name for KV usage,
+# gpu_cache_usage_perc the one older schedulers read; both are fractions, 1 = full)
+VLLM_ALIASES = {
+    "vllm:num_requests_running": "num_requests_running",
+    "vllm:num_requests_waiting": "num_requests_waiting",
+    "vllm:kv_cache_usage_perc": "kv_cache_usage_ratio",
+    "vllm:gpu_cache_usage_perc": "kv_cache_usage_ratio",
+}
 
 
 class _EngineCollector(Collector):
@@ -55,6 +63,11 @@ class _EngineCollector(Collector):
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(PREFIX + name, doc, value=value)
+        # The same gauges under vLLM's names, which llm-d's scheduler (the Gateway API inference
+        # extension) and other load-aware gateways read from a model server (docs/deployment.md).
+        for alias, name in VLLM_ALIASES.items():
+            doc, value = gauges[name]
+            yield GaugeMetricFamily(alias, f"{doc} (vLLM's name for {PREFIX}{name})", value=value)
         counters = {
             "prefix_cache_queried_tokens": (
                 "prompt tokens looked up in the prefix cache",
@@ -66,6 +79,19 @@ class _EngineCollector(Collector):
             "images_encoded": (
                 "images run through the vision tower (encoder-cache hits not counted)",
                 stats.images_encoded,
+            ),
+            "kv_store_errors": ("KV store failures: unreachable, slow, refused", stats.kv_store_errors),
+            "kv_store_corrupt_chunks": (
+                "stored KV chunks found damaged (checksum, truncation) and deleted",
+                stats.kv_store_corrupt_chunks,
+            ),
+            "kv_store_forged_chunks": (
+                "stored KV chunks that failed the cluster key's authentication, deleted",
+                stats.kv_store_forged_chunks,
+            ),
+            "kv_store_write_drops": (
+                "KV chunks not written to the store: queue full, store failing, stopped",
+                stats.kv_store_write_drops,
             ),
         }
         for name, (doc, value) in counters.items():

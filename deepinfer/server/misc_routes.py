@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -22,19 +23,30 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
+    """Keyless (load balancers probe it); the engine's pid and why it died only for an admin
+    key, or on a server without keys: they describe the machine, not the service."""
     state = state_of(request)
     client = state.client
-    engine = {"pid": client.transport.engine_pid}
+    detail: dict[str, Any] = {}
+    if state.is_admin(request):
+        detail["engine"] = {"pid": client.transport.engine_pid}
+        if client.dead_reason is not None:
+            detail["reason"] = client.dead_reason
     if client.dead_reason is not None:
-        return JSONResponse({"status": "unhealthy", "reason": client.dead_reason, "engine": engine}, 503)
+        return JSONResponse({"status": "unhealthy", **detail}, 503)
     if state.draining:
-        return JSONResponse({"status": "draining", "engine": engine}, 503, headers={"retry-after": "5"})
-    return JSONResponse({"status": "ok", "engine": engine})
+        return JSONResponse({"status": "draining", **detail}, 503, headers={"retry-after": "5"})
+    return JSONResponse({"status": "ok", **detail})
 
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    return Response(state_of(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    """Behind the admin key once keys are set (--public-metrics opens it): its prefix-cache
+    counters would tell one tenant about another's traffic."""
+    state = state_of(request)
+    if not state.config.public_metrics:
+        state.authorize_admin(request, "/metrics", " (or --public-metrics to serve it without a key)")
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 class _TokenizePrompt(ApiModel):
@@ -61,9 +73,10 @@ async def tokenize(request: Request) -> JSONResponse:
         rendered = await responses_prompt(state, body, tenant_of(api_key))
         tokens = await state.counted_tokens(rendered.prompt, param="input")
     elif isinstance(body, dict) and "messages" in body:
-        conv = chat_completion_to_conversation(body)
+        conv = await asyncio.to_thread(chat_completion_to_conversation, body)
         kwargs = body.get("chat_template_kwargs")
-        prompt = state.require_recipe().render(
+        prompt = await asyncio.to_thread(
+            state.require_recipe().render,
             conv,
             tokenizer=state.tokenizer.backend,
             template_kwargs=kwargs if isinstance(kwargs, dict) else None,
@@ -71,7 +84,7 @@ async def tokenize(request: Request) -> JSONResponse:
         tokens: list[int] = await state.counted_tokens(prompt, param="messages")
     else:
         parsed = validate(_TokenizePrompt, body)
-        tokens = state.tokenizer.encode(parsed.prompt, add_special_tokens=parsed.add_special_tokens)
+        tokens = await asyncio.to_thread(state.tokenizer.encode, parsed.prompt, parsed.add_special_tokens)
     return JSONResponse({"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens})
 
 
@@ -93,9 +106,10 @@ async def detokenize(request: Request) -> JSONResponse:
 
 @router.post("/reset_prefix_cache")
 async def reset_prefix_cache(request: Request) -> JSONResponse:
-    """Forget every cached prefix; refused (409) while requests hold blocks."""
+    """Forget every cached prefix; refused (409) while requests hold blocks. Admin only: the
+    reset is the engine's whole cache, every tenant's, whatever their salts."""
     state = state_of(request)
-    state.authorize(request)
+    state.authorize_admin(request, "/reset_prefix_cache")
     try:
         done = await state.client.reset_prefix_cache()
     except EngineDeadError as error:

@@ -3,6 +3,7 @@ is responses_routes.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from fastapi import APIRouter, Request
@@ -41,10 +42,10 @@ async def chat_completions(request: Request) -> Response:
     api_key = state.authorize(request)
     body = await read_json(request, state.config.max_body_bytes)
     model = state.model_name(body)
-    conv = chat_completion_to_conversation(body)
-    prompt = state.render(conv, body.get("chat_template_kwargs"), param="messages")
+    conv = await asyncio.to_thread(chat_completion_to_conversation, body)
+    prompt = await state.render(conv, body.get("chat_template_kwargs"), param="messages")
     assert prompt.token_ids is not None
-    images = await state.place_images(prompt, param="messages")
+    images = await state.place_images(prompt, param="messages", api_key=api_key)
     params = state.sampling_params(
         conv.params,
         len(prompt.token_ids),
@@ -85,14 +86,13 @@ async def completions(request: Request) -> Response:
     api_key = state.authorize(request)
     body = await read_json(request, state.config.max_body_bytes)
     model = state.model_name(body)
-    parsed = parse_completion_request(body)
+    parsed = await asyncio.to_thread(parse_completion_request, body)
     completion_id = new_id("cmpl-")
     engine_requests = []
     for i, prompt in enumerate(parsed.prompts):
         where = "prompt" if len(parsed.prompts) == 1 else f"prompt[{i}]"
         text = prompt if isinstance(prompt, str) else None
-        token_ids = state.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        check_prompt(token_ids, state.vocab_size, state.max_model_len, where)
+        token_ids = await asyncio.to_thread(_prompt_ids, state, prompt, where)
         params = state.sampling_params(
             parsed.params,
             len(token_ids),
@@ -144,6 +144,13 @@ def _model_card(name: str, created: int, max_model_len: int) -> dict[str, object
         "max_input_tokens": max_model_len,
         "max_tokens": max_model_len,
     }
+
+
+def _prompt_ids(state: ServerState, prompt: str | list[int], where: str) -> list[int]:
+    """A Completions prompt's ids, checked (on a thread: a long one takes seconds either way)."""
+    token_ids = state.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    check_prompt(token_ids, state.vocab_size, state.max_model_len, where)
+    return token_ids
 
 
 @router.get("/v1/models")

@@ -18,9 +18,12 @@ from deepinfer.engine.ipc.client import EngineDeadError, GenerationStream
 from deepinfer.engine.outputs import KVHandoff
 from deepinfer.recipe.api._validation import ApiModel, validate
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.security import CLUSTER_KEY_FLAG
+from deepinfer.server.auth import key_of, matching_key
 from deepinfer.server.errors import ApiError
 from deepinfer.server.http_io import read_json, until_disconnect
 from deepinfer.server.openai_routes import state_of
+from deepinfer.server.peers import require_peer
 from deepinfer.store.retention import DEFAULT_TRAFFIC_CLASS
 from deepinfer.validation import check_prompt
 
@@ -32,8 +35,15 @@ HANDOFF_GRACE_S = 60.0
 
 @router.get("/v1/engine_info")
 async def engine_info(request: Request) -> JSONResponse:
-    """No secrets here, and no API key needed: routers poll it as their health check."""
+    """Routers poll it as their health check. It names internal addresses (the transfer
+    listener, the events socket): peers and admins only with a cluster key, API key holders
+    on a keyless (loopback-only) deployment."""
     state = state_of(request)
+    if state.cluster_key is not None:
+        if matching_key(state.config.admin_keys, key_of(request.headers)) is None:
+            require_peer(state.cluster_key, request, "GET /v1/engine_info")
+    else:
+        state.authorize(request)
     client = state.client
     stats = client.stats
     load = None
@@ -48,7 +58,7 @@ async def engine_info(request: Request) -> JSONResponse:
     body = {
         **{name: getattr(client.info, name) for name in client.info.__struct_fields__},
         "served_model_names": state.served_names,
-        "cache_salt_per_key": state.config.cache_salt_per_key,
+        "cache_salt_per_key": state.config.prefix_cache_per_key,
         "healthy": client.healthy and not state.draining,  # a draining server takes no new work
         "draining": state.draining,
         "api_waiting_requests": client.num_waiting,
@@ -70,6 +80,15 @@ async def prefill(request: Request) -> JSONResponse:
     state = state_of(request)
     arrival = time.monotonic()
     api_key = state.authorize(request)
+    # The router's own call: a tenant calling it would choose transfer ids and salts.
+    if state.cluster_key is None:
+        raise ApiError(
+            403,
+            f"POST /v1/pd/prefill: this engine has no {CLUSTER_KEY_FLAG}, so it cannot tell the "
+            "router from a client; start it (and the router) with one",
+            code="peer_auth_failed",
+        )
+    require_peer(state.cluster_key, request, "POST /v1/pd/prefill")
     info = state.client.info
     if info.role != "prefill":
         raise ApiError(404, f"POST /v1/pd/prefill: this engine's role is {info.role}, not prefill")

@@ -8,6 +8,7 @@ its input items under the caller's API key; `store: false` keeps nothing. Anothe
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -55,10 +56,10 @@ class ResponsesPrompt:
 async def responses_prompt(state: ServerState, body: Any, tenant: str) -> ResponsesPrompt:
     """Validate a body, bring in the conversation its `previous_response_id` names, render it."""
     responses = state.responses
-    parsed = parse_responses_request(body, stored=responses.enabled)
+    parsed = await asyncio.to_thread(parse_responses_request, body, stored=responses.enabled)
     continuation = await responses.continuation(tenant, parsed.previous_response_id)
     conv = request_to_conversation(parsed, state.responses_options, continuation.items)
-    prompt = state.render(conv, param="input")
+    prompt = await state.render(conv, param="input")
     return ResponsesPrompt(parsed, conv, prompt, continuation)
 
 
@@ -73,7 +74,7 @@ async def create_response(request: Request) -> Response:
     rendered = await responses_prompt(state, body, tenant)
     parsed, conv, prompt = rendered.parsed, rendered.conv, rendered.prompt
     assert prompt.token_ids is not None
-    images = await state.place_images(prompt, param="input")
+    images = await state.place_images(prompt, param="input", api_key=api_key)
     responses = state.responses
     keep = responses.enabled and parsed.store is not False
     background = bool(parsed.background)

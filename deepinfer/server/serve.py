@@ -30,9 +30,11 @@ from deepinfer.engine.ipc.transport import EngineTransport, ProcessTransport, Th
 from deepinfer.model.loader.source import DEFAULT_MODEL_NAME, converted_gguf_dir, resolve_model_path
 from deepinfer.recipe import ModelInfo, Recipe, RecipeError
 from deepinfer.recipe.api.responses_reasoning import ReasoningSealer
+from deepinfer.security.cluster_key import cluster_key_of
 from deepinfer.server.app import build_app
 from deepinfer.server.constraints import GrammarValidator
 from deepinfer.server.encoders import EncoderClient
+from deepinfer.server.header_timeout import header_timeout_protocol
 from deepinfer.server.images import image_pool
 from deepinfer.server.metrics import ServerMetrics
 from deepinfer.server.state import ServerState
@@ -124,6 +126,7 @@ async def start_state(engine_config: EngineConfig, server_config: ServerConfig) 
         responses=StoredResponses(response_store),
         image_pool=image_pool(server_config.image_workers) if engine_info.accepts_images else None,
         encoders=EncoderClient(list(pd.encoders), pd.encoder_timeout) if pd.encoders else None,
+        cluster_key=cluster_key_of(pd.cluster_key_file),
     )
 
 
@@ -248,6 +251,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> Non
 
     config = uvicorn.Config(
         build_app(state),
+        http=header_timeout_protocol(server_config.header_timeout),
         log_level=server_config.log_level,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         lifespan="off",

@@ -3,7 +3,7 @@ that come before generation (API key, model name, backpressure, prompt size)."""
 
 from __future__ import annotations
 
-import hmac
+import asyncio
 from collections.abc import Mapping
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -22,7 +22,9 @@ from deepinfer.recipe.api.responses_reasoning import ReasoningSealer
 from deepinfer.recipe.family import PromptDefaults
 from deepinfer.recipe.ir import Conversation, GenerationParams
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.security.signing import handoff_fields
 from deepinfer.sequence import EngineRequest, KVSource
+from deepinfer.server.auth import check_api_key, key_of, matching_key
 from deepinfer.server.constraints import (
     FormatField,
     GrammarValidator,
@@ -32,8 +34,15 @@ from deepinfer.server.constraints import (
 from deepinfer.server.encoders import EncoderClient
 from deepinfer.server.errors import ApiError, Flavor, overloaded
 from deepinfer.server.generation import sampling_params
-from deepinfer.server.images import IMAGE_PLACEHOLDER, expand_placeholders, prepare_images, refuse_unfetchable
+from deepinfer.server.images import (
+    IMAGE_PLACEHOLDER,
+    ImageLimits,
+    expand_placeholders,
+    prepare_images,
+    refuse_unfetchable,
+)
 from deepinfer.server.metrics import ServerMetrics
+from deepinfer.server.peers import check_handoff_signature
 from deepinfer.server.stored_responses import StoredResponses
 from deepinfer.store.retention import DEFAULT_TRAFFIC_CLASS
 from deepinfer.structured.spec import GrammarSpec
@@ -52,6 +61,7 @@ class KVTransferHeader(msgspec.Struct):
     address: str | None = None
     transfer_id: str | None = None
     error: str | None = None
+    signature: str | None = None  # the router's, with the cluster key (server/peers.py)
 
 
 _transfer_header = msgspec.json.Decoder(KVTransferHeader)
@@ -73,6 +83,7 @@ class ServerState:
     responses: StoredResponses = field(default_factory=lambda: StoredResponses(None))  # None: keeps nothing
     image_pool: ProcessPoolExecutor | None = None  # image preprocessing (a model with a vision tower)
     encoders: EncoderClient | None = None  # --encoder: image encoders that preprocess and encode images
+    cluster_key: bytes | None = None  # --cluster-key-file: what peers prove they hold (server/peers.py)
 
     @property
     def responses_options(self) -> ResponsesOptions:
@@ -90,23 +101,31 @@ class ServerState:
 
     def authorize(self, request: Request) -> str | None:
         """The API key the client used; 401 when keys are required and it is missing or wrong."""
-        keys = self.config.api_keys
-        if not keys:
-            return None
-        given = request.headers.get("x-api-key")
-        if given is None:
-            scheme, _, token = request.headers.get("authorization", "").partition(" ")
-            given = token.strip() if scheme.lower() == "bearer" else None
-        if not given:
+        return check_api_key(self.config.api_keys, request.headers)
+
+    def authorize_admin(self, request: Request, what: str, alternative: str = "") -> None:
+        """The admin routes' check: open on a server without keys; otherwise an admin key is
+        required (401), and with API keys but no admin key configured the route is refused (403)."""
+        config = self.config
+        if not config.api_keys and not config.admin_keys:
+            return
+        if not config.admin_keys:
             raise ApiError(
-                401,
-                "missing API key: send it as `Authorization: Bearer <key>` or `x-api-key: <key>`",
-                code="invalid_api_key",
+                403,
+                f"{what} is shared by every API key: start the server with --admin-key to use it"
+                + alternative,
+                code="admin_key_required",
             )
-        for key in keys:
-            if hmac.compare_digest(given.encode(), key.encode()):
-                return key
-        raise ApiError(401, "invalid API key", code="invalid_api_key")
+        if not self._admin_key_given(request):
+            raise ApiError(401, f"{what} needs an admin key (--admin-key)", code="invalid_api_key")
+
+    def is_admin(self, request: Request) -> bool:
+        """Whether the request may see internal details (engine pid, why it died)."""
+        config = self.config
+        return (not config.api_keys and not config.admin_keys) or self._admin_key_given(request)
+
+    def _admin_key_given(self, request: Request) -> bool:
+        return matching_key(self.config.admin_keys, key_of(request.headers)) is not None
 
     def model_name(self, body: Any) -> str:
         """The served name the body asks for (the first one when it names none); 404 otherwise."""
@@ -166,7 +185,12 @@ class ServerState:
             default_max_tokens=self.config.default_max_tokens,
         )
 
-    def render(self, conv: Conversation, template_kwargs: Any = None, *, param: str) -> RenderedPrompt:
+    async def render(self, conv: Conversation, template_kwargs: Any = None, *, param: str) -> RenderedPrompt:
+        """The prompt, rendered and tokenized on a thread: a long one takes seconds, and the
+        tokenizer releases the GIL, so the event loop answers other requests meanwhile."""
+        return await asyncio.to_thread(self._render, conv, template_kwargs, param)
+
+    def _render(self, conv: Conversation, template_kwargs: Any, param: str) -> RenderedPrompt:
         kwargs = template_kwargs if isinstance(template_kwargs, Mapping) else None
         prompt = self.require_recipe().render(conv, tokenizer=self.tokenizer.backend, template_kwargs=kwargs)
         assert prompt.token_ids is not None
@@ -186,24 +210,29 @@ class ServerState:
         return prompt.token_ids or []
 
     async def place_images(
-        self, prompt: RenderedPrompt, *, param: str, for_engine: bool = True
+        self, prompt: RenderedPrompt, *, param: str, for_engine: bool = True, api_key: str | None = None
     ) -> list[ImageInput]:
         """Preprocess the prompt's images off the event loop and expand each placeholder in
         `prompt.token_ids` to its image's tokens (so every later count sees them); the images
         for the engine, placed. With --encoder and `for_engine`, an encoder preprocesses and
-        encodes them (a counting request only needs the local preprocessing). A bad image is a
-        400 naming its part; no encoder answering, a 503."""
+        encodes them (a counting request only needs the local preprocessing), under the
+        client's `api_key` (encoders take the engines' keys). A bad image is a 400 naming its
+        part; no encoder answering, a 503."""
         if not prompt.images:
             return []
         assert prompt.token_ids is not None and self.image_pool is not None  # render checked both
         placeholder = self.tokenizer.token_to_id(IMAGE_PLACEHOLDER)
         if placeholder is None:
             raise ApiError(400, f"{param}: the tokenizer has no {IMAGE_PLACEHOLDER} token", param=param)
+        limits = ImageLimits(self.config.max_images_per_request, self.config.image_max_pixels)
         if for_engine and self.encoders is not None:
+            limits.check_count(prompt.images)
             refuse_unfetchable(prompt.images, self.config.image_fetch_policy())
-            images = await self.encoders.encode(prompt.images)
+            images = await self.encoders.encode(prompt.images, api_key)
         else:
-            images = await prepare_images(self.image_pool, prompt.images, self.config.image_fetch_policy())
+            images = await prepare_images(
+                self.image_pool, prompt.images, self.config.image_fetch_policy(), limits
+            )
         prompt.token_ids, placed = expand_placeholders(prompt.token_ids, images, placeholder, param)
         check_context(len(prompt.token_ids), self.max_model_len, param)
         return placed
@@ -221,13 +250,15 @@ class ServerState:
             fmt,
             parallel_calls=parallel_calls_allowed(body),
             special_tokens=self.grammars.special_tokens,
+            additional_properties=self.config.json_schema_additional_properties,
         )
         await self.grammars.check(spec)
         return spec
 
     def cache_salt(self, api_key: str | None, body_salt: str | None) -> str | None:
-        """The body's salt, scoped to the API key when the cache is isolated per key."""
-        if not (self.config.cache_salt_per_key and api_key):
+        """The body's salt, scoped to the API key unless --shared-prefix-cache: a prefix one key
+        cached is then no hit for another, so cached_tokens and timing reveal nothing across keys."""
+        if not (self.config.prefix_cache_per_key and api_key):
             return body_salt
         return tenant_cache_salt(api_key, body_salt)
 
@@ -248,6 +279,13 @@ class ServerState:
             header = _transfer_header.decode(text)
         except msgspec.DecodeError as error:
             raise ApiError(400, f"{KV_TRANSFER_HEADER}: {error}", param=KV_TRANSFER_HEADER) from None
+        # Before acting on any of it: the address is where this engine connects, and what comes
+        # back enters the shared prefix cache.
+        check_handoff_signature(
+            self.cluster_key,
+            header.signature,
+            handoff_fields(header.transfer_id, header.address, header.error),  # what the router signed
+        )
         if header.error is not None:
             if info.kv_transfer_failure == "fail":
                 raise ApiError(

@@ -77,8 +77,13 @@ class StoredResponses:
             return await asyncio.to_thread(method, *args, **kwargs)
         except STORE_ERRORS as error:
             log.warning("response store error: %s", error)
+            # The store's own message names its host and port: the log keeps it, the client
+            # learns only that the store is down.
             raise ApiError(
-                503, f"the response store is unavailable: {error}", code="response_store_unavailable"
+                503,
+                "the response store is unavailable; retry later",
+                code="response_store_unavailable",
+                headers={"retry-after": "1"},
             ) from None
 
     def _store(self) -> ResponseStore:

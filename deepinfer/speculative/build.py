@@ -44,7 +44,10 @@ def load_draft_model(
         return None
     if spec.speculative_model is None:
         return target
-    draft = load_model(spec.speculative_model, dtype, device, config.quantization)
+    # The draft places the same positions as the target: it takes the same RoPE scaling.
+    draft = load_model(
+        spec.speculative_model, dtype, device, config.quantization, rope_scaling=config.rope_scaling
+    )
     if draft.config.vocab_size != target.config.vocab_size:
         raise ValueError(
             f"speculative_model: vocabulary of {draft.config.vocab_size} tokens differs from the target's "

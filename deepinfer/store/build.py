@@ -10,6 +10,7 @@ from deepinfer.store.config import KVStoreConfig
 from deepinfer.store.file_backend import FileBackend
 from deepinfer.store.objects import FORMAT_VERSION
 from deepinfer.store.redis_backend import RedisBackend
+from deepinfer.store.seal import ChunkSeal
 from deepinfer.store.tiered import TieredKVStore
 
 
@@ -18,9 +19,11 @@ def build_kv_store(
     *,
     clock: Clock = SYSTEM_CLOCK,
     on_host_evict: Callable[[bytes], None] | None = None,
+    cluster_key: bytes | None = None,
 ) -> TieredKVStore | None:
     """The tier stack for `config`; None when neither a store nor a host cache is configured.
-    `on_host_evict(key)` hears of every chunk the host tier drops (for KV events).
+    `on_host_evict(key)` hears of every chunk the host tier drops (for KV events). With the
+    deployment's `cluster_key`, stored chunks are authenticated with it (seal.py).
 
     Objects live under a format-version directory or key prefix, so engines of different
     format versions can share one store during a rolling upgrade without blocking each other.
@@ -56,4 +59,5 @@ def build_kv_store(
         lookup_timeout_s=config.lookup_timeout_s,
         gc_interval_s=config.gc_interval_s,
         on_host_evict=on_host_evict,
+        seal=ChunkSeal(cluster_key, encrypt=config.encrypt),
     )

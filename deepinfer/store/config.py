@@ -72,6 +72,9 @@ class KVStoreConfig:
     write_queue_size: int = 64
     write_queue_bytes: int | None = 1 << 30
     fsync: bool = True
+    # Seal chunks with AES-GCM (needs the cluster key) rather than a MAC alone: for stores that
+    # other machines' administrators can read.
+    encrypt: bool = False
     failure_threshold: int = 5
     probe_interval_s: float = 5.0
     lookup_timeout_s: float = 0.1

@@ -11,13 +11,26 @@ readers see the old object or the new one, and concurrent writers of one key lea
 one whole object (the last rename wins). The fsync orders the data before the rename so a
 crash cannot expose a renamed file with missing data on file systems that reorder; the
 directory is not fsynced because losing a fresh entry in a crash is only a cache miss.
+
+Private to the engine's user whatever its umask: directories 0700 and objects 0600 (set with
+chmod, which the umask does not filter), and at start the store's root loses any group or other
+bits, so a store written before this rule is closed too. The KV of a prompt is the prompt: layer 0's
+values depend on the token alone, so a readable chunk gives its text away.
+
+A temporary's name carries a tag of its host and its writer's pid: at start, a temporary of this
+host whose writer is gone (kill -9, a crash) is removed at once; others, possibly another
+machine's write in progress, once older than `tmp_max_age_s`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
+import re
 import secrets
+import socket
+import stat
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -27,6 +40,36 @@ from deepinfer.store.backend import ObjectInfo, ObjectParts, StoreUnavailable
 
 _SUFFIX = ".kv"
 _TMP_SUFFIX = ".tmp"
+_PRIVATE_DIR = 0o700
+_PRIVATE_FILE = 0o600
+# A short tag of this host for temporaries' names, not the host name itself.
+_HOST_TAG = hashlib.blake2s(socket.gethostname().encode(), digest_size=4).hexdigest()
+_TMP_WRITER = re.compile(r"^\.[0-9a-f]+\.kv\.([0-9a-f]{8})-(\d+)\.")
+
+
+def _make_private_dirs(path: Path) -> None:
+    """Create `path` and its missing parents, each 0700 (chmod after mkdir: mkdir's mode goes
+    through the umask)."""
+    missing = []
+    while not path.is_dir():
+        missing.append(path)
+        path = path.parent
+    for directory in reversed(missing):
+        try:
+            directory.mkdir(_PRIVATE_DIR)
+        except FileExistsError:
+            continue  # another writer made it a moment ago, private too
+        os.chmod(directory, _PRIVATE_DIR)
+
+
+def _writer_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # alive, another user's
+    return False
 
 
 class FileBackend:
@@ -38,7 +81,12 @@ class FileBackend:
         self.tmp_max_age_s = tmp_max_age_s
         # A missing or read-only root is not fatal here: writes will fail softly and be counted.
         with contextlib.suppress(OSError):
-            self.root.mkdir(parents=True, exist_ok=True)
+            _make_private_dirs(self.root)
+            # A root made before this rule is closed to others too; its owner's bits stay (an
+            # operator may have made the store read-only).
+            mode = stat.S_IMODE(os.stat(self.root).st_mode)
+            if mode & 0o077:
+                os.chmod(self.root, mode & _PRIVATE_DIR)
 
     def path_for(self, key: bytes) -> Path:
         name = key.hex()
@@ -47,11 +95,13 @@ class FileBackend:
     def put(self, key: bytes, parts: ObjectParts, expires_at: float, now: float) -> None:
         path = self.path_for(key)
         tmp = path.with_name(
-            f".{path.name}.{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
+            f".{path.name}.{_HOST_TAG}-{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
         )
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            if not path.parent.is_dir():
+                _make_private_dirs(path.parent)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, _PRIVATE_FILE)
+            os.fchmod(fd, _PRIVATE_FILE)  # the mode whatever the umask
         except OSError as exc:
             raise StoreUnavailable(f"cannot create {tmp}: {exc}") from exc
         try:
@@ -153,8 +203,10 @@ class FileBackend:
         for entry in self._leaf_entries():
             if not (entry.name.startswith(".") and entry.name.endswith(_TMP_SUFFIX)):
                 continue
+            writer = _TMP_WRITER.match(entry.name)
             try:
-                if entry.stat(follow_symlinks=False).st_ctime < cutoff:
+                dead = writer is not None and writer[1] == _HOST_TAG and _writer_gone(int(writer[2]))
+                if dead or entry.stat(follow_symlinks=False).st_ctime < cutoff:
                     os.unlink(entry.path)
                     removed += 1
             except OSError:

@@ -24,6 +24,8 @@ class StoreMetrics:
     lookup_timeouts: int = 0
     corrupt_objects: int = 0  # truncated or failed the checksum; deleted when seen
     foreign_objects: int = 0  # another format version, key or namespace
+    forged_objects: int = 0  # failed the cluster key's MAC / AES-GCM tag, or had none; deleted
+    temporaries_removed: int = 0  # leftovers of interrupted writes removed at start or by GC
     host_evictions: int = 0
     gc_runs: int = 0
     gc_removed_expired: int = 0

@@ -20,13 +20,16 @@ from deepinfer.store.gc import GcReport, collect_garbage
 from deepinfer.store.host import HostTier
 from deepinfer.store.metrics import StoreMetrics
 from deepinfer.store.objects import (
+    UNSEALED,
     CorruptObject,
     ForeignObject,
+    ForgedObject,
     as_payload_array,
     decode_object,
     encode_object,
 )
 from deepinfer.store.retention import RetentionPolicy
+from deepinfer.store.seal import ChunkSeal
 from deepinfer.store.write_behind import WriteBehind, WriteJob
 
 logger = logging.getLogger(__name__)
@@ -50,6 +53,7 @@ class TieredKVStore:
         lookup_timeout_s: float = 0.1,
         gc_interval_s: float | None = None,
         on_host_evict: Callable[[bytes], None] | None = None,
+        seal: ChunkSeal = UNSEALED,
     ) -> None:
         if blocks_per_chunk < 1:
             raise ValueError(f"blocks_per_chunk must be >= 1, got {blocks_per_chunk}")
@@ -63,6 +67,7 @@ class TieredKVStore:
             HostTier(host_cache_bytes, clock, self.metrics, on_host_evict) if host_cache_bytes > 0 else None
         )
         self.backend = backend
+        self.seal = seal
         # Separate breakers: a read-only or full store fails every write, yet reads must go on.
         self.read_breaker = CircuitBreaker(
             failure_threshold=failure_threshold,
@@ -86,6 +91,10 @@ class TieredKVStore:
         self._lookups = ThreadPoolExecutor(2, thread_name_prefix="kv-store-lookup")
         self._stop = threading.Event()
         self._gc_thread: threading.Thread | None = None
+        if backend is not None:
+            # Leftovers of writers killed mid-write (kill -9, a crash) go at start, off the
+            # engine's path: on a large shared store the scan takes a while.
+            threading.Thread(target=self._sweep, name="kv-store-sweep", daemon=True).start()
         if backend is not None and gc_interval_s is not None:
             self._gc_thread = threading.Thread(
                 target=self._gc_loop, args=(gc_interval_s,), name="kv-store-gc", daemon=True
@@ -197,7 +206,16 @@ class TieredKVStore:
             return None
         self.metrics.add("bytes_read", len(data))
         try:
-            obj = decode_object(data, key, namespace)
+            obj = decode_object(data, key, namespace, self.seal)
+        except ForgedObject as exc:
+            # Not the store's fault, and not damage: someone who can write to the store without
+            # holding the cluster key (or an engine with another key). Worth an operator's eye;
+            # deleted so that the next writer of this chunk replaces it.
+            self.metrics.add("forged_objects")
+            logger.warning("kv store: chunk %s failed authentication (%s); treated as a miss", key.hex(), exc)
+            self.read_breaker.record_success()
+            self._delete_quietly(key)
+            return None
         except CorruptObject as exc:
             # Garbage from the store counts against it like an error; the object is useless, so
             # delete it and let the next writer of this chunk replace it.
@@ -281,7 +299,9 @@ class TieredKVStore:
                 self.backend.touch(job.key, expires_at, now)
                 self.metrics.add("writes_skipped_existing")
             else:
-                parts = encode_object(job.key, job.namespace, job.traffic_class, job.num_tokens, job.array)
+                parts = encode_object(
+                    job.key, job.namespace, job.traffic_class, job.num_tokens, job.array, self.seal
+                )
                 self.backend.put(job.key, parts, expires_at, now)
                 self.metrics.add("writes")
                 self.metrics.add("bytes_written", sum(memoryview(part).nbytes for part in parts))
@@ -313,7 +333,23 @@ class TieredKVStore:
         self.metrics.add("gc_runs")
         self.metrics.add("gc_removed_expired", report.removed_expired)
         self.metrics.add("gc_removed_for_size", report.removed_for_size)
+        self.metrics.add("temporaries_removed", report.removed_temporaries)
         return report
+
+    def _sweep(self) -> None:
+        assert self.backend is not None
+        try:
+            removed = self.backend.sweep_temporaries()
+        except StoreUnavailable as exc:
+            logger.warning("kv store: could not remove temporary files at start: %s", exc)
+            self.metrics.add("errors")
+            return
+        except Exception:
+            logger.exception("kv store: removing temporary files at start failed unexpectedly")
+            return
+        self.metrics.add("temporaries_removed", removed)
+        if removed:
+            logger.info("kv store: removed %d temporary files of interrupted writes", removed)
 
     def _gc_loop(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):

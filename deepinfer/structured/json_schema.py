@@ -52,3 +52,36 @@ def _prepare_child(key: str, value: Any) -> Any:
     if isinstance(value, list) and key in ("anyOf", "oneOf", "allOf", "prefixItems", "items"):
         return [prepare_schema(v) for v in value]
     return value
+
+
+# Keywords whose value is one subschema, and those whose value maps names (or lists) to subschemas.
+_SCHEMA_KEYS = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames")
+_SCHEMA_MAP_KEYS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LIST_KEYS = ("anyOf", "oneOf", "prefixItems", "items")
+# An object schema that says any of these decides its other keys itself.
+_OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf", "$ref")
+
+
+def closed_objects(schema: Any, *, in_all_of: bool = False) -> Any:
+    """`schema` with `additionalProperties: false` on every object schema that declares
+    `properties` and says nothing of other keys: OpenAI's strict semantics (llguidance, like
+    JSON Schema, otherwise allows extra keys, and a small model keeps adding them until
+    max_tokens). An object without `properties` (`{"type": "object"}`) stays open, as do the
+    branches of an `allOf`, which would otherwise exclude each other's keys."""
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAP_KEYS and isinstance(value, dict):
+            out[key] = {name: closed_objects(sub) for name, sub in value.items()}
+        elif key in _SCHEMA_LIST_KEYS and isinstance(value, list):
+            out[key] = [closed_objects(sub) for sub in value]
+        elif key == "allOf" and isinstance(value, list):
+            out[key] = [closed_objects(sub, in_all_of=True) for sub in value]
+        elif key in _SCHEMA_KEYS or (key == "additionalProperties" and isinstance(value, dict)):
+            out[key] = closed_objects(value)
+        else:
+            out[key] = value
+    if "properties" in out and not in_all_of and not any(key in out for key in _OPEN_KEYS):
+        out["additionalProperties"] = False
+    return out

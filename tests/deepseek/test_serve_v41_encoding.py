@@ -91,6 +91,25 @@ def test_the_server_builds_the_v41_prompt(openai_client, v41_ckpt) -> None:
     assert response.choices[0].finish_reason in ("stop", "length")
 
 
+# (apply_patch's description alone outgrows this checkpoint's 1,024-token context.)
+@pytest.mark.parametrize("case", ["chat-arguments-not-a-json-object", "responses-reasoning-summary-only"])
+def test_tokenize_renders_histories_as_the_codec(server, case: str) -> None:
+    """Over HTTP, histories the server once refused (arguments that are not JSON: a 400) or wrote
+    otherwise (a summary-only reasoning item replayed) give the codec's token ids."""
+    import httpx
+
+    from tests.recipe.test_deepseek_v4_reference import RENDERED, tokenizers_for
+
+    api, body = RENDERED[case]
+    answer = httpx.post(f"{server.url}/tokenize", json={"model": "tiny-v41", **body}, timeout=60)
+    assert answer.status_code == 200, answer.text
+    codec_tokenizer = tokenizers_for("deepseek_v41")[0]
+    assert (
+        answer.json()["tokens"]
+        == deepseek_reference.reference(api, body, "deepseek_v41", codec_tokenizer).token_ids
+    )
+
+
 @pytest.mark.parametrize("effort", ["none", "high"])
 def test_chat_thinking_off_and_on(openai_client, effort: str) -> None:
     response = openai_client.chat.completions.create(
@@ -185,3 +204,82 @@ def test_messages_thinking_on_off_and_forced_call(anthropic_client) -> None:
     use = next(block for block in forced.content if block.type == "tool_use")
     _assert_weather_call(use.name, json.dumps(use.input))
     assert forced.stop_reason == "tool_use"
+
+
+# Histories DeepSeek's codec renders that the server once refused or wrote otherwise (issue 32):
+# system entries among Messages turns (Claude Code's environment block), a past call whose
+# arguments are not JSON, a Responses reasoning item with only a summary.
+CODEC_HISTORIES = {
+    "messages-system-entries": (
+        "messages",
+        {
+            "system": [
+                {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}
+            ],
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "fix the bug"}]},
+                {"role": "system", "content": [{"type": "text", "text": "<env>cwd: /repo</env>"}]},
+            ],
+            "max_tokens": MAX_TOKENS,
+        },
+    ),
+    "chat-arguments-not-json": (
+        "chat",
+        {
+            "messages": [
+                {"role": "user", "content": "Weather?"},
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [
+                        {
+                            "id": "c1",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city": "Par'},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": "bad arguments"},
+            ],
+            "tools": CHAT_TOOLS,
+        },
+    ),
+    "responses-summary-only-reasoning": (
+        "responses",
+        {
+            "input": [
+                {"type": "message", "role": "user", "content": "Hi"},
+                {"type": "reasoning", "summary": [{"type": "summary_text", "text": "greeted"}]},
+                {
+                    "type": "message",
+                    "role": "assistant",
+                    "content": [{"type": "output_text", "text": "Hello"}],
+                },
+                {"type": "message", "role": "user", "content": "Again"},
+            ]
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CODEC_HISTORIES))
+def test_the_server_counts_the_codec_prompt(server, case: str) -> None:
+    """Over HTTP, the prompt the server builds for each history is the codec's, token for token:
+    `/tokenize` for Chat and Responses bodies, count_tokens for Messages."""
+    import deepseek_recipe
+    import httpx
+
+    api, body = CODEC_HISTORIES[case]
+    codec_tokenizer = deepseek_recipe.Tokenizer.from_str(deepseek_reference.tokenizer_json("deepseek_v41"))
+    expected = deepseek_reference.reference(api, body, "deepseek_v41", codec_tokenizer)
+    assert expected.token_ids, expected.error
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        if api == "messages":
+            counted = {k: v for k, v in body.items() if k != "max_tokens"}
+            reply = http.post("/v1/messages/count_tokens", json={"model": "tiny-v41", **counted})
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["input_tokens"] == len(expected.token_ids)
+            return
+        reply = http.post("/tokenize", json={"model": "tiny-v41", **body})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["tokens"] == expected.token_ids

@@ -528,7 +528,8 @@ def test_a_batch_of_two_images_equals_each_alone(state):
     together = encoder([first, second])
     alone = torch.cat([encoder([first]), encoder([second])])
     assert together.shape == alone.shape
-    assert torch.allclose(together, alone, atol=1e-6, rtol=0)
+    # Each image goes through the tower alone (vision_vit.py): bits, not a tolerance chosen on one CPU.
+    assert torch.equal(together, alone)
     patches = torch.cat([patchify(first, P)[0], patchify(second, P)[0]])
     assert torch.equal(encoder.embed_patches(patches, [PatchGrid(3, 5), PatchGrid(4, 4)]), together)
     with pytest.raises(ValueError, match=r"patches \[31, 3, 14, 14\] do not match 35 patches"):

@@ -225,7 +225,7 @@ def test_a_stalled_encoder_holds_up_its_request_alone(checkpoint):
     core.add_request(_request("aborted", aborted_ids, [aborted_image]))
     core.add_request(_request("pulled", ids, [pulled]))
     core.add_request(_request("text", [11, 12, 13, 14, 15], []))
-    assert time.monotonic() - began < 1  # nothing waited for on arrival
+    assert time.monotonic() - began < timeout  # nothing waited for the stalled pull on arrival
     assert core.abort("aborted") and core.image_puller.num_in_flight == 2
     tokens: dict[str, list[int]] = {"pulled": [], "text": []}
     ended: dict[str, tuple[float, str | None]] = {}

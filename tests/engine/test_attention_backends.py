@@ -12,6 +12,7 @@ import torch
 from deepinfer.attention.backend import TorchReferenceBackend
 from deepinfer.attention.cpu_paged import KERNEL_CHUNK_TOKENS, CpuPagedBackend
 from deepinfer.attention.metadata import AttentionMetadata
+from deepinfer.kernels import isa
 
 BLOCK = 16
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
@@ -149,10 +150,15 @@ def test_row_kernel_only_is_the_same_however_a_prompt_is_chunked(window: int | N
     assert torch.equal(torch.cat(pieces), whole)
 
 
+@pytest.mark.parametrize("level", [level.name for level in isa.machine_levels()])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
-def test_a_decode_row_is_the_same_bits_in_any_batch(kv_dtype: torch.dtype) -> None:
+def test_a_decode_row_is_the_same_bits_in_any_batch(
+    kv_dtype: torch.dtype, level: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A row's context is split into parts by its own length only: alone, or beside rows of
-    other lengths (which change how many work items the call has), its output is bit-identical."""
+    other lengths (which change how many work items the call has), its output is bit-identical,
+    at every instruction-set level this CPU runs (kernels/isa.py)."""
+    monkeypatch.setenv(isa.ENV, level)
     backend = CpuPagedBackend()
     torch.manual_seed(0)
     lengths = [700, 3, 129, 1000, 256]

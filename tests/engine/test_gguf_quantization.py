@@ -14,13 +14,14 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.kernels.decode_layers import DecodeStack, StepRows
+from deepinfer.kernels.decode_layers import StepRows
 from deepinfer.kernels.gguf_blocks import INTERLEAVED_TYPES, PACKED_TYPES, gguf_kernels
 from deepinfer.model.layers.gguf_linear import GGUFEmbedding, GGUFLinear
 from deepinfer.model.layers.parallel_linear import ColumnParallelLinear
 from deepinfer.model.loader.gguf_tensors import read_tensors
 from deepinfer.model.loader.load import resolve_quantization
 from deepinfer.model.loader.source import converted_gguf_dir
+from tests.engine.fused_steps import record_both_paths
 from tests.engine.greedy import CHAT, assert_greedy_batch_invariant
 from tests.engine.tiny_gguf import write_tiny_gguf
 
@@ -158,24 +159,7 @@ def test_steps_through_every_layer_in_one_call_have_the_layer_by_layer_bits(
     the model rounds its activations, so every prompt row too is a decode-kernel row); each
     step's hidden states equal the layer-by-layer path's to the bit, prompts, decodes, alone
     and batched."""
-    runner, model = default_llm.engine.core.runner, default_llm.engine.core.runner.model
-    inner, fused_calls = runner.forward, []
-    steps: list[tuple[int, bool, bool]] = []  # (tokens, fused, same bits)
-
-    def both_paths(inputs, spans, features=None):
-        model.fused_decode = False
-        try:
-            reference = inner(inputs, spans, features)
-        finally:
-            model.fused_decode = True
-        before = len(fused_calls)
-        fused = inner(inputs, spans, features)  # writes the same K/V again
-        steps.append((len(inputs.input_ids), len(fused_calls) > before, torch.equal(fused, reference)))
-        return fused
-
-    stack_run = DecodeStack.run
-    monkeypatch.setattr(DecodeStack, "run", lambda self, *a: fused_calls.append(1) or stack_run(self, *a))
-    monkeypatch.setattr(runner, "forward", both_paths)
+    steps = record_both_paths(default_llm.engine.core.runner, monkeypatch)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     default_llm.reset_prefix_cache()
     default_llm.generate(["The capital of France is", "One, two,", TEXTS[2]], params, use_tqdm=False)

@@ -1,15 +1,25 @@
 """Real processes on loopback for the disaggregation and router tests: replicas (`deepinfer
-serve`, small KV budgets, one thread each), a `deepinfer router` in front, started together."""
+serve`, small KV budgets, one thread each), a `deepinfer router` in front, started together,
+all holding one cluster key (prefill/decode handoffs are signed with it)."""
 
 from __future__ import annotations
 
+import atexit
+import functools
+import json
+import os
 import re
+import secrets
+import shutil
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 
+from deepinfer.security import read_cluster_key
+from deepinfer.security.signing import PEER_HEADER, peer_token, sign_handoff
 from tests.server.server_process import AnnouncedProcess, ServerProcess, pid_alive, wait_until
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -17,13 +27,44 @@ SMALL = ("--kv-cache-memory", "64MiB", "--num-threads", "1", "--max-num-batched-
 _ROUTER = re.compile(r"DeepInfer router at (http://\S+) ")
 
 
+@functools.cache
+def cluster_key_file() -> str:
+    """A private key file shared by this test process's clusters, removed when it exits."""
+    directory = tempfile.mkdtemp(prefix="deepinfer-cluster-")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    path = os.path.join(directory, "cluster.key")
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as file:
+        file.write(secrets.token_hex(32))
+    return path
+
+
+def cluster_key() -> bytes:
+    return read_cluster_key(cluster_key_file())
+
+
+def peer_headers(method: str, path: str) -> dict[str, str]:
+    """What a router sends on a peer-only route."""
+    return {PEER_HEADER: peer_token(cluster_key(), method, path)}
+
+
+def signed_handoff(**fields: str) -> str:
+    """An x-deepinfer-kv-transfer header as the router writes it, signed with the cluster key."""
+    signature = sign_handoff(
+        cluster_key(), fields.get("transfer_id"), fields.get("address"), fields.get("error")
+    )
+    return json.dumps({**fields, "signature": signature})
+
+
 def replica(*args: str) -> ServerProcess:
-    return ServerProcess(*SMALL, "--kv-events-endpoint", "tcp://127.0.0.1:0", *args)
+    return ServerProcess(
+        *SMALL, "--kv-events-endpoint", "tcp://127.0.0.1:0", "--cluster-key-file", cluster_key_file(), *args
+    )
 
 
 class RouterProcess(AnnouncedProcess):
     def __init__(self, *args: str, startup_timeout_s: float = 120.0) -> None:
-        command = ["router", "--port", "0", "--log-level", "warning", "--health-interval", "0.5", *args]
+        command = ["router", "--port", "0", "--log-level", "warning", "--health-interval", "0.5"]
+        command += ["--cluster-key-file", cluster_key_file(), *args]
         super().__init__(command, _ROUTER, startup_timeout_s)
 
     def start(self) -> RouterProcess:
@@ -57,7 +98,9 @@ def stop_all(servers: list[ServerProcess]) -> None:
 
 
 def engine_info(server: ServerProcess) -> dict[str, Any]:
-    return httpx.get(server.url + "/v1/engine_info", timeout=10).json()
+    return httpx.get(
+        server.url + "/v1/engine_info", headers=peer_headers("GET", "/v1/engine_info"), timeout=10
+    ).json()
 
 
 def blocks_in_use(server: ServerProcess) -> int:

@@ -17,6 +17,7 @@ from deepinfer.engine.kv_transfer import (
     TransferError,
     send_frame,
 )
+from deepinfer.security.peer_auth import dial_peer
 from deepinfer.sequence import KVSource
 
 LAYOUT = "deepinfer-kv-chunk-v2|64|test"
@@ -94,6 +95,7 @@ def test_a_decoder_that_stalls_mid_transfer_loses_the_connection_when_the_lease_
         server.lease("t4", keys, [np.zeros(1 << 20, dtype=np.uint8)] * many)
         host, port = server.address.rsplit(":", 1)
         stalled = socket.create_connection((host, int(port)))
+        dial_peer(stalled, None)
         send_frame(stalled, PullRequest("t4", keys, LAYOUT))
         # ...and never reads. The send is bounded by the lease: the lease ends.
         deadline = time.monotonic() + 10

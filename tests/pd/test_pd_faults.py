@@ -28,15 +28,19 @@ from deepinfer.engine.kv_transfer import (
     recv_frame,
     send_frame,
 )
+from deepinfer.security.peer_auth import dial_peer
 from deepinfer.sequence import KVSource
 from tests.pd.apis import ask
 from tests.pd.cluster import (
     MODEL,
     RouterProcess,
     blocks_in_use,
+    cluster_key,
     elapsed,
     engine_info,
+    peer_headers,
     replica,
+    signed_handoff,
     start_all,
     stop_all,
     wait_all_blocks_free,
@@ -92,6 +96,7 @@ def prefill_directly(cluster, transfer_id: str, token_ids: list[int]) -> dict:
     reply = httpx.post(
         cluster["prefill"].url + "/v1/pd/prefill",
         json={"transfer_id": transfer_id, "prompt_token_ids": token_ids},
+        headers=peer_headers("POST", "/v1/pd/prefill"),
         timeout=300,
     )
     assert reply.status_code == 200, reply.text
@@ -106,7 +111,7 @@ def test_a_decoder_that_never_comes_does_not_hold_the_kv(cluster) -> None:
     layout = engine_info(cluster["prefill"])["kv_transfer_layout"]
     source = KVSource(handoff["address"], "never-pulled")
     with pytest.raises(TransferError, match="unknown"):  # the lease ended
-        KVPuller(5.0).pull(source, [], layout).result()
+        KVPuller(5.0, key=cluster_key()).pull(source, [], layout).result()
 
 
 def test_a_transfer_that_stalls_past_the_lease(cluster) -> None:
@@ -123,11 +128,12 @@ def test_a_transfer_that_stalls_past_the_lease(cluster) -> None:
     stalled = socket.create_connection((host, int(port)))
     stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     try:
+        dial_peer(stalled, cluster_key())
         send_frame(stalled, PullRequest("stalled", keys, info["kv_transfer_layout"]))
         time.sleep(LEASE_S + 1)
         # The prefiller gave up the send when the lease ended and reset the connection (dropping
         # what it still held for this reader): the transfer ends short, and soon.
-        reply = msgspec.msgpack.decode(recv_frame(stalled, time.monotonic() + 10), type=PullReply)
+        reply = msgspec.msgpack.decode(recv_frame(stalled, 1 << 20, time.monotonic() + 10), type=PullReply)
         expected, received = sum(reply.sizes), 0
         stalled.settimeout(10)
         try:
@@ -139,7 +145,7 @@ def test_a_transfer_that_stalls_past_the_lease(cluster) -> None:
     finally:
         stalled.close()
     # A decoder that comes for it now finds no lease and recomputes: same answer, no leak.
-    source = json.dumps({"address": handoff["address"], "transfer_id": "stalled"})
+    source = signed_handoff(address=handoff["address"], transfer_id="stalled")
     reply = httpx.post(
         cluster["decode1"].url + "/v1/completions",
         json={"model": MODEL, "prompt": DOCUMENT, "max_tokens": 8, "temperature": 0},
@@ -203,12 +209,12 @@ def test_the_prefill_engine_killed(cluster) -> None:
     reply = httpx.post(
         strict.url + "/v1/completions",
         json=body,
-        headers={KV_HEADER: json.dumps({"error": "prefill gone"})},
+        headers={KV_HEADER: signed_handoff(error="prefill gone")},
         timeout=60,
     )
     assert reply.status_code == 502 and reply.json()["error"]["code"] == "kv_transfer_failed"
     # ...and so is a pull from the dead prefill engine, plain or streamed.
-    source = {KV_HEADER: json.dumps({"address": address, "transfer_id": "lost"})}
+    source = {KV_HEADER: signed_handoff(address=address, transfer_id="lost")}
     reply = httpx.post(strict.url + "/v1/completions", json=body, headers=source, timeout=60)
     assert reply.status_code == 500 and "did not arrive" in reply.json()["error"]["message"]
     messages = {

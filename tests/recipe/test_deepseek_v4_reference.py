@@ -246,6 +246,44 @@ HANDWRITTEN: dict[str, tuple[str, dict[str, Any]]] = {
             "tools": [{"name": "f", "input_schema": {"type": "object", "properties": {}}}],
         },
     ),
+    # Claude Code's environment block: `system` entries among the messages (V4.1 a system turn
+    # where it stands, V4 a <system-reminder> in the user turn).
+    "messages-system-entries": (
+        "messages",
+        {
+            "system": [
+                {"type": "text", "text": "You are Claude Code."},
+                {"type": "text", "text": "Be terse."},
+            ],
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "fix it"}]},
+                {
+                    "role": "system",
+                    "content": [
+                        {"type": "text", "text": "<env>linux</env>"},
+                        {"type": "text", "text": "cwd /x"},
+                    ],
+                },
+                {
+                    "role": "assistant",
+                    "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}],
+                },
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "r"}]},
+                {"role": "system", "content": "later"},
+            ],
+            "max_tokens": 64,
+            "tools": [{"name": "f", "input_schema": {"type": "object", "properties": {}}}],
+        },
+    ),
+    "messages-system-entry-first": (
+        "messages",
+        {
+            "messages": [{"role": "system", "content": "env"}, _u("a")],
+            "max_tokens": 64,
+            "tools": [{"name": "f", "input_schema": {"type": "object", "properties": {}}}],
+            "thinking": {"type": "disabled"},
+        },
+    ),
     "json-object-without-the-word": (
         "chat",
         {"messages": [_u("hi")], "response_format": {"type": "json_object"}},
@@ -282,6 +320,131 @@ HANDWRITTEN: dict[str, tuple[str, dict[str, Any]]] = {
 def test_handwritten_requests_match_the_codec(case: str, family: str) -> None:
     api, body = HANDWRITTEN[case]
     assert compare(api, body, family, tokens=True) in ("same", "both_refuse")
+
+
+def _call(call_id: str, arguments: str) -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": "f", "arguments": arguments}}
+
+
+# Codex's apply_patch as it declares it: a free-form tool with its own description and grammar.
+CODEX_APPLY_PATCH = {
+    "type": "custom",
+    "name": "apply_patch",
+    "description": "Use the `apply_patch` tool to edit files. This is a FREEFORM tool, so do not wrap the patch in JSON.",
+    "format": {
+        "type": "grammar",
+        "syntax": "lark",
+        "definition": 'start: begin_patch hunk+ end_patch\nbegin_patch: "*** Begin Patch" LF\nend_patch: "*** End Patch" LF?',
+    },
+}
+SHELL = {
+    "type": "function",
+    "name": "shell",
+    "description": "Runs a shell command.",
+    "parameters": {
+        "type": "object",
+        "properties": {"command": {"type": "array", "items": {"type": "string"}}},
+    },
+}
+PATCH = "*** Begin Patch\n*** Update File: a.py\n@@\n-x = 1\n+x = 2\n*** End Patch"
+
+# Histories the codec renders, where ours once refused or wrote another prompt: (api, body).
+RENDERED: dict[str, tuple[str, dict[str, Any]]] = {
+    # Arguments that are not a JSON object (a model emits malformed ones now and then): written as
+    # the client sent them, so that the agent can send its history again.
+    "chat-arguments-not-a-json-object": (
+        "chat",
+        {
+            "messages": [
+                _u("a"),
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [
+                        _call("c1", '{"city": "Par'),
+                        _call("c2", "not json"),
+                        _call("c3", "[1, 2]"),
+                        _call("c4", ""),
+                        _call("c5", '{"x": 1}}'),
+                    ],
+                },
+                *({"role": "tool", "tool_call_id": f"c{k}", "content": "ok"} for k in range(1, 6)),
+            ],
+            "tools": [TOOL],
+        },
+    ),
+    "responses-arguments-not-a-json-object": (
+        "responses",
+        {
+            "input": [
+                _u("a"),
+                {"type": "function_call", "call_id": "c1", "name": "shell", "arguments": '{"command": ["ls"'},
+                {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+            ],
+            "tools": [SHELL],
+        },
+    ),
+    # A reasoning item holding only a summary is not replayed (a summary is not the reasoning).
+    "responses-reasoning-summary-only": (
+        "responses",
+        {
+            "input": [
+                _u("a"),
+                {
+                    "type": "reasoning",
+                    "id": "rs_1",
+                    "summary": [{"type": "summary_text", "text": "Look first."}],
+                },
+                {
+                    "type": "function_call",
+                    "call_id": "c1",
+                    "name": "shell",
+                    "arguments": '{"command": ["ls"]}',
+                },
+                {"type": "function_call_output", "call_id": "c1", "output": "a.py"},
+                {
+                    "type": "reasoning",
+                    "id": "rs_2",
+                    "summary": [],
+                    "content": [{"type": "reasoning_text", "text": "Now."}],
+                },
+                {
+                    "type": "message",
+                    "role": "assistant",
+                    "content": [{"type": "output_text", "text": "Done."}],
+                },
+                _u("b"),
+            ],
+            "tools": [SHELL],
+        },
+    ),
+    # A Codex session's apply_patch: described as the codec describes it, whatever Codex says.
+    "responses-codex-apply-patch": (
+        "responses",
+        {
+            "instructions": "You are Codex, a coding agent.",
+            "input": [
+                _u("set x to 2"),
+                {
+                    "type": "reasoning",
+                    "id": "rs_1",
+                    "summary": [{"type": "summary_text", "text": "Patch it."}],
+                },
+                {"type": "custom_tool_call", "call_id": "p1", "name": "apply_patch", "input": PATCH},
+                {"type": "custom_tool_call_output", "call_id": "p1", "output": "Success. Updated a.py"},
+            ],
+            "tools": [SHELL, CODEX_APPLY_PATCH],
+            "reasoning": {"effort": "medium", "summary": "auto"},
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+@pytest.mark.parametrize("case", list(RENDERED))
+def test_histories_the_codec_renders_match_token_for_token(case: str, family: str) -> None:
+    api, body = RENDERED[case]
+    assert compare(api, body, family, tokens=True) == "same"
 
 
 def test_v41_refuses_a_tokenizer_without_its_system_token() -> None:

@@ -141,7 +141,8 @@ def test_slow_and_trickling_servers_time_out(server: str) -> None:
     for route in ("/slow", "/trickle"):
         start = time.monotonic()
         assert "longer than 1 s" in _refused(f"{server}{route}", quick)
-        assert time.monotonic() - start < 2.0
+        # Refused at the 1 s deadline, before the server's 3 s answer or 5 s trickle would end.
+        assert time.monotonic() - start < 3.0
 
 
 def test_http_errors_and_bad_schemes(server: str) -> None:

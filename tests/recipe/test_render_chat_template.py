@@ -152,6 +152,25 @@ def test_llama31_template_matches_transformers(messages):
         assert '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>' in ours
 
 
+@pytest.mark.parametrize("source", ["qwen2_5_instruct.jinja", "llama3_3_instruct.jinja"])
+@pytest.mark.parametrize("system", [True, False], ids=["system", "no-system"])
+def test_system_entries_among_turns_join_the_system_prompt(source, system):
+    """System entries a client placed among the turns (Anthropic Messages, Claude Code's
+    environment block) are appended, in order, to the system prompt (opened if there is none):
+    templates read a system message only first."""
+    env = Message(role="system", content=[TextPart("<env>linux</env>")], in_turns=True)
+    later = Message(role="system", content=[TextPart("Be brief.")], in_turns=True)
+    conv = conversation_from_openai(PLAIN if system else NO_SYSTEM)
+    conv.messages[1:1] = [env]
+    conv.messages.append(later)
+    head = "You are terse.\n\n" if system else ""
+    merged = [{"role": "system", "content": head + "<env>linux</env>\n\nBe brief."}]
+    rest = PLAIN[1:] if system else NO_SYSTEM
+    hf = hf_tokenizer(template(source))
+    expected = hf.apply_chat_template(merged + rest, tokenize=False, add_generation_prompt=True)
+    assert ChatTemplateRenderer(template(source), hf.special_tokens_map).render(conv) == expected
+
+
 def test_llama31_template_errors_become_recipe_errors():
     """`raise_exception` in a template surfaces as a RecipeError naming the messages."""
     messages = copy.deepcopy(TOOL_LOOP)

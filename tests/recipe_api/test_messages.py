@@ -197,6 +197,29 @@ def test_string_content_system_and_tool_choice_modes() -> None:
     )
 
 
+def test_system_entries_among_messages_stay_in_place_marked() -> None:
+    # Claude Code's environment block: a `system` entry among the turns, string or text blocks.
+    body = {
+        "max_tokens": 10,
+        "system": "Be nice.",
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "system", "content": [{"type": "text", "text": "env", "cache_control": {}}]},
+            {"role": "assistant", "content": "hello"},
+            {"role": "system", "content": "later"},
+            {"role": "user", "content": "bye"},
+        ],
+    }
+    assert messages_to_conversation(body).messages == [
+        Message(role="system", content=[TextPart("Be nice.")]),
+        Message(role="user", content=[TextPart("hi")]),
+        Message(role="system", content=[TextPart("env")], in_turns=True),
+        Message(role="assistant", content=[TextPart("hello")]),
+        Message(role="system", content=[TextPart("later")], in_turns=True),
+        Message(role="user", content=[TextPart("bye")]),
+    ]
+
+
 def test_count_tokens_request_through_sdk() -> None:
     recorder = Recorder(lambda body: json_response(count_tokens_body(57)))
     counted = anthropic_client(recorder).messages.count_tokens(
@@ -251,7 +274,11 @@ def _user(*blocks: dict[str, Any]) -> list[dict[str, Any]]:
         (_with(tools=[{"name": "f", "input_schema": {"type": "string"}}]), "tools[0].input_schema"),
         (_with(system=[{"type": "image"}]), "system[0].type"),
         (_with(messages=[]), "messages"),
-        (_with(messages=[{"role": "system", "content": "x"}]), "messages[0].role"),
+        (_with(messages=[{"role": "tool", "content": "x"}]), "messages[0].role"),
+        (
+            _with(messages=[{"role": "system", "content": [{"type": "image", "source": {}}]}]),
+            "messages[0].content[0].type",
+        ),
         (
             _with(messages=_user({"type": "tool_result", "content": "x"})),
             "messages[0].content[0].tool_use_id",

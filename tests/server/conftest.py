@@ -10,6 +10,7 @@ from tests.server.server_process import ServerProcess, pid_alive, wait_until
 
 API_KEY = "sk-deepinfer-test"
 OTHER_KEY = "sk-deepinfer-other-tenant"
+ADMIN_KEY = "sk-deepinfer-admin"
 MODEL = "SmolLM2-135M-Instruct"
 MAX_BODY_BYTES = 1 << 20
 # Short, so the pathological-schema test reaches the compile timeout quickly (real schemas
@@ -24,7 +25,9 @@ def server():
         API_KEY,
         "--api-key",
         OTHER_KEY,
-        "--cache-salt-per-key",
+        "--admin-key",
+        ADMIN_KEY,
+        "--public-metrics",  # the tests read /metrics with the API key
         "--max-body-bytes",
         str(MAX_BODY_BYTES),
         "--grammar-compile-timeout",

@@ -2,18 +2,26 @@
 /v1/responses, Claude Code over /v1/messages, the openai-agents SDK over both OpenAI APIs.
 
 A 135M model does no useful agent work; what is checked is that each client accepts every
-response and event the server sends and ends its turn without a protocol error. The npm CLIs
-come from `make agent-clients` (build/npm); without npm they are skipped, saying so. Output is
-bounded so each turn stays short: Claude Code asks for 32,000 tokens unless told otherwise, and
-Codex sends no bound at all (so it samples to the end of the context unless the server has
-`--default-max-tokens`, as an agent deployment would). The clients' own system prompts are
-replaced by a short one so their requests fit the model's 8k context; their tools stay.
+response and event the server sends and ends its turn without a protocol error, and that the
+server answered none of the session's requests with a status >= 400 (its access log). The
+npm CLIs come from `make agent-clients` (build/npm); without npm they are skipped, saying so.
+
+The clients run as users run them: Codex with its own instructions (about 9,200 tokens with its
+tools) and Claude Code in its default mode (not `--bare`: its environment block comes as a
+`system` entry inside `messages`). Codex's prompt is longer than SmolLM2's trained context of
+8,192 tokens, so the server runs with the README's long-context flags (YaRN RoPE scaling x4,
+`--max-model-len 32768`). Output is bounded so each turn stays short: Claude Code asks for
+32,000 tokens unless told otherwise, and Codex sends no bound at all (so it samples to the end
+of the context unless the server has `--default-max-tokens`, as an agent deployment would).
+Claude Code is given two tools (`--tools Read,Glob`): its whole default set is ~12,400 prompt
+tokens, minutes of prefill on a 2-core CPU.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import threading
@@ -32,18 +40,39 @@ pytestmark = [pytest.mark.slow, pytest.mark.agents]
 NPM_BIN = Path(__file__).resolve().parents[2] / "build" / "npm" / "node_modules" / ".bin"
 CLIENT_TIMEOUT_S = 540
 DEFAULT_MAX_TOKENS = 128
+TRAINED_CONTEXT = 8192
+# The README's flags for agent CLIs on the default model (its "Agent clients" section).
+LONG_CONTEXT = (
+    "--rope-scaling",
+    '{"rope_type":"yarn","factor":4.0,"original_max_position_embeddings":8192}',
+    "--max-model-len",
+    "32768",
+)
+# uvicorn's access log line: `127.0.0.1:5000 - "POST /v1/messages?beta=true HTTP/1.1" 200 OK`
+_ACCESS = re.compile(r'"([A-Z]+ \S+) HTTP/[\d.]+" (\d{3})')
 
 
 @pytest.fixture(scope="module")
 def server():
-    # Dequantized: Codex's first prompt is ~4,500 tokens (its tool schemas), and the fp32 path
-    # prefills it about twice as fast as the packed GGUF one, whose rows all go through the
-    # per-row attention kernel (see attention/cpu_paged.py).
     process = ServerProcess(
-        "--api-key", API_KEY, "--default-max-tokens", str(DEFAULT_MAX_TOKENS), "--quantization", "none"
+        "--api-key",
+        API_KEY,
+        "--default-max-tokens",
+        str(DEFAULT_MAX_TOKENS),
+        *LONG_CONTEXT,
+        "--kv-cache-memory",
+        "1GiB",  # the fp16 cache of ~46,000 tokens: a 9k-token session and its retries
+        "--log-level",
+        "info",  # the access log: every response's status
     ).start()
     yield process
     assert process.stop() == 0, process.log_tail()
+
+
+def responses_since(server: ServerProcess, first_line: int) -> list[tuple[str, int]]:
+    """(request line, status) of every response the server logged from `first_line` on."""
+    found = (_ACCESS.search(line) for line in server.lines[first_line:])
+    return [(match.group(1), int(match.group(2))) for match in found if match]
 
 
 def npm_cli(name: str) -> Path:
@@ -102,11 +131,29 @@ class RecordingProxy:
         self._server.server_close()
 
 
-def test_codex_exec_completes_a_turn_over_responses(server, tmp_path: Path) -> None:
+def test_the_flags_stretch_the_context_to_32768_tokens(server) -> None:
+    # Serving past 8,192 tokens is what the Codex test below does (its prompt is ~9,200 tokens; a
+    # prefill of that length is a minute of this CPU), and tests/engine/test_rope_scaling_option.py
+    # checks the scaled model against HF transformers'. Here: the limit the server now enforces.
+    prompt = "".join(
+        f"Note {i}: the parcel for desk {i * 7 % 101} left at {i % 24:02d}:00.\n" for i in range(1488)
+    )
+    with server.client(API_KEY) as http:
+        first_line = len(server.lines)
+        card = http.get("/v1/models").json()["data"][0]
+        assert card["max_model_len"] == 32768
+        count = http.post("/tokenize", json={"prompt": prompt}).json()["count"]
+        assert count > 32768
+        too_long = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
+        assert too_long.status_code == 400 and "32768" in too_long.text, too_long.text
+    assert [status for _, status in responses_since(server, first_line)] == [200, 200, 400]
+
+
+def test_codex_exec_with_its_own_instructions_completes_a_turn_over_responses(server, tmp_path: Path) -> None:
     codex = npm_cli("codex")
     home = tmp_path / "codex-home"
     home.mkdir()
-    (tmp_path / "instructions.md").write_text("You are a terse assistant. Answer in one short sentence.\n")
+    first_line = len(server.lines)
     with RecordingProxy(server.url) as proxy:
         (home / "config.toml").write_text(
             f'model = "{MODEL}"\nmodel_provider = "deepinfer"\n'
@@ -119,8 +166,6 @@ def test_codex_exec_completes_a_turn_over_responses(server, tmp_path: Path) -> N
                 str(codex),
                 "exec",
                 "--skip-git-repo-check",
-                "-c",
-                f"model_instructions_file={tmp_path / 'instructions.md'}",
                 "--disable",
                 "goals",
                 "--disable",
@@ -144,6 +189,8 @@ def test_codex_exec_completes_a_turn_over_responses(server, tmp_path: Path) -> N
     assert (result.returncode == 0 and not errors) or (errors and all(e == bounded for e in errors)), log[
         -3000:
     ]
+    answered = responses_since(server, first_line)
+    assert answered and all(status < 400 for _, status in answered), answered
     sent = proxy.bodies[0]
     kinds = {tool["type"] for tool in sent["tools"]}
     assert {"function", "namespace", "web_search"} <= kinds
@@ -151,10 +198,15 @@ def test_codex_exec_completes_a_turn_over_responses(server, tmp_path: Path) -> N
     assert "reasoning.encrypted_content" in sent["include"] and sent["prompt_cache_key"]
     # Codex bounds nothing; the server's default did (it is what kept the turn short).
     assert all("max_output_tokens" not in body for body in proxy.bodies)
+    # Its own instructions make a prompt past the model's trained context: served by the flags.
+    with server.client(API_KEY) as http:
+        count = http.post("/tokenize", json=sent).json()["count"]
+    assert count > TRAINED_CONTEXT, count
 
 
-def test_claude_code_print_completes_a_turn_over_messages(server, tmp_path: Path) -> None:
+def test_claude_code_in_its_default_mode_completes_a_turn_over_messages(server, tmp_path: Path) -> None:
     claude = npm_cli("claude")
+    first_line = len(server.lines)
     with RecordingProxy(server.url) as proxy:
         env = {
             **os.environ,
@@ -174,13 +226,10 @@ def test_claude_code_print_completes_a_turn_over_messages(server, tmp_path: Path
                 str(claude),
                 "-p",
                 "Reply with the single word: hi",
-                "--bare",
                 "--model",
                 MODEL,
                 "--output-format",
                 "json",
-                "--system-prompt",
-                "You are a terse assistant.",
                 "--tools",
                 "Read,Glob",
             ],
@@ -198,7 +247,12 @@ def test_claude_code_print_completes_a_turn_over_messages(server, tmp_path: Path
     assert report["terminal_reason"] in ("completed", "success", "end_turn") or report.get("api_error") == (
         "max_output_tokens"
     ), report
+    answered = responses_since(server, first_line)
+    assert answered and all(status < 400 for _, status in answered), answered
     assert proxy.bodies and all(body["tools"] for body in proxy.bodies if body.get("max_tokens", 0) > 64)
+    # The default mode: its own system prompt, and its environment as a system entry in `messages`.
+    first = proxy.bodies[0]
+    assert first["system"] and any(message["role"] == "system" for message in first["messages"])
 
 
 @pytest.fixture

@@ -82,3 +82,60 @@ def test_messages_stop_sequences(claude: anthropic.Anthropic, colors) -> None:
 
 def test_models_list_through_the_anthropic_sdk(claude: anthropic.Anthropic) -> None:
     assert [m.id for m in claude.models.list()] == [MODEL]
+
+
+# Claude Code's request shape (without --bare): cached system blocks, then its environment block
+# as a `system` entry among the messages, streamed, with tools and metadata.
+CLAUDE_CODE_SYSTEM = [
+    {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}},
+    {"type": "text", "text": "Answer in a few words.", "cache_control": {"type": "ephemeral"}},
+]
+CLAUDE_CODE_ENV = "<env>\nWorking directory: /tmp/project\nPlatform: linux\n</env>"
+CLAUDE_CODE_MESSAGES = [
+    {
+        "role": "user",
+        "content": [{"type": "text", "text": "What is 2 + 2?", "cache_control": {"type": "ephemeral"}}],
+    },
+    {"role": "system", "content": [{"type": "text", "text": CLAUDE_CODE_ENV}]},
+]
+
+
+def test_system_entries_among_messages_join_the_system_prompt(claude: anthropic.Anthropic) -> None:
+    request = {
+        "model": MODEL,
+        "system": CLAUDE_CODE_SYSTEM,
+        "messages": CLAUDE_CODE_MESSAGES,
+        "tools": [WEATHER_TOOL],
+        "metadata": {"user_id": "user_abc_account__session_1"},
+        "max_tokens": 8,
+    }
+    with claude.messages.stream(**request, **GREEDY) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason in ("end_turn", "max_tokens", "tool_use") and final.content
+    # The entry is appended to the system prompt after the top-level blocks, a blank line
+    # between: the same prompt as one system holding both (the string form counts the same).
+    counted = claude.messages.count_tokens(
+        model=MODEL, system=CLAUDE_CODE_SYSTEM, messages=CLAUDE_CODE_MESSAGES, tools=[WEATHER_TOOL]
+    )
+    merged = [*CLAUDE_CODE_SYSTEM, {"type": "text", "text": "\n\n" + CLAUDE_CODE_ENV}]
+    one_system = claude.messages.count_tokens(
+        model=MODEL, system=merged, messages=CLAUDE_CODE_MESSAGES[:1], tools=[WEATHER_TOOL]
+    )
+    as_string = [{"role": "system", "content": CLAUDE_CODE_ENV}]
+    assert (
+        counted.input_tokens
+        == one_system.input_tokens
+        == claude.messages.count_tokens(
+            model=MODEL,
+            system=CLAUDE_CODE_SYSTEM,
+            messages=CLAUDE_CODE_MESSAGES[:1] + as_string,
+            tools=[WEATHER_TOOL],
+        ).input_tokens
+    )
+    usage = final.usage
+    assert usage.input_tokens + (usage.cache_read_input_tokens or 0) == counted.input_tokens
+    # Without the entry the prompt is shorter: it was not dropped.
+    bare = claude.messages.count_tokens(
+        model=MODEL, system=CLAUDE_CODE_SYSTEM, messages=CLAUDE_CODE_MESSAGES[:1], tools=[WEATHER_TOOL]
+    )
+    assert counted.input_tokens > bare.input_tokens + 10

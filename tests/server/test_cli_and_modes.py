@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from deepinfer.cli import build_parser, engine_config_from_args, main
 from deepinfer.config import (
     CacheConfig,
+    ConfigError,
     EngineConfig,
     SchedulerConfig,
     ServerConfig,
@@ -104,6 +110,9 @@ def test_every_size_flag_reads_units_the_same_way(text: str, size: int) -> None:
         (["--num-speculative-tokens", "0"], "--num-speculative-tokens"),
         (["--max-waiting-requests", "0"], "--max-waiting-requests"),
         (["--block-size", "0"], "--block-size"),
+        (["--rope-scaling", "yarn"], "--rope-scaling"),
+        (["--rope-scaling", '{"rope_type": "dynamic", "factor": 2}'], "--rope-scaling"),
+        (["--rope-scaling", '{"rope_type": "yarn", "factor": 4, "beta": 1}'], "--rope-scaling"),
     ],
 )
 def test_bad_options_fail_before_anything_loads(flags: list[str], named: str, capsys) -> None:
@@ -111,6 +120,115 @@ def test_bad_options_fail_before_anything_loads(flags: list[str], named: str, ca
         main(["serve", "/nonexistent/model.gguf", *flags])
     assert exit_info.value.code == 2
     assert named in capsys.readouterr().err
+
+
+def test_help_names_values_as_a_user_types_them() -> None:
+    help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["serve"].format_help().split())  # type: ignore[union-attr]
+    for shown in ("--api-key KEY", "--chat-encoding NAME", "--max-body-bytes SIZE", "--rope-scaling JSON"):
+        assert shown in help_text
+    assert "(default: 32MiB)" in help_text and "(default: 1GiB)" in help_text
+    assert "33554432" not in help_text and "API_KEYS" not in help_text and "RECIPE_FAMILY" not in help_text
+
+
+# Runs `deepinfer serve` in a fresh interpreter and reports whether torch was imported: a model
+# path that is no model must be refused before the engine (and torch with it) starts.
+_SERVE_REPORTING_TORCH = (
+    "import sys\n"
+    "from deepinfer.cli import main\n"
+    "code = main(sys.argv[1:])\n"
+    "print('torch imported' if 'torch' in sys.modules else 'torch not imported')\n"
+    "sys.exit(code)\n"
+)
+
+
+def _serve_in_subprocess(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", _SERVE_REPORTING_TORCH, "serve", "--port", "0", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize(
+    ("layout", "named"),
+    [
+        ({}, "it has no config.json and no *.safetensors weights"),
+        ({"config.json": "{}", "model.safetensors": ""}, "is not a model's config: it has no"),
+        ({"config.json": "{not json", "model.safetensors": ""}, "is not valid JSON"),
+        ({"notes.txt": "hi"}, "it has no config.json"),
+        (None, "does not exist"),
+    ],
+)
+def test_a_path_that_is_no_model_fails_in_one_line_before_the_engine_starts(
+    tmp_path: Path, layout: dict[str, str] | None, named: str
+) -> None:
+    model = tmp_path / "model"
+    if layout is not None:
+        model.mkdir()
+        for name, text in layout.items():
+            (model / name).write_text(text)
+    result = _serve_in_subprocess(str(model))
+    assert result.returncode == 1
+    assert result.stdout.strip() == "torch not imported"
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and named in lines[0] and str(model) in lines[0], result.stderr
+    assert lines[0].startswith("deepinfer serve: error: ")
+
+
+def test_a_file_that_is_no_gguf_is_named_and_debug_shows_the_traceback(tmp_path: Path) -> None:
+    model = tmp_path / "model.bin"
+    model.write_bytes(b"\0" * 16)
+    result = _serve_in_subprocess(str(model))
+    assert result.returncode == 1 and "is a file but not a .gguf file" in result.stderr
+    assert "Traceback" not in result.stderr
+    debug = _serve_in_subprocess(str(model), "--log-level", "debug")
+    assert (
+        debug.returncode == 1 and "Traceback" in debug.stderr and "is a file but not a .gguf" in debug.stderr
+    )
+
+
+YARN_X4 = '{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192}'
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--max-model-len", "16384"], ("16384 tokens", "trained context of 8192 tokens", "--rope-scaling")),
+        (
+            ["--max-model-len", "65536", "--rope-scaling", YARN_X4],
+            ("65536 tokens", "the 32768 tokens this --rope-scaling reaches"),
+        ),
+    ],
+)
+def test_a_context_past_what_the_model_places_is_refused_before_it_loads(
+    flags: list[str], named: tuple[str, ...], capsys
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--port", "0", *flags])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith("deepinfer serve: error: --max-model-len: ")
+    assert all(text in err for text in named), err
+
+
+def test_the_engine_refuses_a_context_past_the_trained_one_and_takes_rope_scaling() -> None:
+    from deepinfer import LLM
+
+    with pytest.raises(ConfigError, match="16384 tokens is beyond the model's trained context of 8192"):
+        LLM(max_model_len=16384, kv_cache_memory=SMALL_KV)
+    scaling = json.loads(YARN_X4)
+    llm = LLM(max_model_len=32768, kv_cache_memory=SMALL_KV, rope_scaling=scaling)
+    try:
+        core = llm.engine.core
+        assert core.max_model_len == 32768
+        assert core.loaded.config.max_position_embeddings == 32768
+        assert core.loaded.config.rope_scaling == {"original_max_position_embeddings": 8192, **scaling}
+        attention = core.loaded.model.layers[0].self_attn
+        cos, _ = attention.rotary.tables(torch.device("cpu"), torch.float32)
+        assert cos.shape[0] == 32768  # a position past 8192 has its own rotation
+    finally:
+        llm.close()
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import API_KEY, MAX_BODY_BYTES, MODEL
+from tests.server.conftest import ADMIN_KEY, API_KEY, MAX_BODY_BYTES, MODEL
 
 CHAT = "/v1/chat/completions"
 MESSAGES = "/v1/messages"
@@ -154,9 +154,10 @@ def test_tokenize_detokenize_round_trip(http: httpx.Client) -> None:
 
 
 def test_reset_prefix_cache_when_idle(http: httpx.Client) -> None:
-    reply = http.post("/reset_prefix_cache")
+    reply = http.post("/reset_prefix_cache", headers={"authorization": f"Bearer {ADMIN_KEY}"})
     assert reply.status_code == 200 and reply.json() == {"reset": True}
-    # An operator route: the API key is required like everywhere else.
+    # An operator route: every tenant's cache goes, so a tenant's API key is not enough.
+    assert openai_error(http.post("/reset_prefix_cache"), 401)["code"] == "invalid_api_key"
     assert openai_error(httpx.post(str(http.base_url.join("/reset_prefix_cache"))), 401)
 
 

@@ -182,6 +182,64 @@ def test_messages_forced_streamed(claude: anthropic.Anthropic) -> None:
     _check_call("get_weather", block.input)  # type: ignore[union-attr, arg-type]
 
 
+# Cut points inside the one call a forced request writes (about 30 tokens, see MAX_TOKENS).
+CUTS = (3, 9, 17, 24)
+
+
+@pytest.mark.parametrize("max_tokens", CUTS)
+def test_messages_call_cut_by_max_tokens_is_never_text(claude: anthropic.Anthropic, max_tokens: int) -> None:
+    """The anthropic SDK, `tool_choice: any` and a small max_tokens: the cut call is not a text
+    block (once it was raw `<tool_call>{…` markup), and the stop reason is `max_tokens`."""
+    request = {
+        "model": MODEL,
+        "max_tokens": max_tokens,
+        "messages": QUESTION,
+        "tools": ANTHROPIC_TOOLS,
+        "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+        "extra_body": {"temperature": 0},
+    }
+    message = claude.messages.create(**request)  # type: ignore[arg-type]
+    assert message.stop_reason == "max_tokens"
+    assert message.content == [] and message.usage.output_tokens == max_tokens  # the call is cut
+    with claude.messages.stream(**request) as stream:  # type: ignore[arg-type]
+        texts = list(stream.text_stream)
+        final = stream.get_final_message()
+    assert texts == [] and final.stop_reason == "max_tokens"
+    assert [block.type for block in final.content] in ([], ["tool_use"])  # its start, if it came
+
+
+@pytest.mark.parametrize("max_tokens", CUTS)
+def test_openai_call_cut_by_max_tokens_is_never_text(oai: openai.OpenAI, max_tokens: int) -> None:
+    """The same cut through Chat Completions (plain and streamed) and Responses: no content."""
+    chat = {
+        "model": MODEL,
+        "messages": QUESTION,
+        "tools": OPENAI_TOOLS,
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    choice = oai.chat.completions.create(**chat).choices[0]  # type: ignore[call-overload]
+    assert choice.finish_reason == "length" and not choice.message.content and not choice.message.tool_calls
+    chunks = list(oai.chat.completions.create(**chat, stream=True))  # type: ignore[call-overload]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        "length"
+    ]
+    response = oai.responses.create(
+        model=MODEL,
+        input=QUESTION[0]["content"],
+        tools=RESPONSES_TOOLS,  # type: ignore[arg-type]
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=max_tokens,
+        temperature=0,
+    )
+    assert response.status == "incomplete" and response.output_text == ""
+    assert all(item.type != "message" for item in response.output)
+
+
 def test_tool_choice_none_offers_no_tools(oai: openai.OpenAI, http: httpx.Client) -> None:
     """`none` renders the prompt without the tools, so the model cannot be told to call one and
     any tool syntax it writes stays text."""

@@ -170,8 +170,10 @@ def test_a_traffic_class_the_engine_does_not_keep_is_a_400(
     assert info.value.status == 400 and info.value.param == named and "nightly" in info.value.message
 
 
-def test_cache_salt_per_key() -> None:
-    shared, isolated = _state(), _state(cache_salt_per_key=True)
+def test_cache_salt_is_per_key_unless_shared() -> None:
+    keys = ("key-a", "key-b")
+    shared, isolated = _state(api_keys=keys, shared_prefix_cache=True), _state(api_keys=keys)
+    assert _state().cache_salt("key-a", None) is None  # no keys configured: one tenant
     assert shared.cache_salt("key-a", None) is None
     assert shared.cache_salt("key-a", "s") == "s"
     a, b = isolated.cache_salt("key-a", None), isolated.cache_salt("key-b", None)

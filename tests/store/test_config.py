@@ -156,3 +156,15 @@ def test_redis_url_builds_a_redis_backend_without_connecting() -> None:
 
 def test_nothing_configured_means_no_store() -> None:
     assert build_kv_store(StoreConfig().settings()) is None
+
+
+def test_encryption_at_rest_needs_the_cluster_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"kv_store_encrypt.*--cluster-key-file"):
+        EngineConfig.from_kwargs(kv_store=str(tmp_path), kv_store_encrypt=True)
+    key = tmp_path / "cluster.key"
+    key.write_bytes(b"k" * 32)
+    key.chmod(0o600)
+    config = EngineConfig.from_kwargs(
+        kv_store=str(tmp_path), kv_store_encrypt=True, cluster_key_file=str(key)
+    )
+    assert config.store.settings().encrypt

@@ -4,11 +4,9 @@ import hashlib
 import json
 import os
 import shutil
-import stat
 import struct
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -166,11 +164,9 @@ def test_redis_killed_mid_run_gives_misses_then_reconnects(
         assert store.lookup(keys, NS) == 0
         assert store.read_breaker.state is BreakerState.OPEN
         errors = store.metrics.errors
-        started = time.perf_counter()
         for _ in range(50):  # open breaker: answered at once, the dead store is not even asked
             assert store.lookup(keys, NS) == 0
-        assert time.perf_counter() - started < 0.5
-        assert store.metrics.errors == errors
+        assert store.metrics.errors == errors  # not one more connection attempt
         assert store.metrics_snapshot()["read_breaker_state"] == int(BreakerState.OPEN)
 
         redis_server.start()  # same port; its append-only file brings the data back
@@ -183,9 +179,3 @@ def test_redis_killed_mid_run_gives_misses_then_reconnects(
         assert store.save(_key(9), NS, kv_chunk(9), num_tokens=8, traffic_class="agent")
         assert store.flush(timeout=10)
         assert store.lookup([_key(9)], NS) == 1
-
-
-def test_file_permissions_of_written_objects_allow_other_readers(file_store) -> None:
-    _, backend = file_store
-    mode = backend.path_for(_key(0)).stat().st_mode
-    assert mode & stat.S_IROTH

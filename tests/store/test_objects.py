@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from deepinfer.store import FORMAT_VERSION, decode_object, encode_object
-from deepinfer.store.objects import FIXED_SIZE, CorruptObject, ForeignObject
+from deepinfer.store.objects import FIXED_SIZE, CorruptObject, ForeignObject, ForgedObject
+from deepinfer.store.seal import ChunkSeal
 
 KEY = bytes(range(32))
 NS = b"model:abc|salt:tenant-1"
@@ -105,3 +106,25 @@ def test_consistent_checksum_over_a_lying_shape_is_still_caught() -> None:
     struct.pack_into("<I", prefix, FIXED_SIZE - 4, zlib.crc32(bytes(payload), zlib.crc32(header)))
     with pytest.raises(CorruptObject, match="shape"):
         decode_object(bytes(prefix) + bytes(payload), KEY, NS)
+
+
+@pytest.mark.parametrize("encrypt", [False, True], ids=["mac", "aes-gcm"])
+def test_sealed_objects_round_trip_and_every_flipped_byte_is_refused(encrypt: bool) -> None:
+    seal = ChunkSeal(b"c" * 32, encrypt=encrypt)
+    array = np.arange(40, dtype=np.float16)
+    data = b"".join(bytes(p) for p in encode_object(KEY, NS, "chat", 16, array, seal))
+    assert np.array_equal(decode_object(data, KEY, NS, seal).array, array)
+    for pos in range(6, len(data)):
+        damaged = bytearray(data)
+        damaged[pos] ^= 0x01
+        with pytest.raises((CorruptObject, ForeignObject, ForgedObject)):
+            decode_object(damaged, KEY, NS, seal)
+
+
+def test_a_keyed_reader_refuses_an_unsealed_object_and_a_keyless_one_a_sealed_one() -> None:
+    array = np.arange(40, dtype=np.float16)
+    with pytest.raises(ForgedObject, match="unauthenticated"):
+        decode_object(_encode(array), KEY, NS, ChunkSeal(b"c" * 32))
+    sealed = b"".join(bytes(p) for p in encode_object(KEY, NS, "chat", 16, array, ChunkSeal(b"c" * 32)))
+    with pytest.raises(ForeignObject, match="cluster key"):
+        decode_object(sealed, KEY, NS)

@@ -38,6 +38,7 @@ from deepinfer.engine.kv_events import KVEventPublisher
 from deepinfer.engine.outputs import SequenceOutput
 from deepinfer.engine.parallel.data_parallel import DataParallelEngine
 from deepinfer.engine.parallel.start import start_engine
+from deepinfer.security.cluster_key import cluster_key_of
 
 log = logging.getLogger(__name__)
 
@@ -132,8 +133,12 @@ def engine_info(
 
 
 def build_publisher(config: EngineConfig) -> KVEventPublisher | None:
-    endpoint = config.disaggregation.kv_events_endpoint
-    return KVEventPublisher(endpoint) if endpoint is not None else None
+    pd = config.disaggregation
+    if pd.kv_events_endpoint is None:
+        return None
+    return KVEventPublisher(
+        pd.kv_events_endpoint, key=cluster_key_of(pd.cluster_key_file), token_ids=pd.kv_events_token_ids
+    )
 
 
 class EngineLoop:
@@ -245,9 +250,15 @@ def engine_process_main(
         core = start_engine(config, on_rank_death=rank_died, log_level=log_level)
         publisher = build_publisher(config)
     except Exception as error:
-        log.exception("the engine failed to start")
+        # The API side reports the message in one line; the traceback is for --log-level debug.
+        log.debug("the engine failed to start", exc_info=True)
         emit(EngineFailed(f"the engine failed to start: {type(error).__name__}: {error}"))
         raise SystemExit(1) from error
+    # From now on SIGTERM is the API process's to act on, as Ctrl-C is: a supervisor that signals
+    # the whole group (systemd's default, `kill -- -PGID`) would otherwise end the engine at once
+    # and lose the KV-store writes still queued, which the API's Shutdown flushes. (While loading
+    # there is nothing to flush, and the API process stops a loading engine with SIGTERM.)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     emit(EngineReady(engine_info(core, publisher)))
     loop = EngineLoop(
         core,

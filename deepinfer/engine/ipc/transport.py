@@ -179,6 +179,12 @@ class ProcessTransport(EngineTransport):
     async def close(self, flush_timeout_s: float = 30.0) -> None:
         self._closing = True
         process = self._process
+        if process is not None and process.exitcode is not None and process.exitcode < 0:
+            log.warning(
+                "the engine process was killed by signal %d before the server stopped it: queued "
+                "KV-store writes, if any, were lost",
+                -process.exitcode,
+            )
         if process is not None and process.exitcode is None:
             grace = flush_timeout_s + SHUTDOWN_GRACE_S
             if self._ready:

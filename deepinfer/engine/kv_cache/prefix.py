@@ -32,8 +32,8 @@ def namespace_root(
 
 
 def tenant_cache_salt(api_key: str, body_salt: str | None) -> str:
-    """The cache salt of a request whose prefix cache is isolated per API key (the server's
-    --cache-salt-per-key; a router computes the same to find the same hashes)."""
+    """The cache salt of a request whose prefix cache is isolated per API key (a server with
+    API keys, unless --shared-prefix-cache; a router computes the same to find the same hashes)."""
     tenant = hashlib.sha256(api_key.encode()).hexdigest()[:16]
     return f"key:{tenant}" if body_salt is None else f"key:{tenant}:{body_salt}"
 

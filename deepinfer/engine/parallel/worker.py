@@ -70,7 +70,9 @@ def build_tensor_parallel_runner(config: EngineConfig, context: RankContext) -> 
     torch.set_num_threads(rank_threads(config, context.topology))
     device = engine_device(config, context)
     dtype = torch_dtype(config.dtype, device)
-    loaded = load_model(config.model, dtype, device, config.quantization, context.model_parallel())
+    loaded = load_model(
+        config.model, dtype, device, config.quantization, context.model_parallel(), config.rope_scaling
+    )
     model = loaded.model
     declared = {"target": model.cache_groups(kv_cache_dtype(config, loaded, dtype))}
     layout = plan_engine_caches(config, declared["target"], device, context)

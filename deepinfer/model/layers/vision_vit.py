@@ -146,9 +146,20 @@ class VisionTransformer(torch.nn.Module):
                 f"patches {list(patches.shape)} do not match {sum(lengths)} patches of [3, {self.patch}, "
                 f"{self.patch}] for the grids {list(grids)}"
             )
+        # One image at a time through every layer, from a fresh (aligned) copy of its patches: the
+        # dense products go through the BLAS, whose blocking, and so the last bits of each row,
+        # depends on the row count, the data's alignment and the CPU (a batch of two images
+        # differed from each alone on an Intel Xeon). An image's features are thus the same bits
+        # whatever images share its batch; attention was per image already.
+        return torch.cat(
+            [self._image(p.clone(), g) for p, g in zip(patches.split(lengths), grids, strict=True)]
+        )
+
+    def _image(self, patches: torch.Tensor, grid: PatchGrid) -> torch.Tensor:
+        """One image's patches [P, 3, p, p] -> features [P, width]."""
         weight = self.patch_embed.proj.weight
         x = self.patch_embed.proj(patches.reshape(patches.shape[0], -1).to(weight.dtype))
-        cos, sin = rope_2d(torch.cat([patch_positions(grid) for grid in grids]), self.head_dim)
+        cos, sin = rope_2d(patch_positions(grid), self.head_dim)
         for block in self.blocks:
-            x = block(x, cos, sin, lengths)
+            x = block(x, cos, sin, [grid.patches])
         return self.norm(x)

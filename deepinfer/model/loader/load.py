@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,10 +12,11 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from deepinfer.config import EngineConfig, ParallelConfig
+from deepinfer.config import ConfigError, EngineConfig, ParallelConfig
 from deepinfer.kernels.gguf_blocks import PackedMatrix, gguf_kernels
 from deepinfer.model.base import CausalLM, refuse_encoders
 from deepinfer.model.config import ModelConfig
+from deepinfer.model.loader.preflight import check_context
 from deepinfer.model.loader.source import converted_gguf_dir, resolve_model_path, sampled_digest
 from deepinfer.model.parallel import ModelParallel
 from deepinfer.model.registry import model_class
@@ -104,8 +105,10 @@ def check_model_parallel(model: str | Path | None, parallel: ParallelConfig) -> 
 def check_model_engine(config: EngineConfig) -> None:
     """Refuse before any weight loads an engine feature the model of an HF directory does not
     run (its class's `check_engine`); GGUF files are the Llama family, which runs them all but
-    YoCo's bounded replay and image encoders."""
+    YoCo's bounded replay and image encoders; and a max_model_len past the context the model
+    places, read from its files (the engine checks again on the loaded config)."""
     path = resolve_model_path(config.model)
+    check_context(path, config.scheduler.max_model_len, config.rope_scaling)
     if not path.is_dir():
         refuse_truncation(config)
         refuse_encoders(config)
@@ -142,9 +145,11 @@ def load_model(
     device: torch.device,
     quantization: str | None = None,
     parallel: ModelParallel | None = None,
+    rope_scaling: Mapping[str, Any] | None = None,
 ) -> LoadedModel:
     """The model and its tokenizer; with `parallel`, only this rank's shard of the weights (the
-    fingerprint stays the checkpoint's: every rank's prefix hashes agree)."""
+    fingerprint stays the checkpoint's: every rank's prefix hashes agree); with `rope_scaling`
+    (checked by EngineConfig), that scaling in place of the checkpoint's."""
     if quantization is not None and device.type != "cpu":
         raise ValueError(f"quantization={quantization!r} runs on the CPU only (device {device.type})")
     path = resolve_model_path(model)
@@ -170,6 +175,13 @@ def load_model(
     if not config.eos_token_ids:
         config.eos_token_ids = list(tokenizer.eos_token_ids)
     cls = model_class(config.model_type)
+    if rope_scaling is not None:
+        if not cls.takes_rope_scaling:
+            raise ConfigError(
+                "rope_scaling",
+                f"{config.model_type!r} places positions its own way: it takes no RoPE scaling",
+            )
+        config.scale_rope(rope_scaling)
     net = cls.from_checkpoint(directory, config, device, dtype) if path.is_dir() and not split else None
     if net is None:
         with torch.device("meta"):
@@ -182,6 +194,8 @@ def load_model(
         net.load_weights(weights)
     net.eval()
     identity = f"{weights_id}:{config.model_type}"
+    if rope_scaling is not None:  # other positions, other keys: never a prefix hit across them
+        identity += ":rope=" + json.dumps(config.rope_scaling, sort_keys=True)
     if resolved is not None:
         if resolved != "gguf":
             net.quantize(resolved)

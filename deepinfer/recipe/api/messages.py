@@ -38,7 +38,9 @@ MIN_THINKING_BUDGET = 1024
 
 
 class _MessageIn(ApiModel):
-    role: Literal["user", "assistant"]
+    # `system` among the turns is not in Anthropic's schema, but its API takes it and Claude
+    # Code sends its environment block that way.
+    role: Literal["user", "assistant", "system"]
     content: str | list[dict[str, Any]]
 
 
@@ -195,14 +197,19 @@ def _conversation(request: CountTokensRequest, max_tokens: int | None) -> Conver
 def _system(system: str | list[dict[str, Any]] | None) -> list[Message]:
     if system is None:
         return []
+    parts = _system_parts(system, "system")
+    return [Message(role="system", content=parts)] if parts else []
+
+
+def _system_parts(system: str | list[dict[str, Any]], path: str) -> list[ContentPart]:
     if isinstance(system, str):
-        return [Message(role="system", content=[TextPart(system)])] if system else []
+        return [TextPart(system)] if system else []
     parts: list[ContentPart] = []
     for j, raw in enumerate(system):
-        where = f"system[{j}]"
+        where = f"{path}[{j}]"
         require(raw.get("type") == "text", "system blocks must be text blocks", f"{where}.type")
         parts.append(TextPart(validate(_TextBlock, raw, where).text))
-    return [Message(role="system", content=parts)] if parts else []
+    return parts
 
 
 def _tool(index: int, raw: Any) -> Tool:
@@ -285,6 +292,9 @@ def _turn(index: int, raw: Any, ledger: ToolCallLedger) -> list[Message]:
     require(bool(message.content), "all messages must have non-empty content", f"{path}.content")
     if message.role == "assistant":
         return [_assistant(message.content, path, ledger)]
+    if message.role == "system":
+        parts = _system_parts(message.content, f"{path}.content")
+        return [Message(role="system", content=parts, in_turns=True)]
     # A user turn's tool_result blocks become tool messages, in order, between its other parts.
     turns: list[Message] = []
     pending: list[ContentPart] = []

@@ -324,8 +324,9 @@ def _input_messages(items: list[tuple[str, Any]], sealer: ReasoningSealer | None
                 messages.append(Message(role=item.role, content=content))
         elif kind == "reasoning":
             reasoning = validate(_ReasoningItem, raw, path)
-            texts = reasoning.content if reasoning.content else reasoning.summary
-            text = "".join(t.text for t in texts)
+            # Only the reasoning itself is replayed: a summary is a digest for people, which
+            # DeepSeek's codec leaves out of the prompt too (an item with only one opens no turn).
+            text = "".join(t.text for t in reasoning.content or [])
             if not text and reasoning.encrypted_content:
                 if sealer is None:
                     raise RecipeError(

@@ -59,8 +59,9 @@ def check_size(size: int, where: str) -> None:
         raise ImageInputError(where, "the image is empty")
 
 
-def decode_rgb(data: bytes, where: str) -> np.ndarray:
-    """HWC uint8 RGB pixels of an encoded image."""
+def decode_rgb(data: bytes, where: str, max_pixels: int | None = None) -> np.ndarray:
+    """HWC uint8 RGB pixels of an encoded image; one of more than `max_pixels` pixels is refused
+    from its header, before any pixel is decoded (a small PNG can declare gigabytes of them)."""
     check_size(len(data), where)
     with warnings.catch_warnings():
         warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -77,6 +78,10 @@ def decode_rgb(data: bytes, where: str) -> np.ndarray:
             )
         if width < 1 or height < 1:
             raise ImageInputError(where, "the image has no pixels")
+        if max_pixels is not None and width * height > max_pixels:
+            raise ImageInputError(
+                where, f"the image is {width}x{height}, more than the {max_pixels} pixels accepted"
+            )
         try:
             image.load()
             return _rgb(image)

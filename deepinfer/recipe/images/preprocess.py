@@ -53,11 +53,14 @@ class ImagePixels:
         return np.ascontiguousarray(grid.transpose(0, 2, 4, 1, 3).reshape(rows * cols, 3, PATCH, PATCH))
 
 
-def preprocess(data: bytes, detail: str = "high", where: str = "") -> ImagePixels:
-    """The model's view of an encoded image; bad input raises ImageInputError naming `where`."""
+def preprocess(
+    data: bytes, detail: str = "high", where: str = "", max_pixels: int | None = None
+) -> ImagePixels:
+    """The model's view of an encoded image; bad input (or more than `max_pixels` pixels) raises
+    ImageInputError naming `where`."""
     if detail not in DETAILS:
         raise ImageInputError(where, f"detail must be one of {', '.join(DETAILS)}, not {detail!r}")
-    rgb = decode_rgb(data, where)
+    rgb = decode_rgb(data, where, max_pixels)
     if detail == "low":
         rgb = _shrink_to(rgb, LOW_DETAIL_SIDE)
     height, width = rgb.shape[:2]

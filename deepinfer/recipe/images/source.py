@@ -22,10 +22,12 @@ def image_bytes(part: ImagePart, policy: FetchPolicy) -> bytes:
     return fetch_image(url, policy, where)
 
 
-def prepare_image(part: ImagePart, policy: FetchPolicy | None = None) -> ImagePixels:
+def prepare_image(
+    part: ImagePart, policy: FetchPolicy | None = None, max_pixels: int | None = None
+) -> ImagePixels:
     """The model's view of one image part; failures raise ImageInputError naming the part."""
     data = image_bytes(part, policy or FetchPolicy())
-    return preprocess(data, part.detail or DEFAULT_DETAIL, part.path or "")
+    return preprocess(data, part.detail or DEFAULT_DETAIL, part.path or "", max_pixels)
 
 
 def image_token_adjustment(images: Sequence[ImagePixels]) -> int:

@@ -13,8 +13,14 @@ Rules every family shares:
 - A tool call is valid once `ToolCallEnd` arrives; its deltas add up to its arguments. A block
   that turns out malformed falls back to text (from where it began, or from the end of the
   last complete call) and no further calls are parsed.
-- `finish(reason)` flushes what was held back. `stop` becomes `tool_calls` when a call ended;
-  a call cut off by `length` never ends, and its text comes back as plain text.
+- `finish(reason)` flushes what was held back. `stop` becomes `tool_calls` when a call ended.
+  A block the end of the output cut (all of it so far could still have become calls: the
+  token limit, a stop string or EOS came first) is neither a call nor text: the calls it
+  completed count, the cut one never ends (a streaming client saw its start and arguments so
+  far, which every API encoder reports as unfinished) and its markup is dropped, like the
+  start of an opening marker at the very end (a lone `<` included). Only Llama-3.1's bare `{`
+  stays text when cut where it can no longer be the head of a call (`{"name": "TOOL"`), since
+  it may be a JSON answer.
 """
 
 from __future__ import annotations
@@ -119,6 +125,10 @@ class _Calls:
         self._parts: list[str] = []
         self.completed = 0
 
+    @property
+    def started(self) -> int:
+        return self._index + 1
+
     def start(self, name: str) -> None:
         self._index += 1
         self._parts = []
@@ -186,6 +196,8 @@ class StreamParser:
         self._open_markers = OPEN_MARKERS[spec.tool_format] if spec.tool_format else ()
         self._block: ToolBlock | None = None
         self._block_raw = ""  # text of the current block since its start or its last complete call
+        self._block_bare = False  # opened by Llama-3.1's bare `{` (no marker): maybe a JSON answer
+        self._calls_before_block = 0  # calls started before the current block opened
         self._finished = False
         if spec.initial == "tool" and spec.tool_format in DSML_FORMATS:
             self._block, self._state = tools_dsml.DsmlBlock(), _TOOL  # the prompt opened the block
@@ -222,6 +234,12 @@ class StreamParser:
         if self._finished:
             raise RuntimeError("finish() called twice")
         self._buf += self._stop.flush()
+        if self._state == _CONTENT and self._open_markers:
+            # The end cut an opening marker: that part of what is held back is markup, and the
+            # whitespace before it goes as it goes before a whole marker.
+            held = partial_suffix(self._buf, self._open_markers)
+            if held:
+                self._buf = self._buf[: len(self._buf) - held].rstrip(self._space)
         self._drain(final=True)
         self._finished = True
         if reason == "stop" and self._calls.completed:
@@ -315,16 +333,28 @@ class StreamParser:
         else:
             self._block = tools_json.LlamaJsonBlock(self.spec.tool_names)
         self._block_raw = raw
+        self._block_bare = fmt == "llama3_json" and not raw.endswith(tools_json.PYTHON_TAG)
+        self._calls_before_block = self._calls.started
         self._state = _TOOL
 
     def _tool(self, final: bool) -> bool:
         assert self._block is not None
-        used, status = self._block.step(self._buf, self._calls, final)
+        # Read as if more could come first: a block still waiting for text when the output
+        # ends was cut there, which is not the same as malformed.
+        used, status = self._block.step(self._buf, self._calls, False)
+        cut = False
+        if final and status is Status.MORE:
+            _, status = self._block.step(self._buf[used:], self._calls, True)
+            # What the block was still waiting on is markup the end cut (a half-written marker).
+            used, cut = len(self._buf), status is Status.BAD
         self._block_raw += self._buf[:used]
         self._buf = self._buf[used:]
-        if status is Status.MORE and not final:
+        if status is Status.MORE:
             return False
-        if status is Status.CALL_DONE:
+        if cut and (not self._block_bare or self._bare_call_begun()):
+            self._block, self._block_raw = None, ""
+            self._state = _DROP
+        elif status is Status.CALL_DONE:
             self._block_raw = ""
         elif status is Status.BLOCK_DONE:
             self._block, self._block_raw = None, ""
@@ -339,6 +369,15 @@ class StreamParser:
             self._block, self._block_raw = None, ""
             self._state = _RAW
         return True
+
+    def _bare_call_begun(self) -> bool:
+        """Whether a bare Llama-3.1 block had begun a call: it started one, or its text so far
+        is the head of one (`{"name": "` and an offered tool's name); otherwise it may be a JSON
+        answer."""
+        if self._calls.started > self._calls_before_block:
+            return True
+        compact = "".join(self._block_raw.split())
+        return any(f'{{"name":"{name}"'.startswith(compact) for name in self.spec.tool_names)
 
     def _drop(self, final: bool) -> bool:
         self._buf = ""

@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 from deepinfer.recipe.errors import RecipeError
-from deepinfer.recipe.ir import Conversation, ImagePart, Message, ResponseFormat, Tool
+from deepinfer.recipe.ir import Conversation, ImagePart, Message, ResponseFormat, TextPart, Tool
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # Turn kinds only some encodings have (DeepSeek V4's reminder turn).
@@ -20,17 +20,26 @@ EXTRA_ROLES = ("latest_reminder",)
 
 
 def prepare_messages(
-    conv: Conversation, *, images: bool = False, extra_roles: tuple[str, ...] = ()
+    conv: Conversation,
+    *,
+    images: bool = False,
+    extra_roles: tuple[str, ...] = (),
+    system_in_turns: bool = False,
+    any_arguments: bool = False,
 ) -> list[Message]:
     """Validate `conv` and return its messages with every tool-result group in call order.
 
-    `images`: the encoding has an image placeholder; `extra_roles`: roles it knows beyond ROLES.
+    `images`: the encoding has an image placeholder; `extra_roles`: roles it knows beyond ROLES;
+    `system_in_turns`: the encoding writes system messages the client placed among the turns
+    (`Message.in_turns`) where they stand; otherwise they are merged into the system prompt.
+    `any_arguments`: the encoding can write tool-call arguments that are not a JSON object
+    (`call_arguments`); otherwise they are refused.
     """
     messages = conv.messages
     if not messages:
         raise RecipeError("the conversation has no messages", param="messages")
     for i, msg in enumerate(messages):
-        _check_message(i, msg, images=images, roles=ROLES + extra_roles)
+        _check_message(i, msg, images=images, roles=ROLES + extra_roles, any_arguments=any_arguments)
         if msg.prefix and (msg.role != "assistant" or i != len(messages) - 1):
             raise RecipeError(
                 "only the last message, an assistant message, can be a prefix to continue",
@@ -38,9 +47,14 @@ def prepare_messages(
             )
     _check_tools(conv)
     out: list[Message] = []
+    merged: list[Message] = []  # system messages among the turns, for the system prompt
     i = 0
     while i < len(messages):
         msg = messages[i]
+        if msg.role == "system" and msg.in_turns and not system_in_turns:
+            merged.append(msg)
+            i += 1
+            continue
         if msg.role == "tool":
             raise RecipeError(
                 "a tool result must follow the assistant message whose tool call it answers",
@@ -54,10 +68,23 @@ def prepare_messages(
                 end += 1
             out.extend(_ordered_results(i - 1, msg, messages, i, end))
             i = end
-    return out
+    return _with_merged_system(out, merged) if merged else out
 
 
-def _check_message(i: int, msg: Message, *, images: bool, roles: tuple[str, ...]) -> None:
+def _with_merged_system(messages: list[Message], merged: list[Message]) -> list[Message]:
+    """`merged` appended, in order, to the leading system message (one is opened if there is
+    none), as Anthropic's API reads system entries among the turns. Each entry is one text
+    block of the prompt, so they are joined by a blank line; they carry text only (images
+    were refused above for encodings that would merge them)."""
+    lead = messages[0] if messages and messages[0].role == "system" else None
+    texts = [m.text for m in ([lead] if lead else []) + merged if m.text]
+    system = Message(role="system", content=[TextPart("\n\n".join(texts))])
+    return [system, *(messages[1:] if lead else messages)]
+
+
+def _check_message(
+    i: int, msg: Message, *, images: bool, roles: tuple[str, ...], any_arguments: bool
+) -> None:
     if msg.role not in roles:
         raise RecipeError(
             f"unknown role {msg.role!r} for this model; expected one of {', '.join(roles)}",
@@ -78,7 +105,8 @@ def _check_message(i: int, msg: Message, *, images: bool, roles: tuple[str, ...]
         if call.id in seen:
             raise RecipeError(f"duplicate tool call id {call.id!r}", f"{where}.id")
         seen.add(call.id)
-        parse_arguments(call.arguments, f"{where}.arguments")
+        if not any_arguments:
+            parse_arguments(call.arguments, f"{where}.arguments")
 
 
 def _check_tools(conv: Conversation) -> None:
@@ -147,6 +175,18 @@ def parse_arguments(raw: str, param: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise RecipeError("tool call arguments must be a JSON object", param)
     return value
+
+
+def call_arguments(raw: str) -> dict[str, Any]:
+    """A past tool call's arguments for an encoding that can write any text: the JSON object, or
+    else (malformed JSON, which a model does emit now and then, another JSON value, or nothing)
+    the text as it came, as one string argument named `arguments`, as DeepSeek's codec writes
+    it. OpenAI's API takes any string there, so the history stays sendable."""
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        return {"arguments": raw}
+    return value if isinstance(value, dict) else {"arguments": raw}
 
 
 def reasoning_text(msg: Message) -> str:

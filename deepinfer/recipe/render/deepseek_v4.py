@@ -27,11 +27,12 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from deepinfer.recipe.apply_patch import APPLY_PATCH_DESCRIPTION, APPLY_PATCH_DESCRIPTION_V4
 from deepinfer.recipe.errors import RecipeError
 from deepinfer.recipe.ir import Conversation, ImagePart, Message, TextPart, Tool, ToolCall
 from deepinfer.recipe.render.common import (
     active_tools,
-    parse_arguments,
+    call_arguments,
     prepare_messages,
     reasoning_text,
 )
@@ -161,7 +162,10 @@ def shown_name(tool: Tool, version: Version) -> str:
 
 
 def shown_description(tool: Tool, version: Version) -> str:
-    """V4.1 describes a namespaced function by its group's description and its own; V4 by its own."""
+    """V4.1 describes a namespaced function by its group's description and its own; V4 by its own.
+    `apply_patch` has each version's own text."""
+    if version == "v4" and tool.custom and tool.description == APPLY_PATCH_DESCRIPTION:
+        return APPLY_PATCH_DESCRIPTION_V4
     if version == "v4" and tool.namespace is not None and tool.description is not None:
         return tool.description.split("\n", 1)[1] if "\n" in tool.description else tool.description
     return tool.description or ""
@@ -270,7 +274,7 @@ class DeepSeekV4Renderer:
                 "tool); turn thinking off for it",
                 "tool_choice",
             )
-        messages = prepare_messages(conv, images=True, extra_roles=("latest_reminder",))
+        messages = _prepared(conv)
         tools = offered_tools(conv)
         check_request(conv, tools)
         keep_reasoning = thinking and bool(tools)
@@ -279,7 +283,7 @@ class DeepSeekV4Renderer:
         parts = [BOS]
         if self.version == "v4":
             parts.append(self._v4_system(conv, messages, thinking, system_suffix))
-            messages = [m for m in messages if m.role != "system"]
+            messages = [m for m in messages if m.role != "system" or m.in_turns]
         elif messages[0].role in ("system", "developer"):
             parts.append(self._v41_system_head(conv, thinking) + self._system_turn_text(messages[0]))
             parts.append(system_suffix)
@@ -291,6 +295,10 @@ class DeepSeekV4Renderer:
             role = msg.role
             if role == "developer" and self.version == "v4":
                 role = "user"
+            if role == "system" and msg.in_turns and self.version == "v4":
+                # V4 has no system turn: the codec hands such an entry to the user as a reminder.
+                pending_user.append(f"<system-reminder>\n{self._content_text(msg)}\n</system-reminder>")
+                continue
             if role in ("user", "tool"):
                 pending_user.append(self._user_text(msg) if role == "user" else self._tool_result(msg))
                 continue
@@ -344,7 +352,7 @@ class DeepSeekV4Renderer:
         return suffix
 
     def _v4_system(self, conv: Conversation, messages: list[Message], thinking: bool, suffix: str) -> str:
-        texts = [self._content_text(m) for m in messages if m.role == "system"]
+        texts = [self._content_text(m) for m in messages if m.role == "system" and not m.in_turns]
         block = "\n\n".join(texts) + suffix
         level = effort_level(conv) or "high"
         if thinking and level != "low":
@@ -401,7 +409,7 @@ class DeepSeekV4Renderer:
         return ASSISTANT + head + text + calls + EOS
 
     def _invoke(self, call: ToolCall, call_names: dict[str, str]) -> str:
-        arguments = parse_arguments(call.arguments, "tool_calls.arguments")
+        arguments = call_arguments(call.arguments)
         param = self.tags.parameter
         params = []
         for key, value in arguments.items():
@@ -421,5 +429,13 @@ def images_of(conv: Conversation) -> list[ImagePart]:
     """The images of a conversation in the order of their placeholders in the prompt (the engine
     receives their sources): tool results are written in the order of their calls, not the
     order they came in, so their images are too."""
-    messages = prepare_messages(conv, images=True, extra_roles=("latest_reminder",))
+    messages = _prepared(conv)
     return [p for m in messages if m.role != "latest_reminder" for p in m.content if isinstance(p, ImagePart)]
+
+
+def _prepared(conv: Conversation) -> list[Message]:
+    """The messages as the encoding writes them: with images, the reminder turn, system entries
+    where the client placed them, and tool-call arguments of any text (see call_arguments)."""
+    return prepare_messages(
+        conv, images=True, extra_roles=("latest_reminder",), system_in_turns=True, any_arguments=True
+    )

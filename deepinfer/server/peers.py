@@ -1,0 +1,55 @@
+"""What a server asks of a peer (a router, a prefill engine) before acting for it.
+
+- `/v1/engine_info` and `/v1/pd/prefill` name internal addresses and run work under ids the
+  router chooses: with a cluster key they need a peer token (security/signing.py, header
+  x-deepinfer-peer) or, for engine_info, an admin key; without one (a loopback-only deployment)
+  they need what any other route needs (an API key, when the server has keys).
+- `x-deepinfer-kv-transfer` makes a decode engine connect to an address and install what comes
+  back into the shared prefix cache: it is acted on only with the router's signature over the
+  transfer id, address, error and expiry; an unsigned or forged one is refused (403) rather than
+  ignored, so a router without the key is seen at once instead of silently recomputing.
+"""
+
+from __future__ import annotations
+
+from fastapi import Request
+
+from deepinfer.security import CLUSTER_KEY_FLAG
+from deepinfer.security.signing import HANDOFF_PURPOSE, PEER_HEADER, is_peer, verify
+from deepinfer.server.errors import ApiError
+
+
+def check_handoff_signature(key: bytes | None, signature: str | None, fields: tuple[str, ...]) -> None:
+    """403 unless a holder of this engine's cluster key signed exactly these handoff fields."""
+    header = "x-deepinfer-kv-transfer"
+    if key is None:
+        raise ApiError(
+            403,
+            f"{header}: this decode engine has no {CLUSTER_KEY_FLAG}, so it cannot tell a router's "
+            "handoff from a client's; start it (and the router) with one",
+            param=header,
+            code="peer_auth_failed",
+        )
+    if signature is None or not verify(key, signature, HANDOFF_PURPOSE, *fields):
+        raise ApiError(
+            403,
+            f"{header}: not signed with this deployment's cluster key (or expired); only the router "
+            "sets this header",
+            param=header,
+            code="peer_auth_failed",
+        )
+
+
+def is_peer_request(key: bytes | None, request: Request) -> bool:
+    return is_peer(key, request.headers.get(PEER_HEADER), request.method, request.url.path)
+
+
+def require_peer(key: bytes | None, request: Request, what: str) -> None:
+    """401 unless the request carries a valid peer token (the caller checked key is not None)."""
+    if not is_peer_request(key, request):
+        raise ApiError(
+            401,
+            f"{what} is for the deployment's peers: it needs a {PEER_HEADER} token signed with the "
+            f"{CLUSTER_KEY_FLAG} key",
+            code="peer_auth_failed",
+        )

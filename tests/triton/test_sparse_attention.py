@@ -1,0 +1,35 @@
+"""DeepSeek-V4's sparse attention with a sink (rows named per query) against attend_with_sink."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.attention.v4_sparse import attend_with_sink
+from deepinfer.kernels.triton.sparse_attention import sparse_attention_with_sink
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_attend_with_sink(dtype, device):
+    """20 heads (a tile and a partial one), head_dim 48, lists of 40 with padding; query 3 names
+    no row at all (everything on the sink), query 4 every row in one tile."""
+    torch.manual_seed(0)
+    n, heads, dim, rows, k = 5, 20, 48, 100, 40
+    q = torch.randn(n, heads, dim).to(dtype)
+    kv = torch.randn(rows, dim).to(dtype)
+    sinks = torch.randn(heads)
+    indices = torch.stack([torch.randperm(rows)[:k] for _ in range(n)])
+    indices[0, 25:] = -1
+    indices[1, ::3] = -1
+    indices[3] = -1
+    indices[4, 30:] = -1
+    mask = torch.zeros(n, rows, dtype=torch.bool)
+    for i in range(n):
+        mask[i, indices[i][indices[i] >= 0]] = True
+    expected = attend_with_sink(q, kv, mask, sinks, 0.15)
+    out = sparse_attention_with_sink(
+        q.to(device), kv.to(device), indices.to(device), sinks.to(device), 0.15
+    ).cpu()  # fmt: skip
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
+    assert out[3].abs().max() == 0
