@@ -389,12 +389,13 @@ class DeepseekV3ForCausalLM(CausalLM):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         forward_meta: ForwardMetadata,
-        backend: AttentionBackend,  # MLA reads and writes its latent cache itself (its name: which kernel)
+        backend: AttentionBackend
+        | None,  # MLA reads and writes its latent cache itself (its name: which kernel)
     ) -> torch.Tensor:
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} KV caches, got {len(kv_caches)}")
         [meta] = forward_meta.groups
-        step = MLAStepMetadata.build(meta, triton=backend.name == "triton")
+        step = MLAStepMetadata.build(meta, triton=backend is not None and backend.name == "triton")
         h = self.embed_tokens(input_ids)  # [T, hidden]
         residual = None
         for layer, cache in zip(self.layers, kv_caches):

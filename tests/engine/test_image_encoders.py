@@ -78,10 +78,28 @@ def test_the_command_line_names_the_flag(tmp_path) -> None:
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2])
     assert done.returncode == 2 and "--encoder: only a both or prefill engine" in done.stderr, done.stderr
-    # the encode role on a checkpoint it cannot encode for: refused before any weight is read
+    # the encode role on a checkpoint it cannot encode for (a text-only Llama): refused before any
+    # weight is read (the weights file is not even a safetensors file)
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "architectures": ["LlamaForCausalLM"],
+                "hidden_size": 64,
+                "num_attention_heads": 4,
+                "num_hidden_layers": 2,
+                "intermediate_size": 128,
+                "vocab_size": 256,
+                "max_position_embeddings": 512,
+            }
+        )
+    )
+    (tmp_path / "model.safetensors").write_bytes(b"not read")
     command = [sys.executable, "-m", "deepinfer.cli", "serve", str(tmp_path), "--role", "encode"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2])
-    assert done.returncode == 2 and "model: an encode-role server needs" in done.stderr, done.stderr
+    assert done.returncode == 2 and "is not a DeepSeek-V4.1 checkpoint with a vision tower" in done.stderr, (
+        done.stderr
+    )
 
 
 def _leased(server: KVTransferServer, seed: int) -> tuple[ImageInput, np.ndarray]:
