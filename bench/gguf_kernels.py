@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from deepinfer.kernels.gguf_blocks import PackedGroup, PackedMatrix, gguf_kernels
+from deepinfer.kernels.gguf_blocks import PACKED_TYPES, PackedGroup, PackedMatrix, gguf_kernels
 from deepinfer.model.loader.gguf_tensors import read_tensors
 from deepinfer.model.loader.source import default_model_path
 
@@ -149,7 +149,7 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.kernels.gguf_testing import random_packed  # the blocks the kernel tests use
 
-    for name in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"):
+    for name in PACKED_TYPES:
         group = PackedGroup([kernels.interleave(random_packed(name, 4096, 1024, rng))])
         for m in (1, 32):
             x = torch.randn(m, 1024)
@@ -159,7 +159,7 @@ def main() -> None:
     print(f"\nload average at the end {os.getloadavg()[0]:.2f}")
 
 
-_TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}
+_TYPE_NAMES = {qtype: name for name, qtype in PACKED_TYPES.items()}
 
 if __name__ == "__main__":
     main()

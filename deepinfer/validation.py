@@ -6,6 +6,15 @@ from __future__ import annotations
 from deepinfer.sampling_params import InvalidRequestError
 
 
+class PromptTooLong(Exception):
+    """A prompt has more tokens than its caller can use (past the context), counted without
+    keeping its ids (see tokenizer.ids_within)."""
+
+    def __init__(self, num_tokens: int) -> None:
+        super().__init__(f"{num_tokens} tokens")
+        self.num_tokens = num_tokens
+
+
 def check_context(num_prompt_tokens: int, max_model_len: int, param: str) -> None:
     """400 when the prompt leaves no room for even one generated token."""
     if num_prompt_tokens >= max_model_len:

@@ -115,6 +115,25 @@ class CpuPagedBackend:
             slots.data_ptr(), k.shape[0], heads * dim, cache.stride(0), int(cache.dtype == torch.float16),
         )  # fmt: skip
 
+    def attend_rows(
+        self,
+        q: torch.Tensor,  # [rows, H, D] fp32, contiguous
+        cache: torch.Tensor,  # [num_slots, 2, KVH, D] fp32 or fp16
+        out: torch.Tensor,  # [rows, H, D], written
+        tables: torch.Tensor,  # [rows, max_blocks] int64: each row's block table
+        lens: torch.Tensor,  # [rows] int64: each row attends to positions starts .. lens - 1
+        block_size: int,
+        scale: float,
+        starts: torch.Tensor | None = None,  # [rows] int64, a sliding window's first positions
+    ) -> None:
+        """The C kernel over kernel rows (consecutive rows of one chunk share each K/V load)."""
+        _, num_heads, head_dim = q.shape
+        self._decode(
+            _ptr(q), _ptr(cache[:, 0]), _ptr(cache[:, 1]), _ptr(out), _ptr(tables), _ptr(lens),
+            ctypes.c_void_p(None) if starts is None else _ptr(starts), q.shape[0], num_heads, cache.shape[2],
+            head_dim, cache.stride(0), block_size, tables.shape[1], scale, int(cache.dtype == torch.float16),
+        )  # fmt: skip
+
     def forward(
         self,
         q: torch.Tensor,
@@ -132,26 +151,15 @@ class CpuPagedBackend:
             tokens = meta.extra["kernel_tokens"]
             q_rows = q[:rows] if tokens is None else q.index_select(0, tokens)
             out_rows = out[:rows] if tokens is None else torch.empty_like(q_rows)
-            tables = meta.extra["kernel_tables"]
-            starts = meta.extra["kernel_starts"]
-            _, num_heads, head_dim = q.shape
-            self._decode(
-                _ptr(q_rows),
-                _ptr(cache[:, 0]),
-                _ptr(cache[:, 1]),
-                _ptr(out_rows),
-                _ptr(tables),
-                _ptr(meta.extra["kernel_lens"]),
-                ctypes.c_void_p(None) if starts is None else _ptr(starts),
-                rows,
-                num_heads,
-                cache.shape[2],
-                head_dim,
-                cache.stride(0),
+            self.attend_rows(
+                q_rows,
+                cache,
+                out_rows,
+                meta.extra["kernel_tables"],
+                meta.extra["kernel_lens"],
                 meta.block_size,
-                tables.shape[1],
                 scale,
-                int(cache.dtype == torch.float16),
+                meta.extra["kernel_starts"],
             )
             if tokens is not None:
                 out.index_copy_(0, tokens, out_rows)

@@ -2,8 +2,8 @@
 
 What users run against an engine ships in the package: `serve` (the load generator for any
 OpenAI/Anthropic-compatible server), `throughput` and `latency` (the offline engine). Studies and
-peer comparisons (`peers`, `roofline`, `economics`, `prefix`, `kvstore`, `spec`, `structured`,
-`router`, `pd`, `parallel`, `vision`) are scripts in the repository's top-level bench/ folder; `deepinfer bench` finds and
+peer comparisons (`peers`, `roofline`, `economics`, `prefix`, `kvstore`, `prefill`, `spec`, `structured`,
+`router`, `pd`, `parallel`, `vision`, `user-shapes`) are scripts in the repository's top-level bench/ folder; `deepinfer bench` finds and
 runs them when it is started from a checkout. `python -m deepinfer.bench ...` runs the same commands.
 """
 
@@ -28,6 +28,7 @@ from deepinfer.config.flags import int_list_argument
 REPO_COMMANDS = {
     "prefix": "prefix_cache",
     "kvstore": "kv_store",
+    "prefill": "prefill_length",
     "spec": "spec_decode",
     "structured": "structured_output",
     "roofline": "roofline",
@@ -39,6 +40,7 @@ REPO_COMMANDS = {
     "overhead": "step_overhead",
     "soak": "soak",
     "vision": "vision",
+    "user-shapes": "user_shapes",
 }
 
 

@@ -44,7 +44,7 @@ class CacheConfig:
         "auto",
         help="float16: half the KV bytes, twice the tokens per GiB (attention still in fp32); "
         "float32: full precision (an fp32 model only); auto: float16 for a model running on a "
-        "GGUF's own blocks (llama.cpp's default), else the model's dtype",
+        "GGUF's own blocks (llama.cpp's default) or in bfloat16 on the CPU, else the model's dtype",
     )
 
     def __post_init__(self) -> None:
@@ -455,7 +455,9 @@ class EngineConfig:
         None, help="a .gguf file or a HF directory (default: the embedded model)", flag="model"
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
-        "auto", help="weights and activations dtype (auto: float32 on CPU, bfloat16 on CUDA)"
+        "auto",
+        help="weights and activations dtype (auto: bfloat16 on CUDA; on the CPU bfloat16 for a bf16/fp16 "
+        "checkpoint of the Llama family where the CPU has AVX512-BF16 or AMX, float32 otherwise)",
     )
     device: str = option("auto", help="auto, cpu or cuda[:N]")
     attention_backend: Literal["auto", "torch", "cpu_paged", "triton"] = option(
@@ -465,7 +467,7 @@ class EngineConfig:
     num_threads: int | None = option(
         None, help="CPU threads for torch, per rank (default: the machine's cores split over its ranks)"
     )
-    # gguf: a GGUF's linears computed on its own packed blocks (Q4_0/Q4_1/Q8_0/Q4_K/Q6_K) by
+    # gguf: a GGUF's linears computed on its own packed blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q3_K-Q6_K) by
     # native kernels, as llama.cpp does. int8: W8A8 linears (int8 weights per channel, per-token
     # activation scales), not bit-equal to fp32. none: the weights dense in `dtype`.
     quantization: Literal["none", "int8", "gguf"] | None = option(

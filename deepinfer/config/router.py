@@ -98,6 +98,18 @@ class RouterConfig:
         help="the replicas' API keys: a request without one of them gets 401 here, before its body is "
         "read or its prompt tokenized (default: the replicas alone check keys); repeat for several",
     )
+    admin_keys: Sequence[str] = option(
+        default_factory=tuple,
+        flag="--admin-key",
+        repeat=True,
+        metavar="KEY",
+        help="the key of the router's operator routes: /metrics, /reset_prefix_cache (sent on to the "
+        "replicas, which need the same key) and the replicas' addresses and state in /health; with "
+        "API keys and no admin key they are refused (see --public-metrics); repeat for several",
+    )
+    public_metrics: bool = option(
+        False, help="serve /metrics without a key even when API or admin keys are set"
+    )
     model: str | None = option(
         None,
         flag="--model",
@@ -118,6 +130,11 @@ class RouterConfig:
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
         if any(not key for key in self.api_keys):
             raise ConfigError("api_keys", "an API key must not be empty")
+        object.__setattr__(self, "admin_keys", tuple(self.admin_keys))
+        if any(not key for key in self.admin_keys):
+            raise ConfigError("admin_keys", "an admin key must not be empty")
+        if set(self.admin_keys) & set(self.api_keys):
+            raise ConfigError("admin_keys", "an admin key must differ from every API key")
         object.__setattr__(self, "replicas", _check_urls("replicas", self.replicas))
         object.__setattr__(self, "prefill", _check_urls("prefill", self.prefill))
         object.__setattr__(self, "decode", _check_urls("decode", self.decode))

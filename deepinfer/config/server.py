@@ -75,6 +75,12 @@ class ServerConfig:
     header_timeout: float = option(
         10.0, help="seconds a client may take to send a request's headers before it is disconnected"
     )
+    stream_keepalive: float = option(
+        5.0,
+        help="seconds a stream may stay silent (a long prompt's prefill) before it sends a keep-alive: a "
+        "Messages `ping` event (after `message_start`), an SSE comment on the OpenAI APIs. Clients with a "
+        "stream idle timer (Claude Code, proxies) otherwise give up on a prefill of minutes",
+    )
     image_max_pixels: int = option(
         4096 * 4096,
         help="images with more pixels (width x height, read from the header before decoding) get 400",
@@ -187,6 +193,7 @@ class ServerConfig:
         if set(self.admin_keys) & set(self.api_keys):
             raise ConfigError("admin_keys", "an admin key must differ from every API key")
         check_positive("header_timeout", self.header_timeout, allow_none=False)
+        check_positive("stream_keepalive", self.stream_keepalive, allow_none=False)
         for name in ("image_max_pixels", "max_images_per_request"):
             value = getattr(self, name)
             check_positive(name, value, allow_none=False)

@@ -29,8 +29,9 @@ from deepinfer.kernels import isa
 from deepinfer.kernels.openmp import release_thread_pool
 from deepinfer.model.base import CausalLM
 from deepinfer.model.layers.expert_parallel import ExpertBalancer
+from deepinfer.model.loader.dtype import engine_dtype, model_dtype
 from deepinfer.model.loader.load import LoadedModel, check_model_engine, load_model
-from deepinfer.runner.device import torch_device, torch_dtype
+from deepinfer.runner.device import torch_device
 from deepinfer.runner.kv_caches import KVCaches
 from deepinfer.runner.model_runner import ModelRunner, PreparedStep, StepResult
 from deepinfer.sampling_params import SamplingParams
@@ -66,14 +67,19 @@ def engine_device(config: EngineConfig, parallel: RankContext | None) -> torch.d
     return device
 
 
-def kv_cache_dtype(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype) -> torch.dtype:
+def kv_cache_dtype(
+    config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype, device: torch.device
+) -> torch.dtype:
     """The KV cache's element type. `auto`: fp16 for a model running on a GGUF's own blocks, as
     llama.cpp keeps it (batched decode reads the cache more than the weights, and half the bytes
-    is most of its time), the model's dtype otherwise."""
+    is most of its time); fp16 for a bf16 model on the CPU too, since the C attention kernel
+    reads fp16 (F16C) and not bf16, and every bf16 K/V value in fp16's range (|x| < 65504)
+    converts exactly, in the same bytes; the model's dtype otherwise."""
     choice = config.cache.kv_cache_dtype
     if choice == "auto":
         packed = loaded.resolved_quantization == "gguf" and loaded.model.supports_kv_cache_dtype
-        return torch.float16 if packed else dtype
+        bf16_cpu = dtype == torch.bfloat16 and device.type == "cpu" and loaded.model.supports_kv_cache_dtype
+        return torch.float16 if packed or bf16_cpu else dtype
     if choice == "float32" and dtype != torch.float32:
         raise ValueError(f"kv_cache_dtype='float32' needs an fp32 model; this one computes in {dtype}")
     return torch.float16 if choice == "float16" else torch.float32
@@ -158,13 +164,14 @@ class EngineCore:
         self.parallel = parallel
         torch.set_num_threads(rank_threads(config, parallel.topology if parallel else None))
         device = engine_device(config, parallel)
-        dtype = torch_dtype(config.dtype, device)
         if parallel is not None and loaded is not None:
             raise ValueError("an engine over several ranks loads its own shards: `loaded` cannot be given")
         if loaded is None:
             check_model_engine(config)
+            dtype = engine_dtype(config, device)
         else:
             type(loaded.model).check_engine(loaded.config, config)
+            dtype = model_dtype(loaded.model)  # weights already loaded: what they compute in
         self.loaded = loaded or load_model(
             config.model,
             dtype,
@@ -176,7 +183,7 @@ class EngineCore:
         check_model_options(config, self.loaded)
         self.loaded.model.configure(config)
         model = self.loaded.model
-        kv_dtype = kv_cache_dtype(config, self.loaded, dtype)
+        kv_dtype = kv_cache_dtype(config, self.loaded, dtype, device)
         max_positions = self.loaded.config.max_position_embeddings
         # Past the positions the model places (trained, or stretched by --rope-scaling): refused.
         check_context_length(config.scheduler.max_model_len, max_positions, config.rope_scaling)
@@ -239,9 +246,10 @@ class EngineCore:
             release_thread_pool()  # from now on the forward thread leads every parallel region
         self._in_flight: InFlightStep | None = None
         log.info(
-            "engine ready: %s, %d KV blocks in %d cache group(s) (%.0f bytes/token), attention=%s, "
-            "C kernels for %s",
+            "engine ready: %s in %s, %d KV blocks in %d cache group(s) (%.0f bytes/token), "
+            "attention=%s, C kernels for %s",
             self.loaded.name,
+            str(dtype).removeprefix("torch."),
             self.kv.num_blocks,
             len(self.layout.groups),
             self.layout.bytes_per_token,

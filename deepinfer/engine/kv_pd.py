@@ -286,7 +286,9 @@ class DecodeReceiver:
             self.num_failed += 1
             action = "failing the request" if self.config.kv_transfer_failure == "fail" else "recomputing"
             log.warning("KV transfer for %s failed (%s); %s", pull.seq.request_id, error, action)
-            return f"the prompt's KV did not arrive from the prefill engine: {error}"
+            # The client's error names no address (the transfer listener's is internal): the
+            # log line above has the details.
+            return "the prompt's KV did not arrive from the prefill engine (the decode engine's log says why)"
         pull.payloads = payloads or None
         return None
 

@@ -20,9 +20,9 @@ typedef void (*write_kv_fn)(const float *k, const float *v, int64_t k_stride, in
                             int64_t kv_half);
 typedef void (*attend_part_fn)(const float *q, const void *k_cache, const void *v_cache, float *out,
                                const int64_t *block_tables, const int64_t *seq_lens, const int64_t *seq_starts,
-                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t slot_stride,
-                               int64_t block_size, int64_t max_blocks, float scale, int64_t kv_half, int64_t parts,
-                               float *partial, int64_t work);
+                               int64_t num_rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                               int64_t slot_stride, int64_t block_size, int64_t max_blocks, float scale,
+                               int64_t kv_half, int64_t parts, float *partial, int64_t work);
 typedef void (*attend_merge_fn)(float *out, const int64_t *seq_lens, const int64_t *seq_starts, int64_t num_heads,
                                 int64_t num_kv_heads, int64_t head_dim, int64_t parts, const float *partial,
                                 int64_t pair);
@@ -124,7 +124,7 @@ int decode_layers(const decode_model *model, const decode_step *step, float *h, 
 #pragma omp for schedule(dynamic, 1)
         for (int64_t work = 0; work < M * KVH * parts; ++work)
             model->attend_part(q, k_cache, k_cache + step->v_offset, attn, step->block_tables, step->seq_lens,
-                               step->starts, H, KVH, D, step->slot_stride, step->block_size, step->max_blocks,
+                               step->starts, M, H, KVH, D, step->slot_stride, step->block_size, step->max_blocks,
                                model->scale, step->kv_half, parts, partial, work);
         if (parts > 1) {
 #pragma omp for schedule(static)

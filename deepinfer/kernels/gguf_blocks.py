@@ -23,7 +23,9 @@ from deepinfer.kernels import isa
 from deepinfer.kernels.build import load_kernel_library
 
 # ggml type ids of the formats the kernel computes on directly.
-PACKED_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+PACKED_TYPES = {
+    "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
+}  # fmt: skip
 _FLAGS = ("-ffp-contract=off",)
 _PROLOGUE_NONE, _PROLOGUE_RMS_NORM, _PROLOGUE_SWIGLU = 0, 1, 2  # as in gguf_matmul.c
 

@@ -1,4 +1,5 @@
-/* Matrix products with GGUF block-quantized weights (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), for CPUs.
+/* Matrix products with GGUF block-quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K,
+ * Q6_K), for CPUs.
  *
  * y[m, n] = sum_k x[m, k] * W[n, k], W kept in the file's packed blocks (row n = K/block blocks).
  * As llama.cpp does, each activation row is first quantized to int8 per block (32 values for the
@@ -12,9 +13,10 @@
  *  - per (row m, output n), for each weight block b in order:
  *      acc = fma((float)isum(b), d_w(b) * d_a(b), acc)
  *    with isum(b) the block's exact integer dot product (k-quants: sub-block scales multiplied in,
- *    Q6_K's offset of 32 taken out, all as integers), and the offset terms in a second sum:
- *      off = fma(m_w(b), s_a(b), off)                              (Q4_1's min)
- *      off = fma(-(dmin(b) * d_a(b)), (float)sum_j m_j bsum_j, off)  (Q4_K's mins)
+ *    Q3_K's offset of 4 and Q6_K's of 32 taken out, all as integers), and the offset terms in a
+ *    second sum:
+ *      off = fma(m_w(b), s_a(b), off)                              (Q4_1's and Q5_1's min)
+ *      off = fma(-(dmin(b) * d_a(b)), (float)sum_j m_j bsum_j, off)  (Q4_K's and Q5_K's mins)
  *  - y = acc + off.
  * A prologue may transform each activation row before it is quantized (fusing what would be
  * separate calls of a decoder layer): RMSNorm of x + residual (the sum also written out: the new
@@ -41,14 +43,19 @@
 
 #define AI static inline __attribute__((always_inline))
 
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 }; /* ggml type ids */
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14 }; /* ggml ids */
 enum { X8 = 100, Q4_0_X8 = X8 + Q4_0, Q4_1_X8 = X8 + Q4_1, Q8_0_X8 = X8 + Q8_0 }; /* ours: below */
 
 /* Packed weight blocks, byte for byte as in a GGUF file. */
 typedef struct { uint16_t d; uint8_t qs[16]; } block_q4_0;                 /* (q - 8) * d */
 typedef struct { uint16_t d, m; uint8_t qs[16]; } block_q4_1;              /* q * d + m */
+typedef struct { uint16_t d; uint8_t qh[4]; uint8_t qs[16]; } block_q5_0;  /* (q - 16) * d, bit 4 in qh */
+typedef struct { uint16_t d, m; uint8_t qh[4]; uint8_t qs[16]; } block_q5_1; /* q * d + m */
 typedef struct { uint16_t d; int8_t qs[32]; } block_q8_0;                  /* q * d */
+/* 16 sub-blocks of 16: 2 low bits in qs, the third in hmask (clear: minus 4), 6-bit scales - 32 */
+typedef struct { uint8_t hmask[32]; uint8_t qs[64]; uint8_t scales[12]; uint16_t d; } block_q3_k;
 typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; } block_q4_k;
+typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; } block_q5_k; /* Q4_K + bit 4 */
 typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; } block_q6_k;
 
 /* The same blocks of eight consecutive rows interleaved (gguf_interleave), one struct per block
@@ -77,7 +84,10 @@ static inline float half_to_float(uint16_t h) {
     return (float)f;
 }
 
-static int block_elems(int qtype) { return qtype == Q4_K || qtype == Q6_K ? 256 : 32; }
+static int block_elems(int qtype) { return qtype == Q3_K || qtype == Q4_K || qtype == Q5_K || qtype == Q6_K ? 256 : 32; }
+
+/* The 32-wide formats with a per-block minimum (q * d + m). */
+static inline int has_min(int qtype) { return qtype == Q4_1 || qtype == Q5_1; }
 
 /* The file format an interleaved type holds (0: not interleaved). */
 static int interleaved_base(int qtype) {
@@ -89,8 +99,12 @@ static int64_t block_bytes(int qtype) {
     switch (interleaved_base(qtype) ? interleaved_base(qtype) : qtype) {
     case Q4_0: return sizeof(block_q4_0);
     case Q4_1: return sizeof(block_q4_1);
+    case Q5_0: return sizeof(block_q5_0);
+    case Q5_1: return sizeof(block_q5_1);
     case Q8_0: return sizeof(block_q8_0);
+    case Q3_K: return sizeof(block_q3_k);
     case Q4_K: return sizeof(block_q4_k);
+    case Q5_K: return sizeof(block_q5_k);
     case Q6_K: return sizeof(block_q6_k);
     default: return 0;
     }
@@ -220,6 +234,41 @@ static inline void q4k_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
     }
 }
 
+/* Q3_K's sixteen 6-bit scales, unpacked from their 12 bytes, less their offset of 32. */
+static inline void q3k_scales(const uint8_t *s, int8_t sc[16]) {
+    /* scale i: its low 4 bits are nibble i of bytes 0-7 (the low nibbles first), its high 2 bits
+     * bits 2 (i / 4) and 2 (i / 4) + 1 of byte 8 + i % 4; four scales per 32-bit word, as
+     * llama.cpp unpacks them */
+    uint32_t w[4];
+    memcpy(w, s, 12);
+    const uint32_t high = w[2], low4 = 0x0F0F0F0F, low2 = 0x03030303;
+    w[2] = ((w[0] >> 4) & low4) | ((high >> 4) & low2) << 4;
+    w[3] = ((w[1] >> 4) & low4) | ((high >> 6) & low2) << 4;
+    w[0] = (w[0] & low4) | (high & low2) << 4;
+    w[1] = (w[1] & low4) | ((high >> 2) & low2) << 4;
+    uint8_t u[16];
+    memcpy(u, w, 16);
+    for (int i = 0; i < 16; ++i) sc[i] = (int8_t)(u[i] - 32);
+}
+
+/* Value i (0..31) of a Q5_0 / Q5_1 block, 0..31: a nibble of qs and bit i of qh. */
+static inline int q5_value(const uint8_t qh[4], const uint8_t qs[16], int i) {
+    const int nibble = i < 16 ? qs[i] & 0x0F : qs[i - 16] >> 4;
+    return nibble | ((qh[i / 8] >> (i % 8)) & 1) << 4;
+}
+
+/* Value l (0..31) of chunk c (0..3) of a Q4_K (qh NULL) or Q5_K block: low half (0..15, or
+ * with qh's bit 2c, 0..31) at hi = 0, high half at hi = 1. */
+static inline int qk_value(const uint8_t *qs, const uint8_t *qh, int c, int hi, int l) {
+    const int nibble = hi ? qs[32 * c + l] >> 4 : qs[32 * c + l] & 0x0F;
+    return qh ? nibble | ((qh[l] >> (2 * c + hi)) & 1) << 4 : nibble;
+}
+
+/* Q3_K's value at position 128 h + 32 j + l, -4..3. */
+static inline int q3k_value(const block_q3_k *blk, int h, int j, int l) {
+    return ((blk->qs[32 * h + l] >> (2 * j)) & 3) - ((blk->hmask[l] >> (4 * h + j)) & 1 ? 0 : 4);
+}
+
 static inline int32_t q4k_min_dot(const uint8_t mn[8], const int16_t *bsum) {
     int32_t total = 0;
     for (int j = 0; j < 8; ++j) total += mn[j] * (bsum[2 * j] + bsum[2 * j + 1]);
@@ -252,22 +301,43 @@ static float dot_row_scalar(int qtype, const uint8_t *wrow, const acts *a, int64
             const block_q8_0 *blk = (const block_q8_0 *)wrow + b;
             for (int i = 0; i < 32; ++i) isum += blk->qs[i] * q[32 * b + i];
             acc = fmaf((float)isum, half_to_float(blk->d) * da, acc);
-        } else if (qtype == Q4_K) {
-            const block_q4_k *blk = (const block_q4_k *)wrow + b;
+        } else if (qtype == Q5_0 || qtype == Q5_1) {
+            /* d, m lead both structs; qh and qs follow them */
+            const uint8_t *blk = wrow + b * block_bytes(qtype), *qh = blk + (qtype == Q5_0 ? 2 : 4);
+            const int bias = qtype == Q5_0 ? 16 : 0;
+            for (int i = 0; i < 32; ++i) isum += (q5_value(qh, qh + 4, i) - bias) * q[32 * b + i];
+            acc = fmaf((float)isum, half_to_float(((const block_q5_1 *)blk)->d) * da, acc);
+            if (qtype == Q5_1) off = fmaf(half_to_float(((const block_q5_1 *)blk)->m), a->s[b * a->M + m], off);
+        } else if (qtype == Q4_K || qtype == Q5_K) {
             const int8_t *qb = q + 256 * b;
+            const block_q4_k *k4 = (const block_q4_k *)wrow + b;
+            const block_q5_k *k5 = (const block_q5_k *)wrow + b;
+            const uint8_t *scales = qtype == Q4_K ? k4->scales : k5->scales;
+            const uint8_t *qs = qtype == Q4_K ? k4->qs : k5->qs, *qh = qtype == Q4_K ? NULL : k5->qh;
             uint8_t sc[8], mn[8];
-            q4k_scales(blk->scales, sc, mn);
+            q4k_scales(scales, sc, mn);
             for (int c = 0; c < 4; ++c) {
                 int32_t lo = 0, hi = 0;
                 for (int i = 0; i < 32; ++i) {
-                    lo += (blk->qs[32 * c + i] & 0x0F) * qb[64 * c + i];
-                    hi += (blk->qs[32 * c + i] >> 4) * qb[64 * c + 32 + i];
+                    lo += qk_value(qs, qh, c, 0, i) * qb[64 * c + i];
+                    hi += qk_value(qs, qh, c, 1, i) * qb[64 * c + 32 + i];
                 }
                 isum += sc[2 * c] * lo + sc[2 * c + 1] * hi;
             }
             const int32_t imin = q4k_min_dot(mn, a->bsum + (m * a->nb + b) * 16);
+            const uint16_t d = qtype == Q4_K ? k4->d : k5->d, dmin = qtype == Q4_K ? k4->dmin : k5->dmin;
+            acc = fmaf((float)isum, half_to_float(d) * da, acc);
+            off = fmaf(-(half_to_float(dmin) * da), (float)imin, off);
+        } else if (qtype == Q3_K) {
+            const block_q3_k *blk = (const block_q3_k *)wrow + b;
+            const int8_t *qb = q + 256 * b;
+            int8_t sc[16];
+            q3k_scales(blk->scales, sc);
+            for (int h = 0; h < 2; ++h)
+                for (int j = 0; j < 4; ++j)
+                    for (int l = 0; l < 32; ++l)
+                        isum += sc[8 * h + 2 * j + l / 16] * q3k_value(blk, h, j, l) * qb[128 * h + 32 * j + l];
             acc = fmaf((float)isum, half_to_float(blk->d) * da, acc);
-            off = fmaf(-(half_to_float(blk->dmin) * da), (float)imin, off);
         } else { /* Q6_K */
             const block_q6_k *blk = (const block_q6_k *)wrow + b;
             const int8_t *qb = q + 256 * b;
@@ -329,9 +399,28 @@ AI __m256i nibbles32(const uint8_t *qs) { /* 16 bytes -> 32 values 0..15, in ele
     return _mm256_and_si256(_mm256_srlv_epi32(q, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(0x0F));
 }
 
-/* fp16 scale (and Q4_1 min) of block b of a 32-wide row, as raw halves */
+AI __m256i bits32(const uint8_t *x) { /* 32 bits (4 bytes, little-endian) -> 32 bytes, 0xFF where set */
+    uint32_t bits;
+    memcpy(&bits, x, sizeof bits);
+    /* byte i gets the byte holding bit i, then every bit but bit i % 8 set: all ones iff it is */
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+                                               _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+    const __m256i others = _mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+    return _mm256_cmpeq_epi8(others, _mm256_set1_epi8(-1));
+}
+
+/* fp16 scale and min of block b of a 32-wide row, as raw halves (d leads every 32-wide struct,
+ * the min follows it in Q4_1 and Q5_1) */
 AI uint16_t block_d(const int qtype, const uint8_t *row, int64_t b) {
-    return qtype == Q4_1 ? ((const block_q4_1 *)row)[b].d : qtype == Q4_0 ? ((const block_q4_0 *)row)[b].d : ((const block_q8_0 *)row)[b].d;
+    uint16_t d;
+    memcpy(&d, row + b * block_bytes(qtype), sizeof d);
+    return d;
+}
+
+AI uint16_t block_m(const int qtype, const uint8_t *row, int64_t b) {
+    uint16_t m;
+    memcpy(&m, row + b * block_bytes(qtype) + 2, sizeof m);
+    return m;
 }
 
 /* Output rows [n, n + NR) x activation rows [m, m + MR) of a 32-wide format, NR * MR <= 8:
@@ -357,6 +446,11 @@ AI void tile32(const int qtype, const int NR, const int MR, const uint8_t *w, in
             if (qtype == Q4_1) {
                 u = nibbles32(((const block_q4_1 *)row)[b].qs);
                 sgn = u;
+            } else if (qtype == Q5_0 || qtype == Q5_1) {
+                const uint8_t *qh = row + b * block_bytes(qtype) + (qtype == Q5_0 ? 2 : 4); /* qs follows */
+                const __m256i v = _mm256_or_si256(nibbles32(qh + 4), _mm256_and_si256(bits32(qh), _mm256_set1_epi8(0x10)));
+                sgn = qtype == Q5_1 ? v : _mm256_sub_epi8(v, _mm256_set1_epi8(16));
+                u = qtype == Q5_1 ? v : _mm256_sign_epi8(sgn, sgn);
             } else if (qtype == Q4_0) {
                 sgn = _mm256_sub_epi8(nibbles32(((const block_q4_0 *)row)[b].qs), _mm256_set1_epi8(8));
                 u = _mm256_sign_epi8(sgn, sgn);
@@ -365,7 +459,7 @@ AI void tile32(const int qtype, const int NR, const int MR, const uint8_t *w, in
                 u = _mm256_sign_epi8(sgn, sgn);
             }
             for (int r = 0; r < MR; ++r)
-                isum[i * MR + r] = dot_u8s8(u, qtype == Q4_1 ? aq[r] : _mm256_sign_epi8(aq[r], sgn));
+                isum[i * MR + r] = dot_u8s8(u, has_min(qtype) ? aq[r] : _mm256_sign_epi8(aq[r], sgn));
         }
         /* lane p = i * MR + r: the weight scale of row i times the activation scale of row r */
         __m256 dw, da, mw = _mm256_setzero_ps(), sa = _mm256_setzero_ps();
@@ -374,18 +468,18 @@ AI void tile32(const int qtype, const int NR, const int MR, const uint8_t *w, in
             for (int i = 1; i < 8; ++i) h = _mm_insert_epi16(h, block_d(qtype, w + i * w_stride, b), i);
             dw = _mm256_cvtph_ps(h);
             da = _mm256_set1_ps(a->d[b * M + m]);
-            if (qtype == Q4_1) {
-                __m128i hm = _mm_cvtsi32_si128(((const block_q4_1 *)w)[b].m);
-                for (int i = 1; i < 8; ++i) hm = _mm_insert_epi16(hm, ((const block_q4_1 *)(w + i * w_stride))[b].m, i);
+            if (has_min(qtype)) {
+                __m128i hm = _mm_cvtsi32_si128(block_m(qtype, w, b));
+                for (int i = 1; i < 8; ++i) hm = _mm_insert_epi16(hm, block_m(qtype, w + i * w_stride, b), i);
                 mw = _mm256_cvtph_ps(hm);
                 sa = _mm256_set1_ps(a->s[b * M + m]);
             }
         } else if (NR == 2 && MR == 4) {
             dw = _mm256_set_m128(_mm_set1_ps(_cvtsh_ss(block_d(qtype, w + w_stride, b))), _mm_set1_ps(_cvtsh_ss(block_d(qtype, w, b))));
             da = _mm256_broadcast_ps((const __m128 *)(a->d + b * M + m));
-            if (qtype == Q4_1) {
-                mw = _mm256_set_m128(_mm_set1_ps(_cvtsh_ss(((const block_q4_1 *)(w + w_stride))[b].m)),
-                                     _mm_set1_ps(_cvtsh_ss(((const block_q4_1 *)w)[b].m)));
+            if (has_min(qtype)) {
+                mw = _mm256_set_m128(_mm_set1_ps(_cvtsh_ss(block_m(qtype, w + w_stride, b))),
+                                     _mm_set1_ps(_cvtsh_ss(block_m(qtype, w, b))));
                 sa = _mm256_broadcast_ps((const __m128 *)(a->s + b * M + m));
             }
         } else { /* remainder tiles: lanes built one by one */
@@ -394,15 +488,15 @@ AI void tile32(const int qtype, const int NR, const int MR, const uint8_t *w, in
                 for (int r = 0; r < MR; ++r) {
                     dwv[i * MR + r] = _cvtsh_ss(block_d(qtype, w + i * w_stride, b));
                     dav[i * MR + r] = a->d[b * M + m + r];
-                    if (qtype == Q4_1) {
-                        mwv[i * MR + r] = _cvtsh_ss(((const block_q4_1 *)(w + i * w_stride))[b].m);
+                    if (has_min(qtype)) {
+                        mwv[i * MR + r] = _cvtsh_ss(block_m(qtype, w + i * w_stride, b));
                         sav[i * MR + r] = a->s[b * M + m + r];
                     }
                 }
             dw = _mm256_loadu_ps(dwv), da = _mm256_loadu_ps(dav), mw = _mm256_loadu_ps(mwv), sa = _mm256_loadu_ps(sav);
         }
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum8_epi32(isum)), _mm256_mul_ps(dw, da), acc);
-        if (qtype == Q4_1) off = _mm256_fmadd_ps(mw, sa, off);
+        if (has_min(qtype)) off = _mm256_fmadd_ps(mw, sa, off);
     }
     float out[8];
     _mm256_storeu_ps(out, _mm256_add_ps(acc, off));
@@ -414,19 +508,26 @@ AI __m256i scale_pair16(int lo, int hi) { /* int16 lanes 0-7 = lo, 8-15 = hi */
     return _mm256_set_m128i(_mm_set1_epi16((int16_t)hi), _mm_set1_epi16((int16_t)lo));
 }
 
-/* Output row n x activation rows [m, m + MR) of Q4_K. */
-AI void tile_q4k(const int MR, const uint8_t *w, const acts *a, int64_t m, float *y, int64_t ldy) {
+/* Output row n x activation rows [m, m + MR) of Q4_K or Q5_K (the same block with a fifth bit). */
+AI void tile_qk(const int qtype, const int MR, const uint8_t *w, const acts *a, int64_t m, float *y, int64_t ldy) {
     float acc[4] = {0}, off[4] = {0};
-    const __m256i mask = _mm256_set1_epi8(0x0F);
+    const __m256i mask = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
     for (int64_t b = 0; b < a->nb; ++b) {
-        const block_q4_k *blk = (const block_q4_k *)w + b;
+        const block_q4_k *k4 = (const block_q4_k *)w + b;
+        const block_q5_k *k5 = (const block_q5_k *)w + b;
+        const uint8_t *qs = qtype == Q4_K ? k4->qs : k5->qs;
         uint8_t sc[8], mn[8];
-        q4k_scales(blk->scales, sc, mn);
+        q4k_scales(qtype == Q4_K ? k4->scales : k5->scales, sc, mn);
         __m256i isum[4];
         for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
+        const __m256i qh = qtype == Q5_K ? _mm256_loadu_si256((const __m256i *)k5->qh) : _mm256_setzero_si256();
         for (int c = 0; c < 4; ++c) {
-            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(blk->qs + 32 * c));
-            const __m256i lo = _mm256_and_si256(bytes, mask), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
+            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+            __m256i lo = _mm256_and_si256(bytes, mask), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
+            if (qtype == Q5_K) { /* bits 2c and 2c + 1 of qh: bit 4 of the low and high halves */
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), one), 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 1), one), 4));
+            }
             const __m256i sc_lo = _mm256_set1_epi16(sc[2 * c]), sc_hi = _mm256_set1_epi16(sc[2 * c + 1]);
             for (int r = 0; r < MR; ++r) {
                 const int8_t *q = a->q + (m + r) * a->K + 256 * b + 64 * c;
@@ -435,7 +536,7 @@ AI void tile_q4k(const int MR, const uint8_t *w, const acts *a, int64_t m, float
                 isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(p_lo, p_hi));
             }
         }
-        const float d = _cvtsh_ss(blk->d), dmin = _cvtsh_ss(blk->dmin);
+        const float d = _cvtsh_ss(qtype == Q4_K ? k4->d : k5->d), dmin = _cvtsh_ss(qtype == Q4_K ? k4->dmin : k5->dmin);
         for (int r = 0; r < MR; ++r) {
             const float da = a->d[b * a->M + m + r];
             const int32_t imin = q4k_min_dot(mn, a->bsum + ((m + r) * a->nb + b) * 16);
@@ -444,6 +545,42 @@ AI void tile_q4k(const int MR, const uint8_t *w, const acts *a, int64_t m, float
         }
     }
     for (int r = 0; r < MR; ++r) y[r * ldy] = acc[r] + off[r];
+}
+
+/* Output row n x activation rows [m, m + MR) of Q3_K: the values plus 4 (0..7, unsigned) times
+ * the activations, less 4 times the scales times the 16-value sums, as Q6_K takes out its 32. */
+AI void tile_q3k(const int MR, const uint8_t *w, const acts *a, int64_t m, float *y, int64_t ldy) {
+    float acc[4] = {0};
+    const __m256i m2 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    for (int64_t b = 0; b < a->nb; ++b) {
+        const block_q3_k *blk = (const block_q3_k *)w + b;
+        int8_t sc[16];
+        q3k_scales(blk->scales, sc);
+        __m256i isum[4];
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+        for (int r = 0; r < MR; ++r) {
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)(a->bsum + ((m + r) * a->nb + b) * 16));
+            isum[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 2));
+        }
+        const __m256i hm = _mm256_loadu_si256((const __m256i *)blk->hmask);
+        for (int h = 0; h < 2; ++h) {
+            const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk->qs + 32 * h));
+            for (int j = 0; j < 4; ++j) {
+                const __m256i low = _mm256_and_si256(_mm256_srli_epi16(ql, 2 * j), m2);
+                const __m256i high = _mm256_and_si256(_mm256_srli_epi16(hm, 4 * h + j), one);
+                const __m256i u = _mm256_or_si256(low, _mm256_slli_epi16(high, 2));
+                const int sub = 8 * h + 2 * j;
+                const __m256i scale = scale_pair16(sc[sub], sc[sub + 1]);
+                for (int r = 0; r < MR; ++r) {
+                    const int8_t *q = a->q + (m + r) * a->K + 256 * b + 128 * h + 32 * j;
+                    isum[r] = _mm256_add_epi32(isum[r], dot_u8s8_scaled(u, _mm256_loadu_si256((const __m256i *)q), scale));
+                }
+            }
+        }
+        const float d = _cvtsh_ss(blk->d);
+        for (int r = 0; r < MR; ++r) acc[r] = fmaf((float)hsum_epi32(isum[r]), d * a->d[b * a->M + m + r], acc[r]);
+    }
+    for (int r = 0; r < MR; ++r) y[r * ldy] = acc[r];
 }
 
 /* Output row n x activation rows [m, m + MR) of Q6_K. */
@@ -644,11 +781,25 @@ static void run_tile(int qtype, int nr, int mr, const uint8_t *w, int64_t w_stri
     switch (qtype) {
         TILE32_CASE(Q4_0)
         TILE32_CASE(Q4_1)
+        TILE32_CASE(Q5_0)
+        TILE32_CASE(Q5_1)
         TILE32_CASE(Q8_0)
+    case Q3_K:
+        for (int i = 0; i < nr; ++i) {
+            if (mr == 4) tile_q3k(4, w + i * w_stride, a, m, y + i, ldy);
+            else tile_q3k(1, w + i * w_stride, a, m, y + i, ldy);
+        }
+        break;
     case Q4_K:
         for (int i = 0; i < nr; ++i) {
-            if (mr == 4) tile_q4k(4, w + i * w_stride, a, m, y + i, ldy);
-            else tile_q4k(1, w + i * w_stride, a, m, y + i, ldy);
+            if (mr == 4) tile_qk(Q4_K, 4, w + i * w_stride, a, m, y + i, ldy);
+            else tile_qk(Q4_K, 1, w + i * w_stride, a, m, y + i, ldy);
+        }
+        break;
+    case Q5_K:
+        for (int i = 0; i < nr; ++i) {
+            if (mr == 4) tile_qk(Q5_K, 4, w + i * w_stride, a, m, y + i, ldy);
+            else tile_qk(Q5_K, 1, w + i * w_stride, a, m, y + i, ldy);
         }
         break;
     case Q6_K:
@@ -903,21 +1054,39 @@ void gguf_dequantize_rows(int qtype, const void *weights, int64_t K, const int64
                         o[32 * b + j + 16] = d * (float)(qs[j] >> 4) + m;
                     }
                 }
+            } else if (qtype == Q5_0 || qtype == Q5_1) {
+                const uint8_t *blk = row + b * block_bytes(qtype), *qh = blk + (qtype == Q5_0 ? 2 : 4);
+                const float d = half_to_float(((const block_q5_1 *)blk)->d);
+                for (int j = 0; j < 32; ++j)
+                    o[32 * b + j] = qtype == Q5_0 ? d * (float)(q5_value(qh, qh + 4, j) - 16)
+                                                  : d * (float)q5_value(qh, qh + 4, j) + half_to_float(((const block_q5_1 *)blk)->m);
             } else if (qtype == Q8_0) {
                 const block_q8_0 *blk = (const block_q8_0 *)row + b;
                 const float d = half_to_float(blk->d);
                 for (int j = 0; j < 32; ++j) o[32 * b + j] = (float)blk->qs[j] * d;
-            } else if (qtype == Q4_K) {
-                const block_q4_k *blk = (const block_q4_k *)row + b;
+            } else if (qtype == Q3_K) {
+                const block_q3_k *blk = (const block_q3_k *)row + b;
+                int8_t sc[16];
+                q3k_scales(blk->scales, sc);
+                const float d = half_to_float(blk->d);
+                for (int h = 0; h < 2; ++h)
+                    for (int j = 0; j < 4; ++j)
+                        for (int l = 0; l < 32; ++l)
+                            o[256 * b + 128 * h + 32 * j + l] = (d * (float)sc[8 * h + 2 * j + l / 16]) * (float)q3k_value(blk, h, j, l);
+            } else if (qtype == Q4_K || qtype == Q5_K) {
+                const block_q4_k *k4 = (const block_q4_k *)row + b;
+                const block_q5_k *k5 = (const block_q5_k *)row + b;
+                const uint8_t *qs = qtype == Q4_K ? k4->qs : k5->qs, *qh = qtype == Q4_K ? NULL : k5->qh;
                 uint8_t sc[8], mn[8];
-                q4k_scales(blk->scales, sc, mn);
-                const float d = half_to_float(blk->d), dmin = half_to_float(blk->dmin);
+                q4k_scales(qtype == Q4_K ? k4->scales : k5->scales, sc, mn);
+                const float d = half_to_float(qtype == Q4_K ? k4->d : k5->d);
+                const float dmin = half_to_float(qtype == Q4_K ? k4->dmin : k5->dmin);
                 for (int c = 0; c < 4; ++c) {
                     const float d_lo = d * (float)sc[2 * c], m_lo = dmin * (float)mn[2 * c];
                     const float d_hi = d * (float)sc[2 * c + 1], m_hi = dmin * (float)mn[2 * c + 1];
                     for (int j = 0; j < 32; ++j) {
-                        o[256 * b + 64 * c + j] = d_lo * (float)(blk->qs[32 * c + j] & 0x0F) - m_lo;
-                        o[256 * b + 64 * c + 32 + j] = d_hi * (float)(blk->qs[32 * c + j] >> 4) - m_hi;
+                        o[256 * b + 64 * c + j] = d_lo * (float)qk_value(qs, qh, c, 0, j) - m_lo;
+                        o[256 * b + 64 * c + 32 + j] = d_hi * (float)qk_value(qs, qh, c, 1, j) - m_hi;
                     }
                 }
             } else if (qtype == Q6_K) {

@@ -18,7 +18,7 @@ Levels, each including the ones before it (x86-64 only; elsewhere `portable` and
 | avx2         | avx2 fma f16c                             | 8-wide dot products, F16C KV loads     |
 | avx512       | + avx512f avx512bw avx512vl avx512dq      | 16-lane attention tiles and exp        |
 | avx512_vnni  | + avx512_vnni                             | int8 dot products, paired 8-row tiles  |
-| avx512_bf16  | + avx512_bf16                             | (built with it; no kernel uses it yet) |
+| avx512_bf16  | + avx512_bf16                             | `dtype=auto` keeps bf16 weights bf16   |
 | amx          | + amx_tile amx_int8 amx_bf16              | (built with it; no kernel uses it yet) |
 """
 
@@ -117,6 +117,17 @@ def compiler_flags(level: str | None = None) -> tuple[str, ...]:
         if candidate.name == level:
             return candidate.compiler_flags
     raise ValueError(f"{ENV}: this CPU cannot run level {level!r}")
+
+
+def runs_bfloat16() -> bool:
+    """Whether the selected level has native bf16 arithmetic (AVX512-BF16, AMX): `dtype=auto`
+    keeps a bf16 checkpoint in bf16 only then. torch's GEMMs (oneDNN) use the CPU's own
+    instructions whatever this says, but a level forced below avx512_bf16 stands for a CPU
+    without them, where oneDNN emulates bf16 and fp32 is the faster choice."""
+    level = selected_level()
+    level = best_level() if level == NATIVE else level
+    names = [candidate.name for candidate in X86_LEVELS]
+    return level in names and names.index(level) >= names.index("avx512_bf16")
 
 
 def describe() -> str:

@@ -9,6 +9,10 @@
  * polynomial (relative error ~2e-7) so no vector math library is needed. An fp16 cache halves the
  * bytes read (batched decode attention is bound by them): its rows are converted as they are
  * loaded (F16C), and the same arithmetic runs on them.
+ *
+ * Consecutive rows of one prefill chunk (the default model's every prompt row is a kernel row)
+ * form a row tile: one work item loads each block once for all of them, each row's arithmetic
+ * unchanged, so a row has the same bits in any chunk, tile or batch, and alone as a decode row.
  */
 #include <float.h>
 #include <stdint.h>
@@ -121,19 +125,53 @@ static inline float sum16(v16 x) {
 #define TILE_FOR(D) 1
 #endif
 
-/* Scores of query heads qs[t * D ..], t < T, against a block's n key rows (k_stride apart). Each
- * head's dot product is summed in the same order whatever the tile, so the bits do not depend on it. */
-static inline __attribute__((always_inline)) void tile_scores(const int64_t D, const int HALF, const int T,
-                                                              const float *qs, const void *k_rows,
-                                                              int64_t k_stride, int64_t n,
+/* The sums of 16 vectors' lanes, lane i of the result holding x[i]'s sum16: the same additions as
+ * sum16 (lanes i and i+8, then i and i+4, then i and i+2, then i and i+1), so the same bits, done
+ * for 16 dot products at once by pairing vectors (45 shuffles and additions instead of ~200). */
+static inline __attribute__((always_inline)) v16 sum16_x16(const v16 *x) {
+    v16 a[8], b[4], c[2];
+    for (int p = 0; p < 8; ++p) /* [x(2p) lanes i + i+8 | x(2p+1) lanes i + i+8], i < 8 */
+        a[p] = __builtin_shufflevector(x[2 * p], x[2 * p + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               __builtin_shufflevector(x[2 * p], x[2 * p + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
+                                       30, 31);
+    for (int p = 0; p < 4; ++p) /* four lanes (i + i+4, i < 4) for each of x(4p) .. x(4p+3) */
+        b[p] = __builtin_shufflevector(a[2 * p], a[2 * p + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               __builtin_shufflevector(a[2 * p], a[2 * p + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
+                                       31);
+    for (int p = 0; p < 2; ++p) /* two lanes (b0 + b2, b1 + b3) for each of x(8p) .. x(8p+7) */
+        c[p] = __builtin_shufflevector(b[2 * p], b[2 * p + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               __builtin_shufflevector(b[2 * p], b[2 * p + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
+                                       31);
+    return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+/* Scores of query heads qs[t * D ..], t < T, against a block's n fp32 key rows (k_stride apart; an
+ * fp16 block is converted once by the caller). Each head's dot product is summed in the same order
+ * whatever the tile, so the bits do not depend on it: 16 keys at a time, their 16 dot products
+ * reduced together (sum16_x16), the keys past the last 16 one at a time. */
+static inline __attribute__((always_inline)) void tile_scores(const int64_t D, const int T, const float *qs,
+                                                              const float *k_rows, int64_t k_stride, int64_t n,
                                                               float (*scores)[MAX_BLOCK]) {
-    for (int64_t j = 0; j < n; ++j) {
-        v16 kv[MAX_HEAD_DIM / 16]; /* fixed sizes: a variable-length array stays on the stack */
-        for (int64_t c = 0; c < D / 16; ++c) kv[c] = row16(k_rows, HALF, j * k_stride + 16 * c);
-        for (int t = 0; t < T; ++t) {
-            const float *qt = qs + t * D;
-            v16 dot = load16(qt) * kv[0];
-            for (int64_t c = 1; c < D / 16; ++c) dot += load16(qt + 16 * c) * kv[c];
+    const int64_t whole = n - n % 16;
+    for (int t = 0; t < T; ++t) {
+        v16 qv[MAX_HEAD_DIM / 16];
+        for (int64_t c = 0; c < D / 16; ++c) qv[c] = load16(qs + t * D + 16 * c);
+        for (int64_t j0 = 0; j0 < whole; j0 += 16) {
+            v16 dots[16];
+            for (int i = 0; i < 16; ++i) {
+                const float *k = k_rows + (j0 + i) * k_stride;
+                v16 dot = qv[0] * load16(k);
+                for (int64_t c = 1; c < D / 16; ++c) dot += qv[c] * load16(k + 16 * c);
+                dots[i] = dot;
+            }
+            const v16 s = sum16_x16(dots);
+            memcpy(scores[t] + j0, &s, sizeof s);
+        }
+        for (int64_t j = whole; j < n; ++j) {
+            const float *k = k_rows + j * k_stride;
+            v16 dot = qv[0] * load16(k);
+            for (int64_t c = 1; c < D / 16; ++c) dot += qv[c] * load16(k + 16 * c);
             scores[t][j] = sum16(dot);
         }
     }
@@ -165,20 +203,29 @@ static inline __attribute__((always_inline)) void tile_values(const int64_t D, c
     default: call(4); break;       \
     }
 
-/* Fold positions first .. last-1 of one (row, kv head) into its online softmax: running max m[g],
- * sum l[g] and unnormalized output acc[g * D ..] of the group's query heads qs[g * D ..] (already
- * scaled). Inlined with D and HALF (kv_half) constants where the caller dispatches on them, so
- * that a tile's accumulators stay in registers across a block's values and fp16 rows are
- * converted as they are loaded. */
+/* Rows of one sequence's chunk attended together (a row tile): each block's keys and values are
+ * loaded (and an fp16 block converted) once for all of them, while every row runs the arithmetic
+ * it runs alone, so its bits do not depend on the tile. Without the tile, each row of a long
+ * prefill chunk streamed the whole context from memory again. */
+#define ROW_TILE 8
+/* Floats of a tile's queries and of its outputs: ROW_TILE rows when group * head_dim allows. */
+#define TILE_FLOATS (MAX_GROUP * MAX_HEAD_DIM)
+
+/* Fold positions first .. lasts[r]-1 of rows r < R (one kv head; lasts nondecreasing, the same
+ * block table up to each row's last) into their online softmaxes: row r's running max m[r * group
+ * + g], sum l[..] and unnormalized output acc[(r * group + g) * D ..] of its query heads qs[(r *
+ * group + g) * D ..] (already scaled). Inlined with D and HALF (kv_half) constants where the caller
+ * dispatches on them, so that a tile's accumulators stay in registers across a block's values. */
 static inline __attribute__((always_inline)) void attend_span(
-    const int64_t D, const int HALF, const float *qs, const void *k_cache, const void *v_cache, const int64_t *table,
-    int64_t first, int64_t last, int64_t group, int64_t column, int64_t slot_stride, int64_t block_size,
-    int64_t kv_half, float *m, float *l, float *acc) {
-    const int64_t element = kv_half ? 2 : 4;
+    const int64_t D, const int HALF, const int64_t R, const float *qs, const void *k_cache, const void *v_cache,
+    const int64_t *table, int64_t first, const int64_t *lasts, int64_t group, int64_t column, int64_t slot_stride,
+    int64_t block_size, float *m, float *l, float *acc) {
+    const int64_t element = HALF ? 2 : 4;
     const int vectors = D % 16 == 0; /* every head_dim a model ships; others take scalar loops */
     const int64_t tile = TILE_FOR(D);
+    const int64_t last = lasts[R - 1];
     float scores[MAX_GROUP][MAX_BLOCK];
-    float k_buffer[MAX_HALF_ROWS], v_buffer[MAX_HALF_ROWS]; /* fp16 rows as fp32 for the scalar loops */
+    float k_buffer[MAX_HALF_ROWS], v_buffer[MAX_HALF_ROWS]; /* fp16 rows as fp32 */
     for (int64_t start = first; start < last;) {
         const int64_t offset = start % block_size;
         const int64_t room = block_size - offset;
@@ -196,66 +243,77 @@ static inline __attribute__((always_inline)) void attend_span(
                 }
             }
         }
-        const int64_t first_value = base * slot_stride + column;
-        int64_t k_stride = slot_stride, v_stride = slot_stride;
-        const float *k_rows =
-            vectors ? NULL : block_rows(k_cache, kv_half, base, n, slot_stride, column, D, k_buffer, &k_stride);
-        for (int64_t g = 0; g < group; g += vectors ? tile : 1) {
-            if (vectors) {
-                const int64_t count = group - g < tile ? group - g : tile;
-                const void *rows = (const char *)k_cache + first_value * element;
-#define SCORES(T) tile_scores(D, HALF, T, qs + g * D, rows, k_stride, n, scores + g)
-                DISPATCH_TILE(count, SCORES)
+        /* fp32 key rows: the cache's own, or an fp16 block's converted once for every row and head.
+         * The value rows of an fp16 block are converted once for a tile of rows (and for the scalar
+         * loops); a single row converts them as it loads them, which saves a buffer's stores and
+         * loads. The values are the same either way. */
+        int64_t k_stride, v_stride = slot_stride;
+        const float *k_rows = block_rows(k_cache, HALF, base, n, slot_stride, column, D, k_buffer, &k_stride);
+        const int half_values = HALF && R == 1 && vectors;
+        const void *v_rows = (const char *)v_cache + (base * slot_stride + column) * element;
+        if (!half_values) v_rows = block_rows(v_cache, HALF, base, n, slot_stride, column, D, v_buffer, &v_stride);
+        for (int64_t r = 0; r < R; ++r) {
+            const int64_t nr = lasts[r] - start < n ? lasts[r] - start : n; /* this row's keys of the block */
+            if (nr <= 0) continue;
+            const float *qr = qs + r * group * D;
+            float *mr = m + r * group, *lr = l + r * group, *ar = acc + r * group * D;
+            for (int64_t g = 0; g < group; g += vectors ? tile : 1) {
+                if (vectors) {
+                    const int64_t count = group - g < tile ? group - g : tile;
+#define SCORES(T) tile_scores(D, T, qr + g * D, k_rows, k_stride, nr, scores + g)
+                    DISPATCH_TILE(count, SCORES)
 #undef SCORES
-            } else {
-                const float *qg = qs + g * D;
-                for (int64_t j = 0; j < n; ++j) {
-                    const float *k = k_rows + j * k_stride;
-                    float dot = 0.0f;
+                } else {
+                    const float *qg = qr + g * D;
+                    for (int64_t j = 0; j < nr; ++j) {
+                        const float *k = k_rows + j * k_stride;
+                        float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-                    for (int64_t d = 0; d < D; ++d) dot += qg[d] * k[d];
-                    scores[g][j] = dot;
+                        for (int64_t d = 0; d < D; ++d) dot += qg[d] * k[d];
+                        scores[g][j] = dot;
+                    }
                 }
             }
-        }
-        float correction[MAX_GROUP];
-        for (int64_t g = 0; g < group; ++g) {
-            float *sg = scores[g];
-            float block_max = m[g];
-            for (int64_t j = 0; j < n; ++j) block_max = sg[j] > block_max ? sg[j] : block_max;
-            float block_sum = 0.0f;
-            int64_t j = 0;
-            for (; j + 16 <= n; j += 16) {
-                const v16 e = exp16_nonpositive(load16(sg + j) - block_max);
-                memcpy(sg + j, &e, sizeof e);
-                block_sum += sum16(e);
+            float correction[MAX_GROUP];
+            for (int64_t g = 0; g < group; ++g) {
+                float *sg = scores[g];
+                float block_max = mr[g];
+                for (int64_t j = 0; j < nr; ++j) block_max = sg[j] > block_max ? sg[j] : block_max;
+                float block_sum = 0.0f;
+                int64_t j = 0;
+                for (; j + 16 <= nr; j += 16) {
+                    const v16 e = exp16_nonpositive(load16(sg + j) - block_max);
+                    memcpy(sg + j, &e, sizeof e);
+                    block_sum += sum16(e);
+                }
+                for (; j < nr; ++j) {
+                    sg[j] = exp_clamped(sg[j] - block_max);
+                    block_sum += sg[j];
+                }
+                correction[g] = exp_clamped(mr[g] - block_max);
+                lr[g] = lr[g] * correction[g] + block_sum;
+                mr[g] = block_max;
             }
-            for (; j < n; ++j) {
-                sg[j] = exp_clamped(sg[j] - block_max);
-                block_sum += sg[j];
-            }
-            correction[g] = exp_clamped(m[g] - block_max);
-            l[g] = l[g] * correction[g] + block_sum;
-            m[g] = block_max;
-        }
-        const float *v_rows =
-            vectors ? NULL : block_rows(v_cache, kv_half, base, n, slot_stride, column, D, v_buffer, &v_stride);
-        for (int64_t g = 0; g < group; g += vectors ? tile : 1) {
-            if (vectors) {
-                const int64_t count = group - g < tile ? group - g : tile;
-                const void *rows = (const char *)v_cache + first_value * element;
-#define VALUES(T) tile_values(D, HALF, T, acc + g * D, correction + g, rows, v_stride, n, scores + g)
-                DISPATCH_TILE(count, VALUES)
+            for (int64_t g = 0; g < group; g += vectors ? tile : 1) {
+                if (vectors) {
+                    const int64_t count = group - g < tile ? group - g : tile;
+#define VALUES(T)                                                                                     \
+    if (half_values)                                                                                  \
+        tile_values(D, HALF, T, ar + g * D, correction + g, v_rows, v_stride, nr, scores + g);        \
+    else                                                                                              \
+        tile_values(D, 0, T, ar + g * D, correction + g, v_rows, v_stride, nr, scores + g)
+                    DISPATCH_TILE(count, VALUES)
 #undef VALUES
-            } else {
-                float *a = acc + g * D;
-                const float *pg = scores[g];
+                } else {
+                    float *a = ar + g * D;
+                    const float *pg = scores[g];
 #pragma omp simd
-                for (int64_t d = 0; d < D; ++d) a[d] *= correction[g];
-                for (int64_t j = 0; j < n; ++j) {
-                    const float *v = v_rows + j * v_stride;
+                    for (int64_t d = 0; d < D; ++d) a[d] *= correction[g];
+                    for (int64_t j = 0; j < nr; ++j) {
+                        const float *v = (const float *)v_rows + j * v_stride;
 #pragma omp simd
-                    for (int64_t d = 0; d < D; ++d) a[d] += pg[j] * v[d];
+                        for (int64_t d = 0; d < D; ++d) a[d] += pg[j] * v[d];
+                    }
                 }
             }
         }
@@ -288,16 +346,39 @@ int64_t paged_decode_attention_parts(const int64_t *seq_lens, const int64_t *seq
     return parts;
 }
 
+/* Whether row b (the next row of the call) joins row a's row tile for `part`: the next position of
+ * the same chunk (or of a sequence sharing its blocks), with the same window start, a having this
+ * part, and the same blocks wherever a reads. Rows so joined have the same first position in the
+ * part and read through the last one's block table. */
+static inline int join_tile(const int64_t *block_tables, const int64_t *seq_lens, const int64_t *seq_starts,
+                            int64_t max_blocks, int64_t block_size, int64_t parts, int64_t part, int64_t a,
+                            int64_t b) {
+    const int64_t start = seq_starts ? seq_starts[a] : 0, len = seq_lens[a];
+    if (seq_lens[b] != len + 1 || (seq_starts && seq_starts[b] != start)) return 0;
+    const int64_t count = parts == 1 ? 1 : row_parts(start, len);
+    if (part >= count) return 0;
+    const int64_t lo = (row_first_part(start) + part) * PART_TOKENS;
+    const int64_t first = count == 1 || start > lo ? start : lo;
+    const int64_t last = count == 1 || len < lo + PART_TOKENS ? len : lo + PART_TOKENS;
+    const int64_t *ta = block_tables + a * max_blocks, *tb = block_tables + b * max_blocks;
+    for (int64_t block = first / block_size; block * block_size < last; ++block)
+        if (ta[block] != tb[block]) return 0;
+    return 1;
+}
+
 /* Work item `work` of paged_decode_attention (below): row work / parts / num_kv_heads, kv head
- * work / parts % num_kv_heads, part work % parts. A row of one part writes its output; otherwise
- * the part leaves its softmax state in `partial` for paged_decode_attention_merge. Exported so
- * that a caller already running on every thread (decode_layers.c) can share the items out
- * itself; never inlined, so both callers run the same instructions. */
+ * work / parts % num_kv_heads, part work % parts. The item of the first row of a row tile (at most
+ * ROW_TILE rows that join_tile links, starting at multiples of ROW_TILE or where a link breaks)
+ * computes the part for every row of the tile; the others return. A row of one part writes its
+ * output; otherwise the part leaves its softmax state in `partial` (at the row's own item) for
+ * paged_decode_attention_merge. Exported so that a caller already running on every thread
+ * (decode_layers.c) can share the items out itself; never inlined, so both callers run the same
+ * instructions. */
 __attribute__((noinline)) void paged_decode_attention_part(
     const float *q, const void *k_cache, const void *v_cache, float *out, const int64_t *block_tables,
-    const int64_t *seq_lens, const int64_t *seq_starts, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t slot_stride, int64_t block_size, int64_t max_blocks, float scale, int64_t kv_half, int64_t parts,
-    float *partial, int64_t work) {
+    const int64_t *seq_lens, const int64_t *seq_starts, int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, int64_t slot_stride, int64_t block_size, int64_t max_blocks, float scale, int64_t kv_half,
+    int64_t parts, float *partial, int64_t work) {
     const int64_t part = work % parts, pair = work / parts;
     const int64_t s = pair / num_kv_heads, kvh = pair % num_kv_heads;
     const int64_t group = num_heads / num_kv_heads;
@@ -305,25 +386,38 @@ __attribute__((noinline)) void paged_decode_attention_part(
     /* parts == 1: the caller has no scratch; every row is then one part, start .. len - 1 */
     const int64_t count = parts == 1 ? 1 : row_parts(start, len);
     if (part >= count) return;
+    int64_t tile_rows = TILE_FLOATS / (group * head_dim);
+    tile_rows = tile_rows < ROW_TILE ? (tile_rows > 1 ? tile_rows : 1) : ROW_TILE;
+#define JOINS(a, b) join_tile(block_tables, seq_lens, seq_starts, max_blocks, block_size, parts, part, a, b)
+    if (s % tile_rows && JOINS(s - 1, s)) return; /* computed by its tile's first row */
+    int64_t rows = 1;
+    while (rows < tile_rows && s + rows < num_rows && (s + rows) % tile_rows && JOINS(s + rows - 1, s + rows)) ++rows;
+#undef JOINS
     const int64_t lo = (row_first_part(start) + part) * PART_TOKENS;
     const int64_t first = count == 1 || start > lo ? start : lo;
-    const int64_t last = count == 1 || len < lo + PART_TOKENS ? len : lo + PART_TOKENS;
-    float qs[MAX_GROUP * MAX_HEAD_DIM], acc[MAX_GROUP * MAX_HEAD_DIM];
-    float m[MAX_GROUP], l[MAX_GROUP];
-    for (int64_t g = 0; g < group; ++g) {
-        const float *src = q + (s * num_heads + kvh * group + g) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) {
-            qs[g * head_dim + d] = src[d] * scale; /* fold the softmax scale into q once */
-            acc[g * head_dim + d] = 0.0f;
+    int64_t lasts[ROW_TILE], counts[ROW_TILE];
+    float qs[TILE_FLOATS], acc[TILE_FLOATS];
+    float m[ROW_TILE * MAX_GROUP], l[ROW_TILE * MAX_GROUP];
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t row_len = seq_lens[s + r];
+        counts[r] = parts == 1 ? 1 : row_parts(start, row_len);
+        lasts[r] = counts[r] == 1 || row_len < lo + PART_TOKENS ? row_len : lo + PART_TOKENS;
+        for (int64_t g = 0; g < group; ++g) {
+            const float *src = q + ((s + r) * num_heads + kvh * group + g) * head_dim;
+            float *qg = qs + (r * group + g) * head_dim, *ag = acc + (r * group + g) * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) {
+                qg[d] = src[d] * scale; /* fold the softmax scale into q once */
+                ag[d] = 0.0f;
+            }
+            m[r * group + g] = -FLT_MAX;
+            l[r * group + g] = 0.0f;
         }
-        m[g] = -FLT_MAX;
-        l[g] = 0.0f;
     }
-    const int64_t *table = block_tables + s * max_blocks;
+    const int64_t *table = block_tables + (s + rows - 1) * max_blocks;
     const int64_t column = kvh * head_dim;
-#define ATTEND(D, HALF)                                                                                          \
-    attend_span(D, HALF, qs, k_cache, v_cache, table, first, last, group, column, slot_stride, block_size, kv_half, \
-                m, l, acc)
+#define ATTEND(D, HALF)                                                                                              \
+    attend_span(D, HALF, rows, qs, k_cache, v_cache, table, first, lasts, group, column, slot_stride, block_size, m, \
+                l, acc)
     if (head_dim == 64 && kv_half)
         ATTEND(64, 1);
     else if (head_dim == 64)
@@ -337,18 +431,21 @@ __attribute__((noinline)) void paged_decode_attention_part(
     else
         ATTEND(head_dim, 0);
 #undef ATTEND
-    if (count == 1) {
-        for (int64_t g = 0; g < group; ++g) {
-            float *o = out + (s * num_heads + kvh * group + g) * head_dim;
-            const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
-            for (int64_t d = 0; d < head_dim; ++d) o[d] = acc[g * head_dim + d] * inv;
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *ar = acc + r * group * head_dim;
+        if (counts[r] == 1) {
+            for (int64_t g = 0; g < group; ++g) {
+                float *o = out + ((s + r) * num_heads + kvh * group + g) * head_dim;
+                const float lg = l[r * group + g], inv = lg > 0.0f ? 1.0f / lg : 0.0f;
+                for (int64_t d = 0; d < head_dim; ++d) o[d] = ar[g * head_dim + d] * inv;
+            }
+            continue;
         }
-        return;
+        float *state = partial + (((s + r) * num_kv_heads + kvh) * parts + part) * partial_floats(group, head_dim);
+        memcpy(state, ar, group * head_dim * sizeof(float));
+        memcpy(state + group * head_dim, m + r * group, group * sizeof(float));
+        memcpy(state + group * head_dim + group, l + r * group, group * sizeof(float));
     }
-    float *state = partial + work * partial_floats(group, head_dim);
-    memcpy(state, acc, group * head_dim * sizeof(float));
-    memcpy(state + group * head_dim, m, group * sizeof(float));
-    memcpy(state + group * head_dim + group, l, group * sizeof(float));
 }
 
 /* The output of (row, kv head) `pair` from its parts' states, combined in part order. */
@@ -400,7 +497,7 @@ void paged_decode_attention(const float *q, const void *k_cache, const void *v_c
     {
 #pragma omp for schedule(dynamic, 1)
         for (int64_t work = 0; work < pairs * parts; ++work)
-            paged_decode_attention_part(q, k_cache, v_cache, out, block_tables, seq_lens, seq_starts, num_heads,
+            paged_decode_attention_part(q, k_cache, v_cache, out, block_tables, seq_lens, seq_starts, num_seqs, num_heads,
                                         num_kv_heads, head_dim, slot_stride, block_size, max_blocks, scale, kv_half,
                                         parts, partial, work);
         if (parts > 1) {

@@ -44,6 +44,9 @@ class CausalLM(torch.nn.Module):
     # Whether the rotary embedding follows ModelConfig.rope_scaling, so `--rope-scaling` can
     # replace it (the Llama family); other models place positions their own way.
     takes_rope_scaling = False
+    # Whether every step of the model handles bf16 activations on the CPU (norms, rotary, the
+    # attention backend's boundary), so `dtype=auto` may keep a bf16 checkpoint in bf16 there.
+    cpu_bfloat16 = False
 
     @classmethod
     def from_config(cls, config: ModelConfig, parallel: ModelParallel | None = None) -> CausalLM:

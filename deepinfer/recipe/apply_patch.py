@@ -1,7 +1,8 @@
-"""How the model sees Codex's `apply_patch` custom tool: the description DeepSeek's codec
-writes for it whatever the client sent (its own description and grammar), so that a Codex
-session sees the prompt it would see on DeepSeek's servers: the patch format's instructions
-(V4.1's text; V4's lacks one blank line).
+"""How a DeepSeek V4 / V4.1 model sees Codex's `apply_patch` custom tool: the description
+DeepSeek's codec writes for it whatever the client sent (its own description and grammar), so
+that a Codex session sees the prompt it would see on DeepSeek's servers: the patch format's
+instructions (V4.1's text; V4's lacks one blank line). Other chat encodings show the client's
+description (render/deepseek_v4.py's shown_description is the only reader).
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ tokens, for every family (client text that spells one is encoded as plain text).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from deepinfer.recipe.errors import RecipeError
 from deepinfer.recipe.events import FinishReason
-from deepinfer.recipe.ir import Conversation, ImagePart
+from deepinfer.recipe.ir import Conversation, ImagePart, Message, TextPart
 from deepinfer.recipe.model_info import ModelInfo
 from deepinfer.recipe.parse.result import CompletionBuilder, ParsedCompletion
 from deepinfer.recipe.parse.stream import (
@@ -50,6 +51,8 @@ from deepinfer.recipe.tokens import SpecialTextGuard, added_token_spellings, pro
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
+
+log = logging.getLogger(__name__)
 
 FAMILIES = ("deepseek_v41", "deepseek_v4", "deepseek_v32", "deepseek_v31", "deepseek_r1", "chat_template")
 V4_FAMILIES = ("deepseek_v4", "deepseek_v41")
@@ -218,8 +221,10 @@ class Recipe:
         *,
         tokenizer: Tokenizer | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        max_tokens: int | None = None,
     ) -> RenderedPrompt:
-        """The prompt for the next assistant turn; token ids too when a tokenizer is given.
+        """The prompt for the next assistant turn; token ids too when a tokenizer is given
+        (PromptTooLong instead past `max_tokens`).
 
         `template_kwargs` (chat_template_kwargs) only reach Jinja templates.
         """
@@ -261,7 +266,7 @@ class Recipe:
         token_ids = None
         if tokenizer is not None:
             token_ids = prompt_tokenizer(tokenizer).encode(
-                guard.segments(rendered), strict=self._v4 is not None
+                guard.segments(rendered), strict=self._v4 is not None, max_tokens=max_tokens
             )
         return RenderedPrompt(
             text=text,
@@ -271,6 +276,18 @@ class Recipe:
             images=deepseek_v4.images_of(conv) if self.family == "deepseek_v41" else [],
             defaults=self._defaults(conv),
         )
+
+    def warm(self, tokenizer: Tokenizer) -> None:
+        """Render and tokenize a one-line conversation, so that the first request does not pay
+        for compiling the template and building the prompt tokenizer: a server does it on a
+        thread, but the build holds the GIL (and so its event loop) for 0.1-1 s. A recipe that
+        cannot render a greeting says so on the requests that need it instead."""
+        try:
+            self.render(
+                Conversation(messages=[Message(role="user", content=[TextPart("hi")])]), tokenizer=tokenizer
+            )
+        except RecipeError as error:
+            log.warning("the chat template could not be warmed up: %s", error)
 
     def _guard(self, tokenizer: Tokenizer | None) -> SpecialTextGuard:
         """The spellings client text may not carry: the tokenizer's added tokens and the markers

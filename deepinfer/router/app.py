@@ -46,13 +46,15 @@ from deepinfer.router.proxy import (
 from deepinfer.router.replica import Replica, ReplicaSet
 from deepinfer.security.cluster_key import cluster_key_of
 from deepinfer.security.signing import PEER_HEADER, peer_token, sign_handoff
-from deepinfer.server.auth import check_api_key
+from deepinfer.server.auth import check_admin_key, check_api_key, is_admin
 from deepinfer.server.errors import ApiError, error_response, flavor_of
 
 log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "x-request-id"
-REPLICA_HEADER = "x-deepinfer-replica"  # on answers: which replica served it (for operators)
+# On answers, which replica served it: its URL is internal, so only where is_admin (a keyless
+# router; a tenant's key never is one).
+REPLICA_HEADER = "x-deepinfer-replica"
 KV_TRANSFER_HEADER = "x-deepinfer-kv-transfer"  # read by the decode replica (server/state.py)
 RETRY_STATUSES = frozenset({429, 502, 503, 504, 529})
 FAILURE_STATUSES = frozenset({502, 503, 504})  # count against the replica's circuit
@@ -172,21 +174,24 @@ class Router:
             except httpx.ConnectError as failure:
                 replica.request_failed(str(failure))
                 self.metrics.upstream_failures.labels(replica.name).inc()
-                error = f"the prefill replica {replica.url} is unreachable: {failure}"
+                error = f"the prefill replica is unreachable: {type(failure).__name__}"
+                log.warning("prefill replica %s is unreachable: %s", replica.url, failure)
                 continue
             except (httpx.HTTPError, UpstreamFailed) as failure:
                 replica.request_failed(str(failure))
                 self.metrics.upstream_failures.labels(replica.name).inc()
-                error = f"the prefill replica {replica.url} failed: {failure}"
+                error = f"the prefill replica failed: {type(failure).__name__}"
+                log.warning("prefill replica %s failed: %s", replica.url, failure)
                 break
             finally:
                 replica.inflight -= 1
             if answer.status_code != 200:
                 if answer.status_code in FAILURE_STATUSES:
                     replica.request_failed(f"HTTP {answer.status_code}")
-                error = (
-                    f"the prefill replica {replica.url} answered {answer.status_code}: {answer.text[:300]}"
-                )
+                # The engine's own error (no addresses in it): a decode replica with
+                # --kv-transfer-failure fail shows this text to the client.
+                error = f"the prefill replica answered {answer.status_code}: {answer.text[:300]}"
+                log.warning("prefill replica %s: %s", replica.url, error)
                 break
             replica.request_succeeded()
             self.metrics.handoffs.labels("ok").inc()
@@ -250,7 +255,8 @@ class Router:
             if response is not None:
                 self.metrics.requests.labels("ok").inc()
                 response.headers[REQUEST_ID_HEADER] = request_id
-                response.headers[REPLICA_HEADER] = replica.url
+                if self._is_admin(request):
+                    response.headers[REPLICA_HEADER] = replica.url
                 return response
             if not final:
                 self.metrics.retries.inc()
@@ -363,34 +369,55 @@ class Router:
 
     # -- the router's own routes ----------------------------------------------------------------
 
+    def _is_admin(self, request: Request) -> bool:
+        return is_admin(self.config.api_keys, self.config.admin_keys, request.headers)
+
+    def _authorize_admin(self, request: Request, what: str, alternative: str = "") -> None:
+        check_admin_key(self.config.api_keys, self.config.admin_keys, request.headers, what, alternative)
+
     async def health(self, request: Request) -> JSONResponse:
-        replicas = [
-            {
-                "url": r.url,
-                "role": r.role,
-                "healthy": r.healthy,
-                "breaker": r.breaker.state.name.lower(),
-                "load": r.load,
-                "inflight": r.inflight,
-                "last_error": r.last_error,
-            }
-            for r in self.replicas.replicas
-        ]
+        """Keyless for load balancers, and then only the status: the replicas' addresses, state
+        and errors are internal (an admin key, or a router without keys, sees them)."""
         roles = ("prefill", "decode") if self.config.disaggregated else ("both",)
         ready = all(any(r.available for r in self.replicas.pool(role)) for role in roles)
         status = "draining" if self.draining else ("ok" if ready else "unavailable")
-        return JSONResponse(
-            {"status": status, "policy": self.config.policy, "replicas": replicas},
-            status_code=200 if status == "ok" else 503,
-        )
+        body: dict[str, Any] = {"status": status}
+        if self._is_admin(request):
+            body["policy"] = self.config.policy
+            body["replicas"] = [
+                {
+                    "url": r.url,
+                    "role": r.role,
+                    "healthy": r.healthy,
+                    "breaker": r.breaker.state.name.lower(),
+                    "load": r.load,
+                    "inflight": r.inflight,
+                    "last_error": r.last_error,
+                }
+                for r in self.replicas.replicas
+            ]
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     async def metrics_route(self, request: Request) -> Response:
+        """Behind the admin key once keys are set, as on `deepinfer serve`: its labels are the
+        replicas' URLs and its counters every tenant's traffic."""
         from prometheus_client import CONTENT_TYPE_LATEST
 
+        if not self.config.public_metrics:
+            try:
+                self._authorize_admin(request, "/metrics", " (or --public-metrics to serve it without a key)")
+            except ApiError as error:
+                return error_response(error, "openai")
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     async def reset_prefix_cache(self, request: Request) -> JSONResponse:
-        """Every replica's prefix cache, reset (409 if any refused: requests hold blocks)."""
+        """Every replica's prefix cache, reset (409 if any refused: requests hold blocks). Admin
+        only, here before any replica is asked: the answer names the replicas. The request's key
+        goes on to the replicas, which check it too."""
+        try:
+            self._authorize_admin(request, "/reset_prefix_cache")
+        except ApiError as error:
+            return error_response(error, "openai")
         headers = {k: v for k, v in request.headers.items() if k in AUTH_HEADERS}
         targets = [r for r in self.replicas.replicas if r.available]
 

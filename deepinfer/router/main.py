@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import socket
@@ -92,6 +93,11 @@ async def serve_router(config: RouterConfig) -> None:
             lifespan="off",
         )
         server = _RouterServer(uvicorn_config, router, announce)
+        # As `deepinfer serve` does: what the router holds from here on (modules, tokenizer,
+        # recipe) is out of the cyclic collector's reach, so no full collection walks it while
+        # requests wait.
+        gc.collect()
+        gc.freeze()
         # uvicorn re-raises the signal that stopped it once done; a no-op handler lets the
         # cleanup below run instead of the default action killing the process mid-way.
         for sig in (signal.SIGINT, signal.SIGTERM):

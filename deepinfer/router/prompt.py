@@ -101,6 +101,8 @@ class PromptRenderer:
         except RecipeError as error:
             log.warning("the router renders no chat prompts: %s", error)
             recipe = None
+        if recipe is not None:
+            recipe.warm(tokenizer.backend)
         return cls(recipe, tokenizer)
 
     def features(self, path: str, body: Any, headers: Mapping[str, str]) -> PromptFeatures | None:

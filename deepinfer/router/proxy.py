@@ -112,7 +112,7 @@ async def relay_stream(
             except StopAsyncIteration:
                 break
             except (httpx.HTTPError, UpstreamFailed) as failure:
-                error = f"the replica {upstream.request.url.host}:{upstream.request.url.port} failed mid-stream: {failure}"
+                error = f"{type(failure).__name__}: {failure}"  # for the log, which names the replica
                 break
             pending += chunk
             end = pending.rfind(b"\n\n")
@@ -120,7 +120,8 @@ async def relay_stream(
                 complete, pending = pending[: end + 2], pending[end + 2 :]
                 yield complete
         if error is not None:
-            yield stream_error_frame(path, error)
+            # The client learns that the stream broke, not where: replicas' addresses are internal.
+            yield stream_error_frame(path, "the replica serving this stream failed mid-stream")
         elif pending:
             yield pending  # a stream that ended without a final blank line: pass it on as is
     finally:

@@ -1,4 +1,4 @@
-"""The engine's `device` and `dtype` options as torch objects."""
+"""The engine's `device` option as a torch object (its dtype: model/loader/dtype.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,3 @@ def torch_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-def torch_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto: bfloat16 on CUDA, float32 on the CPU."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)

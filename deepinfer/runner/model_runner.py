@@ -11,11 +11,13 @@ from typing import Any, Protocol
 import torch
 
 from deepinfer.attention.backend import AttentionBackend, OwnAttention, TorchReferenceBackend
+from deepinfer.attention.float32_boundary import Float32Boundary
 from deepinfer.attention.metadata import ForwardMetadata
 from deepinfer.image_input import images_in
 from deepinfer.kernels.triton import triton_installed
 from deepinfer.model.base import CausalLM
 from deepinfer.model.layers.expert_parallel import ExpertBalancer
+from deepinfer.model.loader.dtype import model_dtype
 from deepinfer.runner.image_embeds import ImageEmbeddings
 from deepinfer.runner.inputs import ForwardInputs, ForwardWork, RowSpan, span_offsets
 from deepinfer.runner.kv_caches import KVCaches
@@ -58,7 +60,9 @@ def make_attention_backend(
     fits = CpuPagedBackend.supports(num_heads, num_kv_heads, head_dim, block_size, kv_dtype)
     try:
         if fits or name == "cpu_paged":
-            return CpuPagedBackend(row_kernel_only=model.rounds_activations)
+            backend = CpuPagedBackend(row_kernel_only=model.rounds_activations)
+            # The kernels compute in fp32: a bf16 model's q/k/v cross into fp32 and back.
+            return backend if model_dtype(model) == torch.float32 else Float32Boundary(backend)
     except RuntimeError:
         if name == "cpu_paged":
             raise
@@ -187,7 +191,9 @@ class ModelRunner:
         )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(hidden)
+        """[N, vocab] in fp32 whatever the model computes in: sampling, logprobs and scores
+        read them as fp32 (a bf16 model's logits widen exactly)."""
+        return self.model.compute_logits(hidden).float()
 
     def sampling_row(self, seq: Sequence) -> SamplingRow:
         """How `seq` samples its next token (its generator created on first use)."""

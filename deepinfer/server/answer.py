@@ -9,6 +9,7 @@ body) go out: a stored response is saved before its client can ask for it.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from typing import Any, Protocol
 
 from fastapi import Request
@@ -21,6 +22,7 @@ from deepinfer.recipe.events import Event
 from deepinfer.server.errors import ApiError
 from deepinfer.server.generation import Choices
 from deepinfer.server.http_io import EventStreamResponse, until_disconnect
+from deepinfer.server.keepalive import with_ticks
 
 OnClose = Callable[[], Awaitable[None]]
 
@@ -35,6 +37,10 @@ class EventSink(Protocol):
 
     def first_output(self, delta: SequenceDelta) -> list[str]: ...
 
+    def keepalive(self) -> list[str]:
+        """Frames for a stream silent for the keep-alive interval; clients must ignore them."""
+        ...
+
     def feed(self, index: int, event: Event) -> list[str]: ...
 
     def close(self) -> list[str]: ...
@@ -43,26 +49,41 @@ class EventSink(Protocol):
 
 
 async def stream_frames(
-    stream: GenerationStream, choices: Choices, sink: EventSink, on_close: OnClose | None = None
+    stream: GenerationStream,
+    choices: Choices,
+    sink: EventSink,
+    on_close: OnClose | None = None,
+    *,
+    keepalive_s: float,
 ) -> AsyncIterator[str]:
-    """SSE text for a streamed request: one chunk of frames per wake-up. Closing the iterator
-    early (client gone) aborts what is still running."""
+    """SSE text for a streamed request: one chunk of frames per wake-up, and keep-alive frames
+    whenever `keepalive_s` passes without one. Closing the iterator early (client gone) aborts
+    what is still running."""
     started = False
     try:
         try:
             opening = sink.opening()
             if opening:
                 yield "".join(opening)
-            async for batch in stream.batches():
-                frames: list[str] = []
-                if not started:
-                    started = True
-                    frames.extend(sink.first_output(batch[0]))
-                for delta in batch:
-                    for index, event in choices.events(delta):
-                        frames.extend(sink.feed(index, event))
-                if frames:
-                    yield "".join(frames)
+            async with (
+                aclosing(stream.batches()) as batches,
+                aclosing(with_ticks(batches, keepalive_s)) as ticking,
+            ):
+                async for batch in ticking:
+                    if batch is None:
+                        keepalive = sink.keepalive()
+                        if keepalive:
+                            yield "".join(keepalive)
+                        continue
+                    frames: list[str] = []
+                    if not started:
+                        started = True
+                        frames.extend(sink.first_output(batch[0]))
+                    for delta in batch:
+                        for index, event in choices.events(delta):
+                            frames.extend(sink.feed(index, event))
+                    if frames:
+                        yield "".join(frames)
         except EngineDeadError as error:
             frames = []
             for index, event in choices.fail(str(error)):
@@ -112,7 +133,9 @@ async def respond(
 ) -> Response:
     """The HTTP answer: SSE frames as they come, or the whole body once generation ends."""
     if streaming:
-        return EventStreamResponse(stream_frames(stream, choices, sink, on_close), on_disconnect=stream.abort)
+        keepalive_s = request.app.state.server.config.stream_keepalive
+        frames = stream_frames(stream, choices, sink, on_close, keepalive_s=keepalive_s)
+        return EventStreamResponse(frames, on_disconnect=stream.abort)
     try:
         body = await until_disconnect(request, collect_body(stream, choices, sink, on_close), stream.abort)
     except GenerationError as error:

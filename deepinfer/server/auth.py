@@ -46,3 +46,32 @@ def check_api_key(keys: Sequence[str], headers: Mapping[str, str]) -> str | None
     if key is None:
         raise ApiError(401, "invalid API key", code="invalid_api_key")
     return key
+
+
+def is_admin(api_keys: Sequence[str], admin_keys: Sequence[str], headers: Mapping[str, str]) -> bool:
+    """Whether a request may see what is shared by every tenant or names internal addresses:
+    anyone on a server without keys, else only the holder of an admin key."""
+    if not api_keys and not admin_keys:
+        return True
+    return matching_key(admin_keys, key_of(headers)) is not None
+
+
+def check_admin_key(
+    api_keys: Sequence[str],
+    admin_keys: Sequence[str],
+    headers: Mapping[str, str],
+    what: str,
+    alternative: str = "",
+) -> None:
+    """An operator route's check: open without keys; with API keys but no admin key configured,
+    refused (403: no tenant may use it); otherwise it needs an admin key (401)."""
+    if not api_keys and not admin_keys:
+        return
+    if not admin_keys:
+        raise ApiError(
+            403,
+            f"{what} is shared by every API key: start with --admin-key to use it" + alternative,
+            code="admin_key_required",
+        )
+    if matching_key(admin_keys, key_of(headers)) is None:
+        raise ApiError(401, f"{what} needs an admin key (--admin-key)", code="invalid_api_key")

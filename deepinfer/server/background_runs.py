@@ -13,9 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from deepinfer.engine.ipc.client import EngineDeadError, GenerationStream
 from deepinfer.recipe.api import ResponsesEncoder
@@ -23,15 +23,15 @@ from deepinfer.recipe.events import Event
 from deepinfer.response_store import ResponseStore
 from deepinfer.server.generation import ChoiceParsers
 
-if TYPE_CHECKING:
-    from deepinfer.server.stored_responses import StoredResponses
-
 log = logging.getLogger(__name__)
 
 # How often a stream that follows a run of another replica looks for new events.
 POLL_INTERVAL_S = 0.25
 
 Key = tuple[str, str]  # (tenant, response id)
+
+# Runs a store method off the event loop, mapping an unreachable store to the API's error.
+StoreCall = Callable[..., Awaitable[Any]]
 
 
 @dataclass(slots=True)
@@ -48,14 +48,15 @@ class _Run:
 
 
 class BackgroundRuns:
-    def __init__(self, responses: StoredResponses) -> None:
-        self._responses = responses
+    def __init__(self, store: ResponseStore | None, call: StoreCall) -> None:
+        self._maybe_store = store
+        self._call = call
         self._runs: dict[Key, _Run] = {}
 
     @property
     def _store(self) -> ResponseStore:
-        assert self._responses.store is not None, "background responses need a store"
-        return self._responses.store
+        assert self._maybe_store is not None, "background responses need a store"
+        return self._maybe_store
 
     def start(
         self,
@@ -128,9 +129,7 @@ class BackgroundRuns:
             return "in_progress"
         # Writes land in order (their events' sequence numbers are their positions in the store),
         # so a cancel never abandons one half-way: the final write waits for it.
-        write = asyncio.ensure_future(
-            self._responses.call(self._store.advance, *key, frames, response, done=done)
-        )
+        write = asyncio.ensure_future(self._call(self._store.advance, *key, frames, response, done=done))
         run.last_write = write
         status = await asyncio.shield(write)
         changed, run.changed = run.changed, asyncio.Event()
@@ -158,7 +157,7 @@ class BackgroundRuns:
         while True:
             run = self._runs.get((tenant, response_id))
             changed = run.changed if run is not None else None
-            page = await self._responses.call(self._store.events_after, tenant, response_id, after)
+            page = await self._call(self._store.events_after, tenant, response_id, after)
             if page is None:
                 return
             if page.frames:

@@ -17,7 +17,7 @@ from deepinfer.recipe.api._output import FAILED, GenerationError, failure_messag
 from deepinfer.recipe.api._request import EngineExtensions, check_min_tokens
 from deepinfer.recipe.api._validation import ApiModel, require, validate
 from deepinfer.recipe.api.error_bodies import openai_error_body
-from deepinfer.recipe.api.sse import SSE_DONE, sse_frame
+from deepinfer.recipe.api.sse import SSE_DONE, SSE_KEEPALIVE, sse_frame
 from deepinfer.recipe.events import Event, Finish, Logprobs, TextDelta, Usage
 from deepinfer.recipe.ir import GenerationParams
 from deepinfer.server.generation import finish_of, logprobs_event, usage_of
@@ -203,6 +203,9 @@ class CompletionEncoder:
 
     def first_output(self, delta: SequenceDelta) -> list[str]:
         return []
+
+    def keepalive(self) -> list[str]:
+        return [SSE_KEEPALIVE] if self._stream else []
 
     def feed(self, index: int, event: Event) -> list[str]:
         choice = self._choices[index]

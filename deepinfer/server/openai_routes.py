@@ -22,7 +22,7 @@ from deepinfer.server.generation import ChoiceParsers
 from deepinfer.server.http_io import read_json
 from deepinfer.server.sinks import ChatSink
 from deepinfer.server.state import ServerState
-from deepinfer.validation import check_prompt
+from deepinfer.validation import PromptTooLong, check_context, check_prompt
 
 router = APIRouter()
 
@@ -148,7 +148,14 @@ def _model_card(name: str, created: int, max_model_len: int) -> dict[str, object
 
 def _prompt_ids(state: ServerState, prompt: str | list[int], where: str) -> list[int]:
     """A Completions prompt's ids, checked (on a thread: a long one takes seconds either way)."""
-    token_ids = state.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    if isinstance(prompt, str):
+        try:
+            token_ids = state.tokenizer.encode(prompt, max_tokens=state.max_model_len - 1)
+        except PromptTooLong as error:
+            check_context(error.num_tokens, state.max_model_len, where)
+            raise
+    else:
+        token_ids = prompt
     check_prompt(token_ids, state.vocab_size, state.max_model_len, where)
     return token_ids
 

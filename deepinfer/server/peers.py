@@ -8,6 +8,8 @@
   back into the shared prefix cache: it is acted on only with the router's signature over the
   transfer id, address, error and expiry; an unsigned or forged one is refused (403) rather than
   ignored, so a router without the key is seen at once instead of silently recomputing.
+- Tokens and signatures are single-use: one seen before (a replay of what crossed the network)
+  is refused with 403, whichever route it was for.
 """
 
 from __future__ import annotations
@@ -15,12 +17,15 @@ from __future__ import annotations
 from fastapi import Request
 
 from deepinfer.security import CLUSTER_KEY_FLAG
-from deepinfer.security.signing import HANDOFF_PURPOSE, PEER_HEADER, is_peer, verify
+from deepinfer.security.signing import HANDOFF_PURPOSE, PEER_HEADER, TokenCheck, check, check_peer
 from deepinfer.server.errors import ApiError
+
+_REPLAYED = "was used before (a peer signs each request anew)"
 
 
 def check_handoff_signature(key: bytes | None, signature: str | None, fields: tuple[str, ...]) -> None:
-    """403 unless a holder of this engine's cluster key signed exactly these handoff fields."""
+    """403 unless a holder of this engine's cluster key signed exactly these handoff fields, for
+    this one request."""
     header = "x-deepinfer-kv-transfer"
     if key is None:
         raise ApiError(
@@ -30,7 +35,10 @@ def check_handoff_signature(key: bytes | None, signature: str | None, fields: tu
             param=header,
             code="peer_auth_failed",
         )
-    if signature is None or not verify(key, signature, HANDOFF_PURPOSE, *fields):
+    verdict = TokenCheck.INVALID if signature is None else check(key, signature, HANDOFF_PURPOSE, *fields)
+    if verdict is TokenCheck.SPENT:
+        raise ApiError(403, f"{header}: its signature {_REPLAYED}", param=header, code="peer_auth_failed")
+    if verdict is not TokenCheck.VALID:
         raise ApiError(
             403,
             f"{header}: not signed with this deployment's cluster key (or expired); only the router "
@@ -40,13 +48,13 @@ def check_handoff_signature(key: bytes | None, signature: str | None, fields: tu
         )
 
 
-def is_peer_request(key: bytes | None, request: Request) -> bool:
-    return is_peer(key, request.headers.get(PEER_HEADER), request.method, request.url.path)
-
-
 def require_peer(key: bytes | None, request: Request, what: str) -> None:
-    """401 unless the request carries a valid peer token (the caller checked key is not None)."""
-    if not is_peer_request(key, request):
+    """401 unless the request carries a valid peer token (the caller checked key is not None);
+    403 for a token already used."""
+    verdict = check_peer(key, request.headers.get(PEER_HEADER), request.method, request.url.path)
+    if verdict is TokenCheck.SPENT:
+        raise ApiError(403, f"{what}: the {PEER_HEADER} token {_REPLAYED}", code="peer_auth_failed")
+    if verdict is not TokenCheck.VALID:
         raise ApiError(
             401,
             f"{what} is for the deployment's peers: it needs a {PEER_HEADER} token signed with the "

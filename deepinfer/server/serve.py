@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import socket
@@ -86,6 +87,8 @@ async def start_state(engine_config: EngineConfig, server_config: ServerConfig) 
                 raise  # an encoding asked for by name that cannot be used: refuse to start
             recipe_error = str(error)
             log.warning("chat endpoints disabled: %s", error)
+        if recipe is not None:
+            await asyncio.to_thread(recipe.warm, tokenizer.backend)
     except BaseException:
         info_task.cancel()
         await transport.close()
@@ -257,6 +260,11 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> Non
         lifespan="off",
     )
     server = _DrainingServer(config, state, announce)
+    # What the server holds from here on (modules, tokenizer, recipe: 100k objects and more) is
+    # put out of the cyclic collector's reach: a full collection would otherwise walk all of it on
+    # whichever thread allocates, holding the GIL (and /health) for 15-150 ms each time.
+    gc.collect()
+    gc.freeze()
     # uvicorn re-raises the signal that stopped it once it is done; with these handlers that
     # is a no-op, so the engine is stopped below instead of the process dying mid-cleanup.
     for sig in (signal.SIGINT, signal.SIGTERM):

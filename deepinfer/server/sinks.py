@@ -6,6 +6,7 @@ from typing import Any
 
 from deepinfer.engine.output_processor import SequenceDelta
 from deepinfer.recipe.api import ChatCompletionEncoder, MessagesEncoder, ResponsesEncoder
+from deepinfer.recipe.api.sse import SSE_KEEPALIVE
 from deepinfer.recipe.events import Event
 
 
@@ -18,6 +19,9 @@ class ChatSink:
 
     def first_output(self, delta: SequenceDelta) -> list[str]:
         return []
+
+    def keepalive(self) -> list[str]:
+        return [SSE_KEEPALIVE]
 
     def feed(self, index: int, event: Event) -> list[str]:
         return self.encoder.feed(event, index)
@@ -42,6 +46,9 @@ class ResponsesSink:
     def first_output(self, delta: SequenceDelta) -> list[str]:
         return self.encoder.start()
 
+    def keepalive(self) -> list[str]:
+        return [SSE_KEEPALIVE]
+
     def feed(self, index: int, event: Event) -> list[str]:
         return self.encoder.feed(event)
 
@@ -54,7 +61,10 @@ class ResponsesSink:
 
 class MessagesSink:
     """The encoder is made at the first output, when the prefix-cache hit is known: Anthropic's
-    `message_start` reports input tokens net of cache reads."""
+    `message_start` reports input tokens net of cache reads. A prefill longer than the keep-alive
+    interval cannot wait for it: `message_start` then goes out at the first keep-alive, counting
+    no cache read (the cumulative usage of `message_delta` has the real split), and `ping`
+    events follow, as Anthropic's API sends them."""
 
     def __init__(self, *, message_id: str, model: str, prompt_tokens: int, stream: bool) -> None:
         self._options: dict[str, Any] = {
@@ -75,6 +85,10 @@ class MessagesSink:
 
     def first_output(self, delta: SequenceDelta) -> list[str]:
         return self._made(delta.num_cached_tokens).start()
+
+    def keepalive(self) -> list[str]:
+        encoder = self._made()
+        return encoder.start() or encoder.ping()
 
     def feed(self, index: int, event: Event) -> list[str]:
         return self._made().feed(event)

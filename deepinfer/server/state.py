@@ -24,7 +24,7 @@ from deepinfer.recipe.ir import Conversation, GenerationParams
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.security.signing import handoff_fields
 from deepinfer.sequence import EngineRequest, KVSource
-from deepinfer.server.auth import check_api_key, key_of, matching_key
+from deepinfer.server.auth import check_admin_key, check_api_key, is_admin
 from deepinfer.server.constraints import (
     FormatField,
     GrammarValidator,
@@ -47,11 +47,12 @@ from deepinfer.server.stored_responses import StoredResponses
 from deepinfer.store.retention import DEFAULT_TRAFFIC_CLASS
 from deepinfer.structured.spec import GrammarSpec
 from deepinfer.tokenizer import Tokenizer
-from deepinfer.validation import check_context
+from deepinfer.validation import PromptTooLong, check_context
 
 TRAFFIC_CLASS_HEADER = "x-traffic-class"
 # Set by the router on a request for a decode engine: where the prompt's KV waits.
 KV_TRANSFER_HEADER = "x-deepinfer-kv-transfer"
+_UNREAD = object()  # a request whose KV_TRANSFER_HEADER was not read yet
 
 
 class KVTransferHeader(msgspec.Struct):
@@ -104,28 +105,12 @@ class ServerState:
         return check_api_key(self.config.api_keys, request.headers)
 
     def authorize_admin(self, request: Request, what: str, alternative: str = "") -> None:
-        """The admin routes' check: open on a server without keys; otherwise an admin key is
-        required (401), and with API keys but no admin key configured the route is refused (403)."""
-        config = self.config
-        if not config.api_keys and not config.admin_keys:
-            return
-        if not config.admin_keys:
-            raise ApiError(
-                403,
-                f"{what} is shared by every API key: start the server with --admin-key to use it"
-                + alternative,
-                code="admin_key_required",
-            )
-        if not self._admin_key_given(request):
-            raise ApiError(401, f"{what} needs an admin key (--admin-key)", code="invalid_api_key")
+        """The admin routes' check (server/auth.py, shared with the router)."""
+        check_admin_key(self.config.api_keys, self.config.admin_keys, request.headers, what, alternative)
 
     def is_admin(self, request: Request) -> bool:
         """Whether the request may see internal details (engine pid, why it died)."""
-        config = self.config
-        return (not config.api_keys and not config.admin_keys) or self._admin_key_given(request)
-
-    def _admin_key_given(self, request: Request) -> bool:
-        return matching_key(self.config.admin_keys, key_of(request.headers)) is not None
+        return is_admin(self.config.api_keys, self.config.admin_keys, request.headers)
 
     def model_name(self, body: Any) -> str:
         """The served name the body asks for (the first one when it names none); 404 otherwise."""
@@ -192,7 +177,16 @@ class ServerState:
 
     def _render(self, conv: Conversation, template_kwargs: Any, param: str) -> RenderedPrompt:
         kwargs = template_kwargs if isinstance(template_kwargs, Mapping) else None
-        prompt = self.require_recipe().render(conv, tokenizer=self.tokenizer.backend, template_kwargs=kwargs)
+        try:
+            prompt = self.require_recipe().render(
+                conv,
+                tokenizer=self.tokenizer.backend,
+                template_kwargs=kwargs,
+                max_tokens=self.max_model_len - 1,
+            )
+        except PromptTooLong as error:  # images would only add tokens
+            check_context(error.num_tokens, self.max_model_len, param)
+            raise
         assert prompt.token_ids is not None
         if prompt.images and (not self.client.info.accepts_images or self.image_pool is None):
             where = prompt.images[0].path or param
@@ -264,7 +258,14 @@ class ServerState:
 
     def kv_source(self, request: Request) -> KVSource | None:
         """Where a decode engine pulls the prompt's KV from, per the router's header. A prefill
-        that failed is recomputed here, or is an error (kv_transfer_failure=fail)."""
+        that failed is recomputed here, or is an error (kv_transfer_failure=fail). Read once per
+        HTTP request (a batch of prompts asks for each): its signature is good for one use."""
+        source = getattr(request.state, "kv_source", _UNREAD)
+        if source is _UNREAD:
+            source = request.state.kv_source = self._kv_source(request)
+        return source
+
+    def _kv_source(self, request: Request) -> KVSource | None:
         text = request.headers.get(KV_TRANSFER_HEADER)
         if text is None:
             return None

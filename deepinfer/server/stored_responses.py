@@ -65,7 +65,7 @@ class StoredResponses:
 
     def __init__(self, store: ResponseStore | None) -> None:
         self.store = store
-        self.background = BackgroundRuns(self)
+        self.background = BackgroundRuns(store, self.call)
 
     @property
     def enabled(self) -> bool:

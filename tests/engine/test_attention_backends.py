@@ -184,3 +184,33 @@ def test_a_decode_row_is_the_same_bits_in_any_batch(
         backend.prepare(meta)
         alone = backend.forward(q[i : i + 1], k[i : i + 1], v[i : i + 1], cache.clone(), meta, 0.125)
         assert torch.equal(alone, batch[i : i + 1]), f"row of {length} tokens"
+
+
+@pytest.mark.parametrize("level", [level.name for level in isa.machine_levels()])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("window", [None, 50])
+def test_a_prompt_row_in_a_row_tile_is_the_same_bits_as_alone(
+    kv_dtype: torch.dtype, window: int | None, level: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Consecutive rows of a chunk share each block's loads (a row tile of the kernel); every row
+    is bit-identical to the same row attended alone, as a decode row. The second sequence's rows
+    continue the first's lengths (130.. after ..129) but read other blocks: no tile spans them."""
+    monkeypatch.setenv(isa.ENV, level)
+    backend = CpuPagedBackend(row_kernel_only=True)
+    generator = torch.Generator().manual_seed(0)
+    blocks_per_seq = 12
+    cache = torch.randn(2 * blocks_per_seq * BLOCK, 2, KV_HEADS, HEAD_DIM, generator=generator).to(kv_dtype)
+    tables = torch.randperm(2 * blocks_per_seq, generator=generator).view(2, blocks_per_seq)
+    lens = list(range(100, 130)) + list(range(130, 150))  # 30 rows of sequence 0, 20 of sequence 1
+    row_tables = torch.cat([tables[0].repeat(30, 1), tables[1].repeat(20, 1)])
+    q = torch.randn(len(lens), HEADS, HEAD_DIM, generator=generator)
+    starts = None if window is None else torch.tensor([max(n - window, 0) for n in lens])
+    tiled = torch.empty_like(q)
+    backend.attend_rows(q, cache, tiled, row_tables, torch.tensor(lens), BLOCK, 0.125, starts)
+    for i, length in enumerate(lens):
+        alone = torch.empty_like(q[i : i + 1])
+        start = None if starts is None else starts[i : i + 1]
+        backend.attend_rows(
+            q[i : i + 1], cache, alone, row_tables[i : i + 1], torch.tensor([length]), BLOCK, 0.125, start
+        )
+        assert torch.equal(alone, tiled[i : i + 1]), f"row {i} ({length} positions)"

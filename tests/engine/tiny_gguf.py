@@ -3,7 +3,10 @@
 Random weights and a byte-level BPE vocabulary of 260 tokens (three specials, the 256 GPT-2 byte
 symbols and the one merge " t"), so the loader's tokenizer conversion runs as for any GGUF, quickly. The formats are chosen so that loading exercises every case of the packed path:
 a fused q/k/v of two formats (Q4_K, Q4_K, Q6_K), one with an F16 member (dense fallback: its packed
-siblings get dequantized), every native format somewhere, an untied Q6_K LM head, a Q4_0 embedding.
+siblings get dequantized), each of Q4_0, Q4_1, Q8_0, Q4_K and Q6_K somewhere, an untied Q6_K LM
+head, a Q4_0 embedding.
+`NEWER_LAYER_FORMATS` are the formats of Q5_K_M and Q3_K_M files (Q5_0, Q5_1, Q3_K, Q5_K) and a
+Q2_K projection, which no kernel computes on (the dequantizing fallback).
 """
 
 from __future__ import annotations
@@ -15,13 +18,19 @@ from gguf import GGMLQuantizationType, GGUFWriter
 
 from tests.kernels.gguf_testing import random_packed
 
-HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2
+HIDDEN, INTERMEDIATE, HEADS, KV_HEADS = 256, 512, 4, 2
 HEAD_DIM = HIDDEN // HEADS
 LAYER_FORMATS = [
     {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q8_0",
      "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q4_0"},
     {"attn_q": "F16", "attn_k": "Q8_0", "attn_v": "Q8_0", "attn_output": "Q4_K",
      "ffn_gate": "Q6_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K"},
+]  # fmt: skip
+NEWER_LAYER_FORMATS = [
+    {"attn_q": "Q5_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "attn_output": "Q5_0",
+     "ffn_gate": "Q3_K", "ffn_up": "Q3_K", "ffn_down": "Q5_1"},
+    {"attn_q": "Q2_K", "attn_k": "Q3_K", "attn_v": "Q5_K", "attn_output": "Q3_K",
+     "ffn_gate": "Q5_0", "ffn_up": "Q5_1", "ffn_down": "Q5_K"},
 ]  # fmt: skip
 
 
@@ -58,10 +67,10 @@ def _matrix(
     return packed.data, GGMLQuantizationType(packed.qtype)
 
 
-def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
+def write_tiny_gguf(path: Path, seed: int = 0, layer_formats: list[dict[str, str]] = LAYER_FORMATS) -> Path:
     rng = np.random.default_rng(seed)
     writer = GGUFWriter(str(path), "llama")
-    writer.add_block_count(LAYERS)
+    writer.add_block_count(len(layer_formats))
     writer.add_context_length(2048)
     writer.add_embedding_length(HIDDEN)
     writer.add_feed_forward_length(INTERMEDIATE)
@@ -80,7 +89,7 @@ def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
     shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * HEAD_DIM, HIDDEN), "attn_v": (KV_HEADS * HEAD_DIM, HIDDEN),
               "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (INTERMEDIATE, HIDDEN), "ffn_up": (INTERMEDIATE, HIDDEN),
               "ffn_down": (HIDDEN, INTERMEDIATE)}  # fmt: skip
-    for layer, formats in enumerate(LAYER_FORMATS):
+    for layer, formats in enumerate(layer_formats):
         for norm in ("attn_norm", "ffn_norm"):
             writer.add_tensor(
                 f"blk.{layer}.{norm}.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32)

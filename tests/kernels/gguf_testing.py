@@ -20,16 +20,19 @@ def random_packed(
 ) -> PackedMatrix:
     qtype = GGMLQuantizationType[name]
     block, size = GGML_QUANT_SIZES[qtype]
-    if name in ("Q4_0", "Q4_1", "Q8_0"):
+    if name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
         data = quants.quantize((rng.standard_normal((rows, cols)) * scale).astype(np.float32), qtype)
     else:
         data = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
-        if name == "Q4_K":  # d and dmin lead the block; weights reach about d * 63 * 15
-            halves = (rng.random((rows, cols // block, 2)) * scale / 400).astype(np.float16)
-            data[..., :4] = halves.view(np.uint8).reshape(rows, cols // block, 4)
-        else:  # Q6_K: d ends the block; weights reach about d * 127 * 32
-            halves = (rng.random((rows, cols // block, 1)) * scale / 1500).astype(np.float16)
-            data[..., -2:] = halves.view(np.uint8).reshape(rows, cols // block, 2)
+        if name == "Q2_K":  # d and dmin end the block; weights reach about d * 15 * 3
+            halves = rng.random((rows, cols // block, 2)) * scale / 45
+            data[..., -4:] = halves.astype(np.float16).view(np.uint8).reshape(rows, cols // block, 4)
+        elif name in ("Q4_K", "Q5_K"):  # d and dmin lead the block; weights reach d * 63 * 15 (31)
+            halves = rng.random((rows, cols // block, 2)) * scale / (400 if name == "Q4_K" else 800)
+            data[..., :4] = halves.astype(np.float16).view(np.uint8).reshape(rows, cols // block, 4)
+        else:  # Q3_K, Q6_K: d ends the block; weights reach about d * 32 * 4 (Q6_K: d * 127 * 32)
+            halves = rng.random((rows, cols // block, 1)) * scale / (100 if name == "Q3_K" else 1500)
+            data[..., -2:] = halves.astype(np.float16).view(np.uint8).reshape(rows, cols // block, 2)
     data = np.ascontiguousarray(data.reshape(rows, -1))
     return PackedMatrix(int(qtype), rows, cols, data)
 
@@ -63,9 +66,9 @@ def quantize_activations(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndar
 
 
 def block_mins(matrix: PackedMatrix) -> np.ndarray:
-    """Q4_1's per-block minimum m [rows, K/32] (zero for the other formats)."""
+    """Q4_1's and Q5_1's per-block minimum m [rows, K/32] (zero for the other formats)."""
     blocks = matrix.cols // activation_blocks(matrix)
-    if GGMLQuantizationType(matrix.qtype).name != "Q4_1":
+    if GGMLQuantizationType(matrix.qtype).name not in ("Q4_1", "Q5_1"):
         return np.zeros((matrix.rows, blocks), dtype=np.float32)
     raw = matrix.data.reshape(matrix.rows, blocks, -1)
     return raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
@@ -73,8 +76,8 @@ def block_mins(matrix: PackedMatrix) -> np.ndarray:
 
 def reference_product(x: np.ndarray, matrix: PackedMatrix) -> tuple[np.ndarray, np.ndarray]:
     """(y, magnitude): the product with activations quantized as the kernel does, in float64, and
-    sum_k |x_q w| per output, which scales the kernel's float32 rounding. Q4_1's min multiplies the
-    stored block sum s, as in the kernel."""
+    sum_k |x_q w| per output, which scales the kernel's float32 rounding. Q4_1's and Q5_1's min
+    multiply the stored block sum s, as in the kernel."""
     block = activation_blocks(matrix)
     q, d, s = quantize_activations(x, block)
     xq = (q.reshape(x.shape[0], -1, block) * d[..., None].astype(np.float64)).reshape(x.shape)
@@ -85,7 +88,8 @@ def reference_product(x: np.ndarray, matrix: PackedMatrix) -> tuple[np.ndarray, 
 
 def activation_error_bound(x: np.ndarray, matrix: PackedMatrix) -> np.ndarray:
     """|kernel - x W^T| bound from the activation quantization: per value half a step plus the
-    fp16 rounding of the step (|q| <= 127), and for Q4_1's min the rounding of the block sum."""
+    fp16 rounding of the step (|q| <= 127), and for Q4_1's and Q5_1's min the rounding of the block
+    sum."""
     block = activation_blocks(matrix)
     q, d, s = quantize_activations(x, block)
     blocks = x.astype(np.float64).reshape(x.shape[0], -1, block)

@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from deepinfer.kernels import isa
-from deepinfer.kernels.gguf_blocks import GGUFKernels, PackedGroup, PackedMatrix, gguf_kernels
+from deepinfer.kernels.gguf_blocks import (
+    INTERLEAVED_TYPES,
+    GGUFKernels,
+    PackedGroup,
+    PackedMatrix,
+    gguf_kernels,
+)
 from deepinfer.model.layers.norm import RMSNorm
 from deepinfer.model.loader.gguf_tensors import read_tensors
 from tests.kernels.gguf_testing import (
@@ -90,7 +96,16 @@ def test_a_row_never_depends_on_batch_threads_or_code_path(kernels, name):
 def test_a_group_computes_as_the_concatenation_of_its_matrices(kernels):
     rng = _rng("group")
     parts = [
-        random_packed(name, rows, COLS, rng) for name, rows in (("Q4_K", 48), ("Q6_K", 17), ("Q4_1", 31))
+        random_packed(name, rows, COLS, rng)
+        for name, rows in (
+            ("Q4_K", 48),
+            ("Q6_K", 17),
+            ("Q4_1", 31),
+            ("Q5_K", 9),
+            ("Q3_K", 16),
+            ("Q5_0", 8),
+            ("Q5_1", 3),
+        )
     ]
     x = rng.standard_normal((5, COLS)).astype(np.float32)
     together = _matmul(kernels, x, *parts)
@@ -114,7 +129,7 @@ def test_interleaved_rows_give_the_same_bits(kernels, name):
     rng = _rng("interleaved", name)
     matrix = random_packed(name, 72, COLS, rng)
     interleaved = kernels.interleave(matrix)
-    if name in ("Q4_K", "Q6_K"):
+    if f"{name}_X8" not in INTERLEAVED_TYPES:
         assert interleaved is matrix
         return
     assert interleaved.qtype != matrix.qtype and interleaved.data.shape == matrix.data.shape

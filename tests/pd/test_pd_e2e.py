@@ -12,11 +12,13 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from deepinfer.config.engine import DEFAULT_CHUNK_BLOCKS
 from tests.pd.apis import APIS, ask
 from tests.pd.cluster import (
     MODEL,
     SMALL,
     RouterProcess,
+    engine_info,
     replica,
     reusable,
     start_all,
@@ -126,6 +128,22 @@ def test_a_partial_hit_on_the_decoder(cluster) -> None:
     assert answer == expected
     assert cached == reusable(prompt_tokens) > reusable(head_tokens)  # its own part, then the rest pulled
     wait_all_blocks_free(engines(cluster, "prefill", "decode1", "decode2"))
+
+
+def test_engine_info_names_the_chunks_each_engine_moves(cluster) -> None:
+    # Prefill and decode engines cut their handoffs into chunks of --kv-chunk-blocks with or
+    # without a store; a plain engine with neither a store nor a PD role cuts none.
+    chunk_blocks = {
+        name: engine_info(cluster[name])["kv_chunk_blocks"] for name in cluster if "router" not in name
+    }
+    assert chunk_blocks == {
+        "reference": 0,
+        "prefill": DEFAULT_CHUNK_BLOCKS,
+        "decode1": DEFAULT_CHUNK_BLOCKS,
+        "decode2": DEFAULT_CHUNK_BLOCKS,
+        "store_prefill": 1,
+        "store_decode": 1,
+    }
 
 
 def test_request_ids_pass_through_and_errors_keep_their_shape(cluster) -> None:

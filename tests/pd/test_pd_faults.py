@@ -183,6 +183,7 @@ def test_a_decode_engine_killed_mid_stream(cluster) -> None:
         json.loads(line[len("data: ") :]) for line in rest if line.startswith("data: {") and '"error"' in line
     ]
     assert errors and errors[-1]["error"]["type"] and "mid-stream" in errors[-1]["error"]["message"]
+    assert not any(serving.split("//")[1] in line for line in rest)  # nor where it ran
     assert rest[-1] == "data: [DONE]" or rest[-2:] == ["data: [DONE]", ""]
     assert wait_until(lambda: not pid_alive(victim.engine_pid), 10)
     # New requests go to the other decoder (the first may be retried there: before any byte).
@@ -217,12 +218,14 @@ def test_the_prefill_engine_killed(cluster) -> None:
     source = {KV_HEADER: signed_handoff(address=address, transfer_id="lost")}
     reply = httpx.post(strict.url + "/v1/completions", json=body, headers=source, timeout=60)
     assert reply.status_code == 500 and "did not arrive" in reply.json()["error"]["message"]
+    assert address not in reply.text  # the transfer listener's address is internal
     messages = {
         "model": MODEL,
         "messages": [{"role": "user", "content": DOCUMENT}],
         "max_tokens": 8,
         "stream": True,
     }
+    source = {KV_HEADER: signed_handoff(address=address, transfer_id="lost")}  # each is good once
     with httpx.stream(
         "POST", strict.url + "/v1/messages", json=messages, headers=source, timeout=60
     ) as stream:

@@ -130,3 +130,31 @@ def test_token_ids_need_a_tokenizer(smollm2):
     assert recipe.render(conv).token_ids is None
     prompt = recipe.render(conv, tokenizer=bpe)
     assert bpe.decode(prompt.token_ids, skip_special_tokens=False) == prompt.text
+
+
+APPLY_PATCH_TOOL = {
+    "type": "custom",
+    "name": "apply_patch",
+    "description": "Edit files with a patch (client's words).",
+}
+
+
+@pytest.mark.parametrize("source", ["smollm2", "llama3_3_instruct.jinja"])
+def test_apply_patch_keeps_the_clients_description_outside_deepseek_v4(smollm2, source: str) -> None:
+    """Only the DeepSeek V4 encodings replace the apply_patch custom tool's description (their
+    codec does); a chat template shows what the client wrote."""
+    from deepinfer.recipe.api import responses_to_conversation
+    from deepinfer.recipe.apply_patch import APPLY_PATCH_DESCRIPTION
+
+    body = {"model": "m", "input": "fix a.py", "tools": [APPLY_PATCH_TOOL]}
+    conv = responses_to_conversation(body)
+    recipe = (
+        Recipe.for_model(smollm2[0])
+        if source == "smollm2"
+        else Recipe("chat_template", chat_template=template(source))
+    )
+    text = recipe.render(conv).text
+    assert APPLY_PATCH_TOOL["description"] in text and "Begin Patch" in text  # the input's own words
+    assert APPLY_PATCH_DESCRIPTION.splitlines()[1] not in text
+    v41 = Recipe("deepseek_v41").render(responses_to_conversation(body)).text
+    assert APPLY_PATCH_DESCRIPTION.splitlines()[1] in v41 and APPLY_PATCH_TOOL["description"] not in v41

@@ -197,6 +197,7 @@ def test_a_replica_killed_mid_stream(cluster) -> None:
         victim.kill()
         rest = list(lines)
     assert any(line.startswith("data: {") and '"error"' in line for line in rest)
+    assert not any(serving.split("//")[1] in line for line in rest)  # the replica's address is internal
     for stream_mode in (False, True):  # later requests succeed on the other one
         assert ask(router.url, "messages", "Hello again", stream_mode)[0]
     assert wait_until(

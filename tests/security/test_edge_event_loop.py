@@ -133,3 +133,25 @@ def test_special_spellings_are_found_across_scan_windows(monkeypatch: pytest.Mon
         assert guard.restore(protected) == text
         specials = [piece for piece, special in guard.segments(text) if special]
         assert specials == guard._special_re.findall(text)
+
+
+def test_a_prompt_past_the_context_is_counted_without_its_ids() -> None:
+    """Turning millions of ids into a list holds the GIL (and the event loop) for tens of
+    milliseconds: past the limit, the count comes back, exact, and no list is made."""
+    from deepinfer.recipe.tokens import prompt_tokenizer
+    from deepinfer.router.prompt import PromptRenderer
+    from deepinfer.validation import PromptTooLong
+
+    tokenizer = PromptRenderer.load(None, None).tokenizer
+    text = "A river runs through it. " * 40
+    assert tokenizer.encode(text, max_tokens=10_000) == tokenizer.backend.encode(text).ids
+    with pytest.raises(PromptTooLong) as too_long:
+        tokenizer.encode(text, max_tokens=10)
+    assert too_long.value.num_tokens == len(tokenizer.backend.encode(text).ids)
+    pieces = [("<|im_start|>", True), ("user\n" + text, False), ("<|im_end|>", True), ("<|im_start|>", True)]
+    whole = prompt_tokenizer(tokenizer.backend).encode(pieces, strict=False)
+    assert prompt_tokenizer(tokenizer.backend).encode(pieces, strict=False, max_tokens=len(whole)) == whole
+    for limit in (0, 1, len(whole) - 2, len(whole) - 1):  # past it in a marker, in text, at the end
+        with pytest.raises(PromptTooLong) as too_long:
+            prompt_tokenizer(tokenizer.backend).encode(pieces, strict=False, max_tokens=limit)
+        assert too_long.value.num_tokens == len(whole)

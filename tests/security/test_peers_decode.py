@@ -176,3 +176,20 @@ def test_even_a_signed_handoff_installs_nothing_from_a_server_without_the_key(de
     clean = chat(decode, TENANT_A, prompt=question)
     answer = msgspec.json.decode(poisoned.content)["choices"][0]["message"]["content"]
     assert answer == clean.json()["choices"][0]["message"]["content"]
+
+
+def test_a_peer_token_or_handoff_is_good_once(decode) -> None:
+    # The peers' HTTP is not encrypted: a token read off the wire must be worth nothing again.
+    url = decode.url + "/v1/engine_info"
+    token = peer_headers("GET", "/v1/engine_info")
+    assert httpx.get(url, headers=token, timeout=30).status_code == 200
+    replayed = error_of(httpx.get(url, headers=token, timeout=30), 403)
+    assert replayed["code"] == "peer_auth_failed" and "used before" in replayed["message"]
+    assert httpx.get(url, headers=peer_headers("GET", "/v1/engine_info"), timeout=30).status_code == 200
+    # A prefill the router reports as failed: recomputed here (the default), once.
+    handoff = {KV_HEADER: signed_handoff(error="the prefill replica answered 503")}
+    assert chat(decode, TENANT_A, handoff).status_code == 200
+    replayed = error_of(chat(decode, TENANT_B, handoff), 403)
+    assert replayed["param"] == KV_HEADER and "used before" in replayed["message"]
+    fresh = {KV_HEADER: signed_handoff(error="the prefill replica answered 503")}
+    assert chat(decode, TENANT_B, fresh).status_code == 200

@@ -15,7 +15,15 @@ from deepinfer.engine.kv_cache.events import DEVICE, Stored
 from deepinfer.engine.kv_events import BlockStored, KVEventPublisher, decode_batch
 from deepinfer.security import ClusterKeyError, read_cluster_key
 from deepinfer.security.curve import client_keys, server_keys
-from deepinfer.security.signing import handoff_fields, sign, sign_handoff, verify
+from deepinfer.security.signing import (
+    SpentTokens,
+    TokenCheck,
+    check,
+    handoff_fields,
+    sign,
+    sign_handoff,
+    verify,
+)
 from deepinfer.server.errors import ApiError
 from deepinfer.server.peers import check_handoff_signature
 
@@ -62,6 +70,23 @@ def test_a_handoff_signature_covers_every_field_and_expires() -> None:
         check_handoff_signature(None, good, handoff_fields("pd-1", "10.0.0.5:7000", None))
     assert not verify(KEY, sign(KEY, "p", "x", ttl_s=-1), "p", "x")
     assert not verify(KEY, "not-a-token", "p", "x")
+
+
+def test_a_token_is_spent_once_and_forgotten_when_it_expires() -> None:
+    spent = SpentTokens(capacity=3)
+    tokens = [sign(KEY, "p", "x", ttl_s=1) for _ in range(3)]
+    assert len(set(tokens)) == 3  # signed in the same second, still distinct (a nonce each)
+    assert [check(KEY, t, "p", "x", spent=spent) for t in tokens] == [TokenCheck.VALID] * 3
+    assert check(KEY, tokens[0], "p", "x", spent=spent) is TokenCheck.SPENT
+    # Only valid tokens are remembered: a forged one neither passes nor takes room.
+    assert check(KEY, sign(b"o" * 32, "p", "x"), "p", "x", spent=spent) is TokenCheck.INVALID
+    assert len(spent) == 3
+    # Full: a fourth live token is refused rather than letting memory grow (or old ones replay).
+    assert check(KEY, sign(KEY, "p", "x"), "p", "x", spent=spent) is TokenCheck.SPENT
+    time.sleep(2.1)  # the three expire: their nonces are dropped, and with them the room they took
+    assert check(KEY, sign(KEY, "p", "x"), "p", "x", spent=spent) is TokenCheck.VALID
+    assert len(spent) == 1
+    assert check(KEY, tokens[1], "p", "x", spent=spent) is TokenCheck.INVALID  # expired, still no use
 
 
 def _first_batch(publisher: KVEventPublisher, sub: zmq.Socket) -> object:

@@ -13,8 +13,10 @@ tools) and Claude Code in its default mode (not `--bare`: its environment block 
 `--max-model-len 32768`). Output is bounded so each turn stays short: Claude Code asks for
 32,000 tokens unless told otherwise, and Codex sends no bound at all (so it samples to the end
 of the context unless the server has `--default-max-tokens`, as an agent deployment would).
-Claude Code is given two tools (`--tools Read,Glob`): its whole default set is ~12,400 prompt
-tokens, minutes of prefill on a 2-core CPU.
+On the default model Claude Code is given two tools (`--tools Read,Glob`): its whole default set
+is ~12,600 prompt tokens, minutes of prefill on a 2-core CPU. Its whole default set runs against
+a tiny random model with SmolLM2's tokenizer and chat template (tiny_smollm.py), whose prefill
+takes seconds, with keep-alive pings every 0.1 s: the protocol path of a long prefill, end to end.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ import pytest
 
 from tests.server.conftest import API_KEY, MODEL
 from tests.server.server_process import ServerProcess
+from tests.server.tiny_smollm import CONTEXT as TINY_CONTEXT
+from tests.server.tiny_smollm import write_tiny_smollm
 
 pytestmark = [pytest.mark.slow, pytest.mark.agents]
 
@@ -92,6 +96,7 @@ class RecordingProxy:
 
     def __init__(self, target: str) -> None:
         self.bodies: list[dict[str, Any]] = []
+        self.pings = 0  # Messages `ping` events relayed to the client
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -111,9 +116,12 @@ class RecordingProxy:
                             self.send_header(key, value)
                     self.send_header("connection", "close")
                     self.end_headers()
+                    relayed = bytearray()
                     for chunk in upstream.iter_raw():
+                        relayed += chunk
                         self.wfile.write(chunk)
                         self.wfile.flush()
+                proxy.pings += relayed.count(b"event: ping\n")
 
             def log_message(self, *args: Any) -> None:
                 pass
@@ -204,7 +212,12 @@ def test_codex_exec_with_its_own_instructions_completes_a_turn_over_responses(se
     assert count > TRAINED_CONTEXT, count
 
 
-def test_claude_code_in_its_default_mode_completes_a_turn_over_messages(server, tmp_path: Path) -> None:
+def run_claude_code(
+    server: ServerProcess, tmp_path: Path, *options: str
+) -> tuple[dict[str, Any], RecordingProxy]:
+    """One `claude -p` turn through a RecordingProxy; its JSON report. Every request was answered
+    (no HTTP error, none logged >= 400); the turn ended as a turn ends, or at the output bound
+    Claude Code was given, never on a response it could not read."""
     claude = npm_cli("claude")
     first_line = len(server.lines)
     with RecordingProxy(server.url) as proxy:
@@ -230,8 +243,7 @@ def test_claude_code_in_its_default_mode_completes_a_turn_over_messages(server, 
                 MODEL,
                 "--output-format",
                 "json",
-                "--tools",
-                "Read,Glob",
+                *options,
             ],
             env=env,
             cwd=tmp_path,
@@ -241,8 +253,6 @@ def test_claude_code_in_its_default_mode_completes_a_turn_over_messages(server, 
             timeout=CLIENT_TIMEOUT_S,
         )
     report = json.loads(result.stdout)
-    # Every request was answered (no HTTP error); the turn ended as a turn ends, or at the
-    # output bound Claude Code was given, never on a response it could not read.
     assert report.get("api_error_status") is None, report
     assert report["terminal_reason"] in ("completed", "success", "end_turn") or report.get("api_error") == (
         "max_output_tokens"
@@ -253,6 +263,47 @@ def test_claude_code_in_its_default_mode_completes_a_turn_over_messages(server, 
     # The default mode: its own system prompt, and its environment as a system entry in `messages`.
     first = proxy.bodies[0]
     assert first["system"] and any(message["role"] == "system" for message in first["messages"])
+    return report, proxy
+
+
+def test_claude_code_in_its_default_mode_completes_a_turn_over_messages(server, tmp_path: Path) -> None:
+    run_claude_code(server, tmp_path, "--tools", "Read,Glob")
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory):
+    """The tiny random SmolLM2 (tiny_smollm.py) served as the default model's name, with a
+    keep-alive interval far shorter than its prefills."""
+    model = write_tiny_smollm(tmp_path_factory.mktemp("tiny-smollm"))
+    process = ServerProcess(
+        str(model),
+        "--served-model-name",
+        MODEL,
+        "--api-key",
+        API_KEY,
+        "--default-max-tokens",
+        str(DEFAULT_MAX_TOKENS),
+        "--max-model-len",
+        str(TINY_CONTEXT),
+        "--stream-keepalive",
+        "0.1",
+        "--log-level",
+        "info",
+    ).start()
+    yield process
+    assert process.stop() == 0, process.log_tail()
+
+
+def test_claude_code_with_its_whole_default_tool_set_completes_a_turn(tiny_server, tmp_path: Path) -> None:
+    # No --tools, no --bare: every tool Claude Code declares, a prompt SmolLM2 prefills for minutes
+    # here (the tiny model: seconds). Its streams carried keep-alive pings, which it ignored.
+    _, proxy = run_claude_code(tiny_server, tmp_path)
+    names = {tool["name"] for tool in proxy.bodies[0]["tools"]}
+    assert {"Agent", "Bash", "Edit", "Read"} <= names, names
+    with tiny_server.client(API_KEY) as http:
+        count = http.post("/v1/messages/count_tokens", json=proxy.bodies[0]).json()["input_tokens"]
+    assert count > 10_000, count
+    assert proxy.pings > 0
 
 
 @pytest.fixture

@@ -109,6 +109,9 @@ def engine_info(
 ) -> EngineInfo:
     config = core.config
     pd = config.disaggregation
+    # Chunks are what the store and host tiers keep and what a PD handoff moves (direct or
+    # through the store): a prefill or decode engine without a store still cuts them.
+    chunked = config.store.enabled or pd.role in ("prefill", "decode")
     return EngineInfo(
         model_name=core.loaded.name,
         max_model_len=core.max_model_len,
@@ -126,7 +129,7 @@ def engine_info(
         kv_transfer_address=core.kv_transfer_address,
         kv_events_endpoint=publisher.endpoint if publisher is not None else None,
         kv_store=config.store.identity,
-        kv_chunk_blocks=config.store.kv_chunk_blocks if config.store.kv_store is not None else 0,
+        kv_chunk_blocks=config.store.kv_chunk_blocks if chunked else 0,
         kv_transfer_layout=core.kv_transfer_layout,
         accepts_images=core.loaded.model.accepts_images,
     )

@@ -89,7 +89,7 @@ class EngineInfo(msgspec.Struct, array_like=True):
     kv_transfer_address: str | None = None  # host:port of a prefill engine's transfer listener
     kv_events_endpoint: str | None = None
     kv_store: str | None = None  # the shared store's identity (a path or redis host/db), no secrets
-    kv_chunk_blocks: int = 0  # blocks per stored chunk (0: no shared store)
+    kv_chunk_blocks: int = 0  # blocks per KV chunk stored or handed off (0: this engine cuts none)
     kv_transfer_layout: str | None = None  # the chunks a direct handoff moves (prefill/decode roles)
     accepts_images: bool = False  # the model has a vision tower: requests may carry images
 

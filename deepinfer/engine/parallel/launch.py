@@ -44,19 +44,22 @@ def die_with_parent() -> None:
         log.debug("prctl unavailable: this rank relies on its parent-pid check")
 
 
+RankMain = Callable[[EngineConfig, Topology, ShmHandle | None, int, str], None]
+
+
 class LocalRanks:
-    """Ranks of this machine spawned by this process (one process each)."""
+    """Ranks of this machine spawned by this process (one process each), each running `rank_main`
+    (the worker's entry point, passed in so that this module never imports the worker)."""
 
     def __init__(
         self,
+        rank_main: RankMain,
         config: EngineConfig,
         topology: Topology,
         ranks: list[int],
         handles: list[ShmHandle | None],
         log_level: str,
     ) -> None:
-        from deepinfer.engine.parallel.worker import rank_main
-
         context = multiprocessing.get_context("spawn")
         self.processes: dict[int, multiprocessing.process.BaseProcess] = {}
         for rank, handle in zip(ranks, handles):

@@ -19,7 +19,7 @@ from deepinfer.engine.parallel.context import RankContext, bind_cores
 from deepinfer.engine.parallel.data_parallel import DataParallelEngine
 from deepinfer.engine.parallel.launch import LocalRanks, PeerMonitor, RankWatchdog
 from deepinfer.engine.parallel.messages import Shutdown
-from deepinfer.engine.parallel.worker import TensorParallelPeers, distributed_backend
+from deepinfer.engine.parallel.worker import TensorParallelPeers, distributed_backend, rank_main
 from deepinfer.model.loader.load import LoadedModel, check_model_parallel
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ def start_engine(
             handles = (
                 channel.handles if isinstance(channel, ShmChannel) else [None] * (topology.ranks_per_node - 1)
             )
-            local = LocalRanks(config, topology, list(topology.node_ranks)[1:], handles, log_level)
+            local = LocalRanks(rank_main, config, topology, list(topology.node_ranks)[1:], handles, log_level)
             closers.append(local.stop)
             if isinstance(channel, ShmChannel):
                 channel.sentinels = local.sentinels

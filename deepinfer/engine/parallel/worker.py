@@ -38,8 +38,8 @@ from deepinfer.engine.parallel.context import RankContext, bind_cores, rank_thre
 from deepinfer.engine.parallel.data_parallel import DataParallelRank
 from deepinfer.engine.parallel.launch import LocalRanks, PeerMonitor, die_with_parent
 from deepinfer.engine.parallel.messages import Shutdown
+from deepinfer.model.loader.dtype import engine_dtype
 from deepinfer.model.loader.load import load_model
-from deepinfer.runner.device import torch_dtype
 from deepinfer.runner.inputs import ForwardWork
 from deepinfer.runner.kv_caches import KVCaches
 from deepinfer.runner.model_runner import ModelRunner
@@ -69,12 +69,12 @@ def build_tensor_parallel_runner(config: EngineConfig, context: RankContext) -> 
     with), and a runner without sampling state."""
     torch.set_num_threads(rank_threads(config, context.topology))
     device = engine_device(config, context)
-    dtype = torch_dtype(config.dtype, device)
+    dtype = engine_dtype(config, device)
     loaded = load_model(
         config.model, dtype, device, config.quantization, context.model_parallel(), config.rope_scaling
     )
     model = loaded.model
-    declared = {"target": model.cache_groups(kv_cache_dtype(config, loaded, dtype))}
+    declared = {"target": model.cache_groups(kv_cache_dtype(config, loaded, dtype, device))}
     layout = plan_engine_caches(config, declared["target"], device, context)
     caches = KVCaches(layout, declared, device)
     return ModelRunner(
@@ -162,7 +162,7 @@ def run_node(config: EngineConfig, log_level: str = "info") -> int:
         rank_main(config, topology, None, os.getppid(), log_level)
         return 0
     ranks = LocalRanks(
-        config, topology, list(topology.node_ranks), [None] * topology.ranks_per_node, log_level
+        rank_main, config, topology, list(topology.node_ranks), [None] * topology.ranks_per_node, log_level
     )
     print(
         f"DeepInfer node {topology.node_rank} of {topology.nnodes}: ranks {list(topology.node_ranks)} "

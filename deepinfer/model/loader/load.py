@@ -196,6 +196,8 @@ def load_model(
     identity = f"{weights_id}:{config.model_type}"
     if rope_scaling is not None:  # other positions, other keys: never a prefix hit across them
         identity += ":rope=" + json.dumps(config.rope_scaling, sort_keys=True)
+    if dtype != torch.float32:  # a bf16 run of a checkpoint writes other KV than its fp32 run
+        identity += f":{str(dtype).removeprefix('torch.')}"
     if resolved is not None:
         if resolved != "gguf":
             net.quantize(resolved)

@@ -6,10 +6,10 @@
   each as one function named `NAMESPACE::NAME`, described by the group's description and its
   own, as DeepSeek's codec writes them; calls are split back into `namespace` + `name`.
 - `custom` `apply_patch`: a free-form text tool. The model sees a function with one string
-  parameter, `input`, described as DeepSeek's codec describes it (the patch format, whatever the
-  client's description); its calls come back as `custom_tool_call` items holding that text. Its
-  grammar (`format: {type: grammar}`) is enforced by the sampler when the call is forced. Other
-  custom tools are refused, as DeepSeek's codec refuses them.
+  parameter, `input`, with the client's description (the DeepSeek V4 encodings write their
+  codec's own instead: recipe/apply_patch.py); its calls come back as `custom_tool_call` items
+  holding that text. Its grammar (`format: {type: grammar}`) is enforced by the sampler when
+  the call is forced. Other custom tools are refused, as DeepSeek's codec refuses them.
 - Hosted tools the server cannot run (`web_search`, `file_search`, `code_interpreter`, …):
   dropped from the prompt by default, or refused (`hosted_tools="reject"`).
 """
@@ -23,7 +23,6 @@ from pydantic import Field
 
 from deepinfer.recipe.api._request import EMPTY_OBJECT_SCHEMA
 from deepinfer.recipe.api._validation import ApiModel, validate
-from deepinfer.recipe.apply_patch import APPLY_PATCH_DESCRIPTION
 from deepinfer.recipe.errors import RecipeError
 from deepinfer.recipe.ir import Tool
 
@@ -150,11 +149,10 @@ def _namespace(spec: _NamespaceTool, path: str) -> list[Tool]:
 
 
 def _custom(spec: _CustomTool) -> Tool:
-    # Described as DeepSeek's codec describes it, whatever the client's description and grammar
-    # say (the grammar still binds a forced call: see CustomGrammar).
+    # The client's description; the grammar is not shown, it binds a forced call (CustomGrammar).
     return Tool(
         name=spec.name,
-        description=APPLY_PATCH_DESCRIPTION,
+        description=spec.description,
         parameters={
             "type": "object",
             "additionalProperties": False,

@@ -6,6 +6,8 @@ import json
 from typing import Any
 
 SSE_DONE = "data: [DONE]\n\n"
+# A comment line: SSE parsers (the OpenAI SDKs, Codex's) skip it; it only keeps the stream alive.
+SSE_KEEPALIVE = ": keep-alive\n\n"
 
 
 def to_json(payload: Any) -> str:

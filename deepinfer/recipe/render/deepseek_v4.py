@@ -163,9 +163,10 @@ def shown_name(tool: Tool, version: Version) -> str:
 
 def shown_description(tool: Tool, version: Version) -> str:
     """V4.1 describes a namespaced function by its group's description and its own; V4 by its own.
-    `apply_patch` has each version's own text."""
-    if version == "v4" and tool.custom and tool.description == APPLY_PATCH_DESCRIPTION:
-        return APPLY_PATCH_DESCRIPTION_V4
+    The `apply_patch` custom tool has each version's own text, whatever the client's description
+    (DeepSeek's codec replaces it)."""
+    if tool.custom:
+        return APPLY_PATCH_DESCRIPTION_V4 if version == "v4" else APPLY_PATCH_DESCRIPTION
     if version == "v4" and tool.namespace is not None and tool.description is not None:
         return tool.description.split("\n", 1)[1] if "\n" in tool.description else tool.description
     return tool.description or ""

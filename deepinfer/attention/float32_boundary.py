@@ -1,0 +1,36 @@
+"""An fp32 attention backend (the CPU's C kernels) under a model whose activations are bf16.
+
+The C kernels read fp32 queries and an fp32 or fp16 cache. A bf16 model hands them its q/k/v
+widened to fp32 (exact) and gets the output rounded back to bf16 once: attention itself runs in
+fp32 (as the kernels' online softmax does for every model), which is at least as accurate as
+HF's bf16 SDPA. K/V reach the cache in the cache's own dtype: fp16 for a bf16 model on the CPU
+by default (`kv_cache_dtype` auto), where every bf16 value below fp16's 65504 is exact.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer.attention.backend import AttentionBackend
+from deepinfer.attention.metadata import AttentionMetadata
+
+
+class Float32Boundary:
+    def __init__(self, inner: AttentionBackend) -> None:
+        self.inner = inner
+        self.name = inner.name
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        self.inner.prepare(meta)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        out = self.inner.forward(q.float(), k.float(), v.float(), cache, meta, scale)
+        return out.to(q.dtype)
