@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.latency_vs_llama_cpp import ours_once
 from deepinfer.bench.report import markdown_table, provenance, write_json
 
 
@@ -280,16 +281,10 @@ def measure_tpot(path: str, threads: int, prompt_len: int, output_len: int, repe
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(3, 40000, prompt_len)]  # real tokens of the vocabulary
     llm.generate([prompt], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)  # warm-up
-    engine, per_token = llm.engine, []
+    per_token = []
     for _ in range(repeats):
         llm.reset_prefix_cache()
-        engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True))
-        first = None
-        while engine.has_unfinished_requests():
-            for output in engine.step():
-                if first is None and output.outputs[0].token_ids:
-                    first = time.perf_counter()
-        per_token.append((time.perf_counter() - first) / (output_len - 1))
+        per_token.append(ours_once(llm.engine, prompt, output_len)[1])
     return {"tpot_s": min(per_token), "tpot_runs_s": per_token, "load_s": load_s}
 
 

@@ -89,11 +89,6 @@ def check(key: bytes, token: str, purpose: str, *fields: str, spent: SpentTokens
     return TokenCheck.VALID if spent.spend(nonce, expiry) else TokenCheck.SPENT
 
 
-def verify(key: bytes, token: str, purpose: str, *fields: str, spent: SpentTokens = SPENT) -> bool:
-    """True when `token` is this key's unexpired, unused signature of exactly these fields."""
-    return check(key, token, purpose, *fields, spent=spent) is TokenCheck.VALID
-
-
 def _mac(key: bytes, purpose: str, fields: tuple[str, ...], expiry: int, nonce: str) -> str:
     # Lengths first: ("ab", "c") and ("a", "bc") sign differently.
     message = "\0".join([purpose, str(expiry), nonce, *(f"{len(f)}:{f}" for f in fields)])

@@ -22,7 +22,6 @@ from deepinfer.security.signing import (
     handoff_fields,
     sign,
     sign_handoff,
-    verify,
 )
 from deepinfer.server.errors import ApiError
 from deepinfer.server.peers import check_handoff_signature
@@ -68,8 +67,8 @@ def test_a_handoff_signature_covers_every_field_and_expires() -> None:
         check_handoff_signature(b"o" * 32, good, handoff_fields("pd-1", "10.0.0.5:7000", None))
     with pytest.raises(ApiError, match="--cluster-key-file"):
         check_handoff_signature(None, good, handoff_fields("pd-1", "10.0.0.5:7000", None))
-    assert not verify(KEY, sign(KEY, "p", "x", ttl_s=-1), "p", "x")
-    assert not verify(KEY, "not-a-token", "p", "x")
+    assert check(KEY, sign(KEY, "p", "x", ttl_s=-1), "p", "x") is TokenCheck.INVALID
+    assert check(KEY, "not-a-token", "p", "x") is TokenCheck.INVALID
 
 
 def test_a_token_is_spent_once_and_forgotten_when_it_expires() -> None:
