@@ -195,13 +195,20 @@ def _add_generate(commands: Any) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", default=[], help="stop string; repeat for several")
-    p.add_argument("--recipe-family", metavar="NAME", help="override the detected prompt family")
+    p.add_argument(
+        "--chat-encoding",
+        "--recipe-family",  # the old spelling, still accepted
+        dest="recipe_family",
+        metavar="NAME",
+        help="the chat encoding (prompt format and output parser) of --chat, overriding the one detected "
+        "from the model: deepseek_v41, deepseek_v4, deepseek_v32, deepseek_v31, deepseek_r1 or chat_template",
+    )
     add_engine_options(p)
     p.set_defaults(handler=_run_generate, parser=p)
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from deepinfer.engine.llm_engine import LLMEngine
+    from deepinfer.entrypoints.llm_engine import LLMEngine
     from deepinfer.model.loader.preflight import check_model_source
     from deepinfer.model.loader.source import resolve_model_path
     from deepinfer.recipe import RecipeError

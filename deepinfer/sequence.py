@@ -119,3 +119,38 @@ class Sequence:
     def sort_key(self) -> tuple[int, float, int]:
         """Scheduling order: priority, then arrival, then choice index."""
         return (self.request.priority, self.request.arrival_time, self.seq_id)
+
+
+# -- the stop rule ---------------------------------------------------------------------------------
+# Every place that asks whether a sequence ends (the scheduler appending tokens, planning past the
+# tokens in flight, reserving draft slots; the speculative decoder bounding its drafts) asks here.
+
+
+def length_room(seq: Sequence, max_model_len: int) -> int:
+    """New tokens `seq` may still take before a length limit (max_tokens, the context) ends it:
+    0 or less once it has reached one. Placeholders of a step in flight are not counted."""
+    room = max_model_len - seq.num_tokens
+    max_tokens = seq.params.max_tokens
+    return room if max_tokens is None else min(room, max_tokens - seq.num_output_tokens)
+
+
+def draft_room(seq: Sequence, max_model_len: int) -> int:
+    """Draft tokens one decode step of `seq` may verify: k drafts and the token sampled after
+    them are k + 1 new tokens within max_tokens, and the last of them takes no KV position yet,
+    so the context leaves room for one more than `length_room` counts."""
+    return length_room(seq, max_model_len + 1) - 1
+
+
+def stop_after(seq: Sequence, token: int, max_model_len: int) -> tuple[FinishReason, int | None] | None:
+    """Whether `seq` ends with `token`, its newest token (already appended): (finish reason, stop
+    reason), or None when it runs on. EOS (unless ignore_eos) and the stop token ids end it only
+    past min_tokens (the sampler masks them until then); a length limit ends it regardless."""
+    params = seq.params
+    may_stop = seq.num_output_tokens > params.min_tokens
+    if may_stop and not params.ignore_eos and token in seq.request.eos_token_ids:
+        return FinishReason.STOP, None
+    if may_stop and token in params.stop_token_ids:
+        return FinishReason.STOP, token
+    if length_room(seq, max_model_len) <= 0:
+        return FinishReason.LENGTH, None
+    return None

@@ -10,7 +10,7 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 # Triton reads TRITON_INTERPRET when a kernel is decorated, and any test module (through the
 # model runner) may import deepinfer.kernels.triton first: on the CPU the interpreter runs them.
-# bench/device_check.sh sets DEEPINFER_TEST_DEVICE=cuda to compile them for the GPU instead.
+# deepinfer/bench/device_check.sh sets DEEPINFER_TEST_DEVICE=cuda to compile them for the GPU instead.
 if os.environ.get("DEEPINFER_TEST_DEVICE", "cpu") == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 

@@ -3,13 +3,15 @@
 What users run against an engine ships in the package: `serve` (the load generator for any
 OpenAI/Anthropic-compatible server), `throughput` and `latency` (the offline engine). Studies and
 peer comparisons (`peers`, `roofline`, `economics`, `prefix`, `kvstore`, `prefill`, `spec`, `structured`,
-`router`, `pd`, `parallel`, `vision`, `user-shapes`) are scripts in the repository's top-level bench/ folder; `deepinfer bench` finds and
-runs them when it is started from a checkout. `python -m deepinfer.bench ...` runs the same commands.
+`router`, `pd`, `parallel`, `vision`, `user-shapes`) are modules of this package too, imported only when
+their command runs (some need a checkout's build/ folder or extra packages). `python -m deepinfer.bench ...`
+runs the same commands.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
@@ -20,11 +22,10 @@ from typing import Any
 from deepinfer.bench.client import API_NAMES
 from deepinfer.bench.datasets import DATASET_NAMES
 from deepinfer.bench.offline import add_offline_parsers, run_latency, run_throughput
-from deepinfer.bench.repo import repo_module, repository_root
 from deepinfer.bench.serve import BenchError
 from deepinfer.config.flags import int_list_argument
 
-# Commands that are scripts of the repository: name -> module of bench/ (each has add_parser, run).
+# Study commands: name -> module of this package (each has add_parser, run), imported on use.
 REPO_COMMANDS = {
     "prefix": "prefix_cache",
     "kvstore": "kv_store",
@@ -99,15 +100,17 @@ def _add_serve(commands: Any) -> None:
     p.add_argument("--disable-tqdm", action="store_true")
 
 
+def _study(module: str) -> Any:
+    return importlib.import_module(f"deepinfer.bench.{module}")
+
+
 def add_bench_commands(parser: argparse.ArgumentParser) -> None:
-    in_repo = repository_root() is not None
-    names = ["serve", "throughput", "latency", *(REPO_COMMANDS if in_repo else [])]
+    names = ["serve", "throughput", "latency", *REPO_COMMANDS]
     commands = parser.add_subparsers(dest="bench_command", required=True, metavar="{" + ",".join(names) + "}")
     _add_serve(commands)
     add_offline_parsers(commands)
-    if in_repo:
-        for module in REPO_COMMANDS.values():
-            repo_module(module).add_parser(commands)
+    for module in REPO_COMMANDS.values():
+        _study(module).add_parser(commands)
 
 
 def add_bench_parser(subparsers: Any) -> None:
@@ -171,7 +174,7 @@ def run_bench(args: argparse.Namespace) -> int:
     try:
         command = args.bench_command
         if command in REPO_COMMANDS:
-            return repo_module(REPO_COMMANDS[command]).run(args)
+            return _study(REPO_COMMANDS[command]).run(args)
         return _HANDLERS[command](args)
     except (ValueError, BenchError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -147,10 +147,8 @@ def run_serve(options: ServeOptions, argv: Sequence[str] | None = None) -> dict[
 
 
 def _write_plots(plot_dir: str, outcomes: list[RunOutcome], summaries: list[dict[str, Any]]) -> list[str]:
-    from deepinfer.bench.repo import repo_module  # the plots are a script of the repository
+    from deepinfer.bench.plots import plot_concurrency_sweep, plot_latency_cdfs  # matplotlib: only when asked
 
-    plots = repo_module("plots")
-    plot_concurrency_sweep, plot_latency_cdfs = plots.plot_concurrency_sweep, plots.plot_latency_cdfs
     paths = [plot_latency_cdfs(outcomes, Path(plot_dir) / "latency_cdf.png")]
     if len(summaries) > 1:
         paths.append(plot_concurrency_sweep(summaries, Path(plot_dir) / "throughput_vs_concurrency.png"))

@@ -99,22 +99,22 @@ def add_config_flags(
             else ""
         )
         text = f.metadata["help"] + shown.replace("%", "%%")
-        name = flag_name(f)
+        names = flag_names(f)  # the first is the spelling --help and errors use; the rest still work
         metavar = metavar_of(f, kind)
         if f.metadata.get("repeat"):
-            group.add_argument(name, dest=f.name, action="append", default=None, metavar=metavar, help=text)
+            group.add_argument(*names, dest=f.name, action="append", default=None, metavar=metavar, help=text)
         elif kind is bool:
             group.add_argument(
-                name, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=text
+                *names, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=text
             )
         elif typing.get_origin(kind) is typing.Literal:
-            group.add_argument(name, dest=f.name, choices=typing.get_args(kind), default=None, help=text)
+            group.add_argument(*names, dest=f.name, choices=typing.get_args(kind), default=None, help=text)
         else:
             # A size takes units; a structured value (a mapping: JSON) is parsed by its config.
             convert = size_argument if f.metadata.get("size") else kind
             if typing.get_origin(kind) is Mapping:
                 convert = str
-            group.add_argument(name, dest=f.name, type=convert, default=None, metavar=metavar, help=text)
+            group.add_argument(*names, dest=f.name, type=convert, default=None, metavar=metavar, help=text)
 
 
 def given_options(args: argparse.Namespace, cls: type, skip: tuple[str, ...] = ()) -> dict[str, Any]:

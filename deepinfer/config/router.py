@@ -116,7 +116,12 @@ class RouterConfig:
         help="the replicas' model, whose recipe and tokenizer the router renders prompts with for "
         "cache-aware routing and prefill/decode handoff (default: the embedded model)",
     )
-    recipe_family: str | None = option(None, help="override the detected prompt family (as on the replicas)")
+    recipe_family: str | None = option(
+        None,
+        flag=("--chat-encoding", "--recipe-family"),
+        metavar="NAME",
+        help="override the detected chat encoding (as on the replicas)",
+    )
     cluster_key_file: str | None = option(
         None,
         metavar="PATH",

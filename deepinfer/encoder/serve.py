@@ -13,12 +13,12 @@ import uvicorn
 from deepinfer.config import EngineConfig, ServerConfig
 from deepinfer.encoder.service import EncoderService, build_encoder_app
 from deepinfer.encoder.tower import VisionTower, read_config
-from deepinfer.engine.kv_transfer import KVTransferServer
 from deepinfer.model.loader.source import resolve_model_path
 from deepinfer.security.cluster_key import cluster_key_of
 from deepinfer.server.header_timeout import header_timeout_protocol
 from deepinfer.server.images import image_pool
 from deepinfer.server.serve import base_url, bind_socket
+from deepinfer.transport.kv_transfer import KVTransferServer
 
 log = logging.getLogger(__name__)
 

@@ -21,12 +21,12 @@ from fastapi.responses import JSONResponse, Response
 
 from deepinfer.config import ServerConfig
 from deepinfer.encoder.tower import VisionTower
-from deepinfer.engine.kv_transfer import KVTransferServer
 from deepinfer.recipe.ir import ImagePart
 from deepinfer.server.auth import check_api_key
 from deepinfer.server.errors import ApiError, error_response
 from deepinfer.server.http_io import read_json
 from deepinfer.server.images import ImageLimits, prepare_images
+from deepinfer.transport.kv_transfer import KVTransferServer
 
 REAP_INTERVAL_S = 0.25
 

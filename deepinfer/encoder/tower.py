@@ -9,14 +9,13 @@ import numpy as np
 import torch
 
 from deepinfer.config import ConfigError
+from deepinfer.families import family_for_model_type
 from deepinfer.image_input import ImageInput, embeddings_layout
-from deepinfer.model.deepseek_v41_config import DeepseekV41Arch
-from deepinfer.model.deepseek_v41_weights import load_v41_vision
-from deepinfer.model.layers.vision_vit import PatchGrid
-from deepinfer.model.vision_v41 import PREPROCESSED_MERGE, VisionEncoderV41
+from deepinfer.model.deepseek_v4.v41_config import DeepseekV41Arch
+from deepinfer.model.deepseek_v4.v41_weights import load_v41_vision
+from deepinfer.model.deepseek_v4.vision import PREPROCESSED_MERGE, VisionEncoderV41
+from deepinfer.model.deepseek_v4.vision_vit import PatchGrid
 from deepinfer.runner.image_embeds import ImageEmbeddings
-
-V41_MODEL_TYPES = ("deepseek_v41",)
 
 
 def read_config(directory: Path) -> dict:
@@ -29,7 +28,9 @@ def read_config(directory: Path) -> dict:
             f"an encode-role server needs a DeepSeek-V4.1 HF directory; {directory} has no config.json",
         )
     raw = json.loads(path.read_text())
-    if raw.get("model_type") not in V41_MODEL_TYPES or "vision_config" not in raw:
+    family = family_for_model_type(raw.get("model_type"))
+    # Only a family whose record names a vision tower has one (of the built-in ones, V4.1).
+    if family is None or family.vision_tower is None or "vision_config" not in raw:
         raise ConfigError("model", f"{directory} is not a DeepSeek-V4.1 checkpoint with a vision tower")
     arch = DeepseekV41Arch.from_raw(raw)
     if arch.vision.downsample_ratio != PREPROCESSED_MERGE:

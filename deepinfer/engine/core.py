@@ -1,140 +1,49 @@
-"""The engine core: schedule, run, update. Token ids in, token ids out; no text, no API formats."""
+"""The engine core: schedule, run, update. Token ids in, token ids out; no text, no API formats.
+Its collaborators are built by build.py (build_engine_core)."""
 
 from __future__ import annotations
 
-import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-from deepinfer.cache_layout import CacheGroup, CacheLayout, plan_cache_layout
-from deepinfer.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
-from deepinfer.config.rope import check_context_length
+from deepinfer.cache_layout import CacheLayout
+from deepinfer.config import EngineConfig
+from deepinfer.engine.connectors.connector import KVConnector
 from deepinfer.engine.grammar import GrammarManager
 from deepinfer.engine.image_pull import ImagePuller
-from deepinfer.engine.kv_cache.events import KVEvent, KVEventLog
 from deepinfer.engine.kv_cache.manager import KVCacheManager
 from deepinfer.engine.kv_cache.prefix import namespace_root
-from deepinfer.engine.kv_connector import ConnectorChain, KVConnector
-from deepinfer.engine.kv_offload import KVOffloader, TierEvents
-from deepinfer.engine.kv_pd import DecodeReceiver, PrefillHandoff
 from deepinfer.engine.outputs import KVHandoff, SequenceOutput, TokenLogprobs
-from deepinfer.engine.parallel.context import RankContext, rank_threads
+from deepinfer.engine.parallel.context import RankContext
 from deepinfer.engine.scheduler import Scheduler, SequenceUpdate
 from deepinfer.engine.stats import EngineStats
-from deepinfer.image_input import check_images, embeddings_layout
-from deepinfer.kernels import isa
+from deepinfer.image_input import check_images
 from deepinfer.kernels.openmp import release_thread_pool
-from deepinfer.model.base import CausalLM
-from deepinfer.model.layers.expert_parallel import ExpertBalancer
-from deepinfer.model.loader.dtype import engine_dtype, model_dtype
-from deepinfer.model.loader.load import LoadedModel, check_model_engine, load_model
-from deepinfer.runner.device import torch_device
-from deepinfer.runner.kv_caches import KVCaches
-from deepinfer.runner.model_runner import ModelRunner, PreparedStep, StepResult
+from deepinfer.model.loader.load import LoadedModel
+from deepinfer.runner.model_runner import ModelRunner, StepResult
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.security.cluster_key import cluster_key_of
 from deepinfer.sequence import EngineRequest, Sequence
-from deepinfer.speculative.build import build_speculative_decoder, load_draft_model, proposer_cache_groups
 from deepinfer.speculative.decoder import SpeculativeDecoder
 from deepinfer.speculative.stats import SpecDecodeStats
 from deepinfer.step import SchedulerOutput
-from deepinfer.store import build_kv_store
-
-log = logging.getLogger(__name__)
-
-
-def check_model_options(config: EngineConfig, loaded: LoadedModel) -> None:
-    """Options that depend on the model, checked before any cache is allocated."""
-    if loaded.quantization != config.quantization:
-        raise ValueError(
-            f"quantization={config.quantization!r} but the model given was loaded with {loaded.quantization!r}"
-        )
-    if config.cache.kv_cache_dtype != "auto" and not loaded.model.supports_kv_cache_dtype:
-        raise ValueError(
-            f"kv_cache_dtype={config.cache.kv_cache_dtype!r}: {type(loaded.model).__name__} keeps its KV "
-            "cache in the model's dtype"
-        )
+from deepinfer.store import TieredKVStore
+from deepinfer.structured import GrammarSpec
+from deepinfer.transport.kv_event_log import KVEvent, KVEventLog
 
 
-def engine_device(config: EngineConfig, parallel: RankContext | None) -> torch.device:
-    """The device of this rank (on CUDA, one per rank of the machine)."""
-    device = torch_device(config.device)
-    if device.type == "cuda" and parallel is not None and device.index is None:
-        return torch.device("cuda", parallel.topology.local_rank)
-    return device
+@dataclass(slots=True)
+class KVConnection:
+    """The engine's seam to KV held elsewhere: its connector (None without a store, a host tier
+    or a prefill/decode role), the store under it, the prefill role's transfer listener and the
+    chunks a direct handoff moves."""
 
-
-def kv_cache_dtype(
-    config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype, device: torch.device
-) -> torch.dtype:
-    """The KV cache's element type. `auto`: fp16 for a model running on a GGUF's own blocks, as
-    llama.cpp keeps it (batched decode reads the cache more than the weights, and half the bytes
-    is most of its time); fp16 for a bf16 model on the CPU too, since the C attention kernel
-    reads fp16 (F16C) and not bf16, and every bf16 K/V value in fp16's range (|x| < 65504)
-    converts exactly, in the same bytes; the model's dtype otherwise."""
-    choice = config.cache.kv_cache_dtype
-    if choice == "auto":
-        packed = loaded.resolved_quantization == "gguf" and loaded.model.supports_kv_cache_dtype
-        bf16_cpu = dtype == torch.bfloat16 and device.type == "cpu" and loaded.model.supports_kv_cache_dtype
-        return torch.float16 if packed or bf16_cpu else dtype
-    if choice == "float32" and dtype != torch.float32:
-        raise ValueError(f"kv_cache_dtype='float32' needs an fp32 model; this one computes in {dtype}")
-    return torch.float16 if choice == "float16" else torch.float32
-
-
-def plan_engine_caches(
-    config: EngineConfig, groups: list[CacheGroup], device: torch.device, parallel: RankContext | None = None
-) -> CacheLayout:
-    """One budget for every cache of the engine (target, draft model, MTP). The ranks of a
-    tensor-parallel group hold different shares of the KV heads, but one scheduler addresses
-    their blocks: they all take the smallest block count any of them can afford."""
-    cache, scheduler = config.cache, config.scheduler
-    budget = cache.kv_cache_memory
-    if budget is None and cache.num_blocks is None:
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            budget = int(free * 0.9)
-        else:
-            budget = DEFAULT_CPU_KV_CACHE_BYTES
-
-    def plan(num_blocks: int | None) -> CacheLayout:
-        return plan_cache_layout(
-            groups,
-            cache.block_size,
-            budget_bytes=budget,
-            num_blocks=num_blocks,
-            max_num_seqs=scheduler.max_num_seqs,
-            max_num_batched_tokens=scheduler.max_num_batched_tokens,
-        )
-
-    layout = plan(cache.num_blocks)
-    if parallel is not None and parallel.topology.tp_size > 1:
-        agreed = parallel.comm.all_reduce_min(layout.groups[0].num_blocks)
-        if agreed != layout.groups[0].num_blocks:
-            layout = plan(agreed)
-    return layout
-
-
-def build_expert_balancer(
-    config: EngineConfig, model: CausalLM, parallel: RankContext | None
-) -> ExpertBalancer | None:
-    """EPLB over the model's expert-parallel layers (--enable-eplb)."""
-    layers = model.expert_layers()
-    if parallel is None or not config.parallel.enable_eplb or not layers:
-        return None
-    ep = layers[0].ep
-    router = getattr(getattr(model, "arch", None), "router", None)
-    return ExpertBalancer(
-        layers,
-        ep,
-        config.parallel.eplb_interval,
-        num_groups=router.num_groups if router is not None else 1,
-        num_nodes=parallel.topology.nnodes,
-        policy=config.parallel.eplb_policy,
-    )
+    connector: KVConnector | None = None
+    store: TieredKVStore | None = None
+    transfer_address: str | None = None
+    transfer_layout: str | None = None
 
 
 @dataclass(slots=True)
@@ -146,8 +55,8 @@ class InFlightStep:
 
 
 class EngineCore:
-    """Builds every collaborator from one validated config (or takes weights already loaded),
-    then steps: schedule -> execute -> update -> outputs.
+    """Steps the collaborators it is given (build.build_engine_core builds them from one
+    validated config): schedule -> execute -> update -> outputs.
 
     With async scheduling, the forward of step N runs on a forward thread while this thread
     plans step N+1 and, once step N has landed and N+1 started, while the caller turns step N's
@@ -158,86 +67,39 @@ class EngineCore:
     model is this rank's shard."""
 
     def __init__(
-        self, config: EngineConfig, loaded: LoadedModel | None = None, parallel: RankContext | None = None
+        self,
+        config: EngineConfig,
+        *,
+        loaded: LoadedModel,
+        max_model_len: int,
+        layout: CacheLayout,
+        kv: KVCacheManager,
+        kv_events: KVEventLog | None,
+        grammars: GrammarManager,
+        runner: ModelRunner,
+        spec: SpeculativeDecoder | None,
+        connection: KVConnection,
+        image_puller: ImagePuller | None,
+        scheduler: Scheduler,
+        parallel: RankContext | None = None,
     ) -> None:
         self.config = config
         self.parallel = parallel
-        torch.set_num_threads(rank_threads(config, parallel.topology if parallel else None))
-        device = engine_device(config, parallel)
-        if parallel is not None and loaded is not None:
-            raise ValueError("an engine over several ranks loads its own shards: `loaded` cannot be given")
-        if loaded is None:
-            check_model_engine(config)
-            dtype = engine_dtype(config, device)
-        else:
-            type(loaded.model).check_engine(loaded.config, config)
-            dtype = model_dtype(loaded.model)  # weights already loaded: what they compute in
-        self.loaded = loaded or load_model(
-            config.model,
-            dtype,
-            device,
-            config.quantization,
-            parallel.model_parallel() if parallel else None,
-            config.rope_scaling,
-        )
-        check_model_options(config, self.loaded)
-        self.loaded.model.configure(config)
-        model = self.loaded.model
-        kv_dtype = kv_cache_dtype(config, self.loaded, dtype, device)
-        max_positions = self.loaded.config.max_position_embeddings
-        # Past the positions the model places (trained, or stretched by --rope-scaling): refused.
-        check_context_length(config.scheduler.max_model_len, max_positions, config.rope_scaling)
-        self.max_model_len = config.scheduler.max_model_len or max_positions
-
-        draft = load_draft_model(config, self.loaded, self.max_model_len, dtype, device)
-        declared: dict[str, list[CacheGroup]] = {
-            "target": model.cache_groups(kv_dtype),
-            **proposer_cache_groups(config.speculative.speculative_method, model, draft, kv_dtype),
-        }
-        self.layout = plan_engine_caches(
-            config, [g for groups in declared.values() for g in groups], device, parallel
-        )
-        self.fingerprint = f"{self.loaded.weights_fingerprint}:{self.layout.fingerprint()}"
-        # KV events are logged only when someone publishes them (a router reads them).
-        self.kv_events = KVEventLog() if config.disaggregation.kv_events_endpoint else None
-        self.kv = KVCacheManager(self.layout, config.cache.enable_prefix_caching, self.kv_events)
-        caches = KVCaches(self.layout, declared, device)
-        # On the CPU the model has every core: masks are computed inline rather than by a pool.
-        self.grammars = GrammarManager(
-            self.loaded.tokenizer,
-            self.loaded.config.vocab_size,
-            config.grammar_compile_timeout,
-            mask_threads=0 if device.type == "cpu" else None,
-        )
-        self.runner = ModelRunner(
-            model,
-            caches,
-            device,
-            config.attention_backend,
-            self.grammars.bitmask,
-            peers=parallel.peers if parallel else None,
-            experts=build_expert_balancer(config, model, parallel),
-        )
-        self.spec: SpeculativeDecoder | None = (
-            build_speculative_decoder(config, self.runner, caches, draft)
-            if config.speculative.enabled
-            else None
-        )
-        self.kv_transfer_address: str | None = None  # the prefill role's transfer listener
-        self.kv_transfer_layout: str | None = None  # the chunks a direct handoff moves
-        self.connector: KVConnector | None = self._build_connector(caches)
-        pd = config.disaggregation
-        # Images an encode-role server encoded: their embeddings are pulled as requests arrive.
-        self.image_puller = (
-            ImagePuller(
-                embeddings_layout(self.loaded.config.raw),
-                pd.kv_transfer_timeout,
-                cluster_key_of(pd.cluster_key_file),
-            )
-            if pd.encoders and model.accepts_images
-            else None
-        )
-        self.scheduler = Scheduler(config.scheduler, self.max_model_len, self.kv)
+        self.loaded = loaded
+        self.max_model_len = max_model_len
+        self.layout = layout
+        self.fingerprint = f"{loaded.weights_fingerprint}:{layout.fingerprint()}"
+        self.kv_events = kv_events
+        self.kv = kv
+        self.grammars = grammars
+        self.runner = runner
+        self.spec = spec
+        self.connector = connection.connector
+        self.kv_store = connection.store
+        self.kv_transfer_address = connection.transfer_address
+        self.kv_transfer_layout = connection.transfer_layout
+        self.image_puller = image_puller
+        self.scheduler = scheduler
         self.num_preemptions = 0
         self._forward_thread = (
             ThreadPoolExecutor(1, thread_name_prefix="forward") if config.scheduler.async_scheduling else None
@@ -245,44 +107,6 @@ class EngineCore:
         if self._forward_thread is not None:
             release_thread_pool()  # from now on the forward thread leads every parallel region
         self._in_flight: InFlightStep | None = None
-        log.info(
-            "engine ready: %s in %s, %d KV blocks in %d cache group(s) (%.0f bytes/token), "
-            "attention=%s, C kernels for %s",
-            self.loaded.name,
-            str(dtype).removeprefix("torch."),
-            self.kv.num_blocks,
-            len(self.layout.groups),
-            self.layout.bytes_per_token,
-            self.runner.backend.name,
-            isa.describe(),
-        )
-
-    def _build_connector(self, caches: KVCaches) -> KVConnector | None:
-        """The store connector (if a store or host tier is configured), then the role's."""
-        tier_events = TierEvents(self.kv_events) if self.kv_events is not None else None
-        store = build_kv_store(
-            self.config.store.settings(),
-            on_host_evict=tier_events.host_evicted if tier_events is not None else None,
-            cluster_key=cluster_key_of(self.config.disaggregation.cluster_key_file),
-        )
-        self.kv_store = store
-        connectors: list[KVConnector] = []
-        if store is not None:
-            connectors.append(KVOffloader(store, self.kv, caches, tier_events))
-        pd = self.config.disaggregation
-        if pd.role == "prefill":
-            handoff = PrefillHandoff(self.kv, caches, pd, store, self.config.store.kv_chunk_blocks)
-            self.kv_transfer_address = handoff.address
-            connectors.append(handoff)
-            if pd.kv_transfer == "direct":
-                self.kv_transfer_layout = handoff.chunks.describe()
-        elif pd.role == "decode" and pd.kv_transfer == "direct":
-            receiver = DecodeReceiver(self.kv, caches, pd, self.config.store.kv_chunk_blocks)
-            self.kv_transfer_layout = receiver.layout
-            connectors.append(receiver)
-        if not connectors:
-            return None
-        return connectors[0] if len(connectors) == 1 else ConnectorChain(connectors)
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Flush pending KV-store writes (for at most `timeout_s`), stop background threads and
@@ -301,6 +125,10 @@ class EngineCore:
     @property
     def num_blocks(self) -> int:
         return self.kv.num_blocks
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return self.scheduler.num_unfinished_requests
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -348,6 +176,10 @@ class EngineCore:
             for s in seqs
         ]
 
+    def validate_grammar(self, spec: GrammarSpec) -> None:
+        """Compile `spec` (cached for the request that will carry it); raises if unsupported."""
+        self.grammars.validate(spec)
+
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._in_flight is not None
 
@@ -374,20 +206,18 @@ class EngineCore:
     # -- the loop ------------------------------------------------------------------------------
 
     def step(self) -> list[SequenceOutput]:
+        """One step: land what arrived (KV loads, grammars, images), plan, run the forward and
+        apply its tokens (stop rules, finished sequences freed). Mutates the scheduler's
+        sequences, the KV pool, the grammar matchers and the KV connector."""
         if self._forward_thread is not None:
             return self._step_async()
         began = time.perf_counter()
-        outputs = self._poll_pending()
-        plan = self.scheduler.schedule(self._draft_lengths())
-        self.num_preemptions += len(plan.preempted)
+        outputs, plan = self._schedule()
         if plan.is_empty:
-            if self.parallel is not None and self.parallel.lockstep:
-                self.runner.run_empty()  # the other data-parallel ranks need this rank in the MoE layers
+            self.idle_forward()
             return self._idle(outputs)
         result = self._execute(plan)
-        outputs += self._fail(result.failures)
-        updates = self.scheduler.update(plan, result.token_ids())
-        outputs += [self._output(update, result) for update in updates]
+        outputs += self._apply(plan, result)
         outputs += self._fail(self._after_step(plan, time.perf_counter() - began))
         return outputs
 
@@ -395,28 +225,38 @@ class EngineCore:
         """Plan step N+1 while step N's forward runs; land step N (tokens, stop rules, outputs);
         drop from N+1 the sequences N finished; start N+1 and return N's outputs. (No KV
         connector or speculation runs in this mode: the config refuses them.)"""
-        outputs = self._poll_pending()
-        plan = self.scheduler.schedule()
-        self.num_preemptions += len(plan.preempted)
+        outputs, plan = self._schedule()
         if self._in_flight is not None:
-            outputs += self._land(self._in_flight)
+            # The forward's failure is the engine's, as in a synchronous step.
+            outputs += self._apply(self._in_flight.plan, self._in_flight.result.result())
             self._in_flight = None
         plan.drop_finished()
         if plan.is_empty:
             return self._idle(outputs)
-        for item in plan.scheduled:
-            for child in item.forks:
-                self.grammars.fork(child)
-        prepared: PreparedStep = self.runner.prepare(plan)
+        self._fork_grammars(plan)
+        prepared = self.runner.prepare(plan)
         self._in_flight = InFlightStep(plan, self._forward_thread.submit(self.runner.run_prepared, prepared))
         return outputs
 
-    def _land(self, step: InFlightStep) -> list[SequenceOutput]:
-        """Wait for a step's forward (its failure is the engine's, as in a synchronous step) and
-        apply its tokens."""
-        result = step.result.result()
+    def _schedule(self) -> tuple[list[SequenceOutput], SchedulerOutput]:
+        """Land pending KV loads, grammar compiles and image pulls (the requests they failed end
+        here: the outputs), then plan the next step and count its preemptions."""
+        outputs = self._poll_pending()
+        plan = self.scheduler.schedule(self._draft_lengths())
+        self.num_preemptions += len(plan.preempted)
+        return outputs, plan
+
+    def _fork_grammars(self, plan: SchedulerOutput) -> None:
+        """The sequences a step forks (n > 1) get copies of their parent's grammar matcher."""
+        for item in plan.scheduled:
+            for child in item.forks:
+                self.grammars.fork(child)
+
+    def _apply(self, plan: SchedulerOutput, result: StepResult) -> list[SequenceOutput]:
+        """Apply a step's result: end the requests whose grammar or sampling failed, append the
+        tokens (stop rules, finished sequences freed) and turn each update into an output."""
         outputs = self._fail(result.failures)
-        updates = self.scheduler.update(step.plan, result.token_ids())
+        updates = self.scheduler.update(plan, result.token_ids())
         return outputs + [self._output(update, result) for update in updates]
 
     def _draft_lengths(self) -> dict[int, int] | None:
@@ -424,6 +264,12 @@ class EngineCore:
             return None
         s = self.scheduler
         return self.spec.plan(s.running, s.max_model_len, s.expected_prefill_tokens())
+
+    def idle_forward(self) -> None:
+        """A data-parallel rank without work of its own still runs an (empty) forward when the
+        ranks meet in the MoE layers' all-to-alls; otherwise nothing."""
+        if self.parallel is not None and self.parallel.lockstep:
+            self.runner.run_empty()
 
     def _idle(self, outputs: list[SequenceOutput]) -> list[SequenceOutput]:
         if self.scheduler.waiting and not outputs:
@@ -433,9 +279,7 @@ class EngineCore:
     def _execute(self, plan: SchedulerOutput) -> StepResult:
         """Forks get their grammar matchers; drafts are proposed into the reserved slots, the
         target runs the step, and the drafts are verified."""
-        for item in plan.scheduled:
-            for child in item.forks:
-                self.grammars.fork(child)
+        self._fork_grammars(plan)
         if self.spec is not None:
             self.spec.propose(plan)
         result = self.runner.execute(plan)

@@ -1,7 +1,7 @@
 """An engine's side of image encoders (`--encoder`): the embeddings an encode-role server
 computed for a request's images, pulled while the request waits.
 
-The encoder leases each image's embeddings on its direct-transfer listener (engine/kv_transfer.py:
+The encoder leases each image's embeddings on its direct-transfer listener (transport/kv_transfer.py:
 one chunk, keyed by the image's content hash) and the API side passes the lease on in
 `ImageInput.encoded`. The pulls start when the request is added and run on the puller's threads;
 the request's sequence waits with `num_pending` raised (the scheduler does not admit it) and the
@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from deepinfer.engine.kv_transfer import KVPuller
 from deepinfer.image_input import ImageInput
 from deepinfer.sequence import KVSource, Sequence
+from deepinfer.transport.kv_transfer import KVPuller
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,15 @@ from dataclasses import dataclass
 
 from deepinfer.config import SchedulerConfig
 from deepinfer.engine.kv_cache.manager import KVCacheManager
-from deepinfer.sequence import EngineRequest, FinishReason, Sequence, SequenceStatus
+from deepinfer.sequence import (
+    EngineRequest,
+    FinishReason,
+    Sequence,
+    SequenceStatus,
+    draft_room,
+    length_room,
+    stop_after,
+)
 from deepinfer.step import ScheduledSequence, SchedulerOutput
 
 
@@ -124,12 +132,7 @@ class Scheduler:
 
     def _ends_in_flight(self, seq: Sequence) -> bool:
         """Whether the tokens a step in flight samples for `seq` reach its length limit."""
-        if not seq.num_placeholders:
-            return False
-        max_tokens = seq.params.max_tokens
-        return (max_tokens is not None and seq.num_output_tokens + seq.num_placeholders >= max_tokens) or (
-            seq.num_tokens + seq.num_placeholders >= self.max_model_len
-        )
+        return bool(seq.num_placeholders) and seq.num_placeholders >= length_room(seq, self.max_model_len)
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         remaining = self._uncomputed(seq)
@@ -185,9 +188,7 @@ class Scheduler:
         (tokens and blocks), so speculation never preempts or starves anyone."""
         if wanted <= 0 or seq.num_tokens - seq.num_computed_tokens != 1 or seq.pending_forks:
             return 0
-        k = min(wanted, self.max_model_len - seq.num_tokens, budget - 1 - len(later))
-        if seq.params.max_tokens is not None:
-            k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1)
+        k = min(wanted, draft_room(seq, self.max_model_len), budget - 1 - len(later))
         if k <= 0:
             return 0
         cap = self.config.prefill_chunk_size or budget
@@ -302,24 +303,15 @@ class Scheduler:
         self.kv.trim(seq)
 
     def _append(self, seq: Sequence, new_tokens: list[int]) -> list[int]:
-        params = seq.params
+        """Append tokens to `seq` up to the first that ends it (marked finished then); returns
+        the tokens appended."""
         accepted: list[int] = []
         for token in new_tokens:
             seq.token_ids.append(token)
             accepted.append(token)
-            num_out = seq.num_output_tokens
-            # min_tokens: the sampler masks stop tokens until this many have been generated.
-            may_stop = num_out > params.min_tokens
-            if may_stop and not params.ignore_eos and token in seq.request.eos_token_ids:
-                self._mark_finished(seq, FinishReason.STOP, None)
-                break
-            if may_stop and token in params.stop_token_ids:
-                self._mark_finished(seq, FinishReason.STOP, token)
-                break
-            if (params.max_tokens is not None and num_out >= params.max_tokens) or (
-                seq.num_tokens >= self.max_model_len
-            ):
-                self._mark_finished(seq, FinishReason.LENGTH, None)
+            stop = stop_after(seq, token, self.max_model_len)
+            if stop is not None:
+                self._mark_finished(seq, *stop)
                 break
         return accepted
 

@@ -9,7 +9,7 @@ from typing import Any
 from tqdm import tqdm
 
 from deepinfer.config import EngineConfig
-from deepinfer.engine.llm_engine import LLMEngine
+from deepinfer.entrypoints.llm_engine import LLMEngine
 from deepinfer.model.loader.load import LoadedModel
 from deepinfer.model.loader.source import resolve_model_path
 from deepinfer.outputs import RequestOutput

@@ -3,7 +3,7 @@
 A `PackedMatrix` is a weight matrix in the file's own blocks (a view of the memory-mapped file
 when nothing had to be reordered), or, for the 32-wide formats, the same blocks with every eight
 rows interleaved (`GGUFKernels.interleave`: a copy the size of the file's, computed on 1.3-2x
-faster at one row and 2-4x at several (bench/gguf_kernels.py), with the same bits). A `PackedGroup` is one or more of them with the same number of
+faster at one row and 2-4x at several (deepinfer/bench/gguf_kernels.py), with the same bits). A `PackedGroup` is one or more of them with the same number of
 columns, multiplied as if their rows were concatenated (fused q/k/v, gate/up), each in its own
 format, in one kernel call. The numerics are described at the top of gguf_matmul.c.
 """
@@ -82,7 +82,7 @@ class GGUFKernels:
 
     def interleave(self, matrix: PackedMatrix) -> PackedMatrix:
         """The matrix with every eight rows interleaved, a new copy (the same products, bit for
-        bit, faster: bench/gguf_kernels.py); the matrix itself when its format or row count has
+        bit, faster: deepinfer/bench/gguf_kernels.py); the matrix itself when its format or row count has
         no interleaved form."""
         if not self._lib.gguf_interleaved_type(matrix.qtype, matrix.rows, matrix.cols):
             return matrix

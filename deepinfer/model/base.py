@@ -14,7 +14,12 @@ from deepinfer.config import ConfigError, EngineConfig, ParallelConfig
 from deepinfer.kernels.gguf_blocks import PackedMatrix
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.parallel import ModelParallel
-from deepinfer.model.yoco import refuse_truncation
+
+
+def refuse_truncation(engine: EngineConfig, why: str = "this model has no YoCo layers") -> None:
+    """A model that cannot run YoCo's bounded replay refuses the option (before any weight loads)."""
+    if engine.yoco_prefill_truncation != "off":
+        raise ConfigError("yoco_prefill_truncation", f"{engine.yoco_prefill_truncation!r}: {why}")
 
 
 def refuse_encoders(engine: EngineConfig, why: str = "this model has no vision tower") -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deepinfer.config.rope import scaled_context
+from deepinfer.families import family_for_model_type
 
 
 @dataclass(slots=True)
@@ -86,10 +87,12 @@ class ModelConfig:
 
 
 def _layer_windows(cfg: dict[str, Any], model_type: str, num_layers: int) -> list[int | None]:
-    """HF's sliding-window settings: `layer_types` where given; Qwen2's `use_sliding_window` for
-    layers from `max_window_layers` on; Mistral's `sliding_window` on every layer."""
-    if model_type in ("deepseek_v4", "deepseek_v41"):
-        return [None] * num_layers  # their hybrid layer types are read by their own config modules
+    """HF's sliding-window settings (unless the model family reads its own): `layer_types` where
+    given; Qwen2's `use_sliding_window` for layers from `max_window_layers` on; Mistral's
+    `sliding_window` on every layer."""
+    family = family_for_model_type(model_type)
+    if family is not None and family.own_layer_types:
+        return [None] * num_layers  # hybrid layer types, read by the family's own config module
     window = cfg.get("sliding_window")
     types = cfg.get("layer_types")
     if types is not None:

@@ -1,7 +1,9 @@
 """The pairing facade: a model's metadata in, a Recipe that renders prompts and makes the
 parser that matches each prompt out.
 
-Families:
+A recipe family is a chat encoding, one record each in deepinfer.recipe.encodings (renderer,
+tool syntax, markers, defaults); which one a model gets is its model family's choice
+(deepinfer.families), else the model's own chat template. The built-in families:
 - deepseek_v4 / deepseek_v41: DeepSeek-V4 and V4.1's native encodings (DSML tool calls, effort
   levels, reminder turns), byte-exact with DeepSeek's own codec; V4.1 is the default for the V4
   family;
@@ -27,26 +29,25 @@ from datetime import datetime
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
+from deepinfer.families import choose_encoding, family_for_model_type
+from deepinfer.recipe.encodings import (
+    THINK_CLOSE,
+    THINK_OPEN,
+    Encoding,
+    InitialState,
+    PromptDefaults,
+    RendererInputs,
+    ToolFormat,
+    encoding_names,
+    get_encoding,
+)
 from deepinfer.recipe.errors import RecipeError
 from deepinfer.recipe.events import FinishReason
 from deepinfer.recipe.ir import Conversation, ImagePart, Message, TextPart
 from deepinfer.recipe.model_info import ModelInfo
 from deepinfer.recipe.parse.result import CompletionBuilder, ParsedCompletion
-from deepinfer.recipe.parse.stream import (
-    THINK_CLOSE,
-    THINK_OPEN,
-    InitialState,
-    ParserSpec,
-    StreamParser,
-    ToolFormat,
-)
-from deepinfer.recipe.render import deepseek_v4
-from deepinfer.recipe.render.chat_template import END_OF_TURN_MARKERS, ChatTemplateRenderer
+from deepinfer.recipe.parse.stream import ParserSpec, StreamParser
 from deepinfer.recipe.render.common import active_tools
-from deepinfer.recipe.render.deepseek_v4 import DeepSeekV4Renderer
-from deepinfer.recipe.render.deepseek_v31 import EOS as DEEPSEEK_EOS
-from deepinfer.recipe.render.deepseek_v31 import DeepSeekR1Renderer, DeepSeekV31Renderer
-from deepinfer.recipe.render.deepseek_v32 import DeepSeekV32Renderer
 from deepinfer.recipe.tokens import SpecialTextGuard, added_token_spellings, prompt_tokenizer
 
 if TYPE_CHECKING:
@@ -54,72 +55,24 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-FAMILIES = ("deepseek_v41", "deepseek_v4", "deepseek_v32", "deepseek_v31", "deepseek_r1", "chat_template")
-V4_FAMILIES = ("deepseek_v4", "deepseek_v41")
-
-_NATIVE_TOOL_FORMAT: dict[str, ToolFormat] = {
-    "deepseek_v4": "dsml_v4",
-    "deepseek_v41": "dsml_v41",
-    "deepseek_v32": "dsml",
-    "deepseek_v31": "deepseek_v31",
-    "deepseek_r1": "deepseek_r1",
-}
-_DEEPSEEK_MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "deepseek2")
-# The control-token spellings of DeepSeek V3.x prompts, protected in client text even when no
-# tokenizer is at hand.
-_DEEPSEEK_V3_MARKERS = (
-    "<｜begin▁of▁sentence｜>",
-    "<｜User｜>",
-    "<｜Assistant｜>",
-    "｜DSML｜",
-    "<｜tool▁calls▁begin｜>",
-    "<｜tool▁calls▁end｜>",
-    "<｜tool▁call▁begin｜>",
-    "<｜tool▁call▁end｜>",
-    "<｜tool▁sep｜>",
-    "<｜tool▁outputs▁begin｜>",
-    "<｜tool▁outputs▁end｜>",
-    "<｜tool▁output▁begin｜>",
-    "<｜tool▁output▁end｜>",
-)
+# The encodings registered as the recipe loads (the built-in ones; `register_encoding` adds
+# more, which `encoding_names()` lists and this tuple does not).
+FAMILIES = encoding_names()
 
 
 def resolve_family(info: ModelInfo) -> str:
-    """The recipe family for a model: the explicit one, else detected from its type and template."""
+    """The recipe family for a model: the explicit one, else the one its model family chooses
+    from its type and template, else its own chat template."""
     if info.family is not None:
-        if info.family not in FAMILIES:
-            raise RecipeError(f"unknown recipe family {info.family!r}; expected one of {FAMILIES}", "family")
-        return info.family
-    model_type = (info.model_type or "").lower()
-    template = info.chat_template
-    if model_type == "deepseek_v4":
-        return "deepseek_v4"
-    if model_type.startswith("deepseek_v4"):
-        return "deepseek_v41"  # deepseek_v41 and later V4-family configs: V4.1's encoding
-    if model_type == "deepseek_v32":
-        return "deepseek_v32"
-    if model_type in _DEEPSEEK_MODEL_TYPES:
-        if template is None:
-            return "deepseek_v32"  # template-less DeepSeek checkpoints: V3.2's native encoding by default
-        if "<｜tool▁sep｜>" in template and "```json" not in template and "thinking" in template:
-            return "deepseek_v31"
-        if "```json" in template and THINK_OPEN in template:
-            return "deepseek_r1"
-    if template is None:
+        return get_encoding(info.family).name
+    chosen = choose_encoding(info.model_type, info.chat_template)
+    if chosen is not None:
+        return chosen
+    if info.chat_template is None:
         raise RecipeError(
             "the model has no chat template; set one or choose a recipe family", "chat_template"
         )
     return "chat_template"
-
-
-@dataclass(slots=True, frozen=True)
-class PromptDefaults:
-    """What the encoding sets for generation: `max_tokens` when the request has none; forced
-    `temperature` / a `top_p` floor (None: the request's value stands)."""
-
-    max_tokens: int | None = None
-    temperature: float | None = None
-    min_top_p: float | None = None
 
 
 @dataclass(slots=True)
@@ -174,45 +127,33 @@ class Recipe:
         chat_template: str | None = None,
         special_tokens: Mapping[str, Any] | None = None,
         now: Callable[[], datetime] = datetime.now,
+        tool_format: ToolFormat | None = None,
     ) -> None:
-        if family not in FAMILIES:
-            raise RecipeError(f"unknown recipe family {family!r}; expected one of {FAMILIES}", "family")
+        """`family` names the encoding; `tool_format` is the syntax the model family names for
+        its template (None: the encoding's own, or read from the template)."""
+        self.encoding: Encoding = get_encoding(family)
         self.family = family
-        self._template: ChatTemplateRenderer | None = None
-        if family == "chat_template":
-            if not chat_template:
-                raise RecipeError("the chat_template family needs the model's chat template", "chat_template")
-            self._template = ChatTemplateRenderer(chat_template, special_tokens, now=now)
-            eos = (special_tokens or {}).get("eos_token")
-            markers = [m for m in END_OF_TURN_MARKERS if m in chat_template]
-            self._stop_markers = tuple(
-                dict.fromkeys([*([eos] if isinstance(eos, str) and eos else []), *markers])
+        if tool_format is not None and tool_format not in self.encoding.tool_formats:
+            raise RecipeError(
+                f"tool format {tool_format!r} does not belong to the {family} family", "tool_format"
             )
-        else:
-            self._stop_markers = (DEEPSEEK_EOS,)
-        self._v4 = (
-            DeepSeekV4Renderer("v4" if family == "deepseek_v4" else "v41") if family in V4_FAMILIES else None
+        self._renderer = self.encoding.make_renderer(
+            RendererInputs(chat_template, special_tokens, now, tool_format)
         )
-        self._markers = self._family_markers(special_tokens)
-        self._native = {
-            "deepseek_v32": DeepSeekV32Renderer,
-            "deepseek_v31": DeepSeekV31Renderer,
-            "deepseek_r1": DeepSeekR1Renderer,
-        }.get(family)
-
-    def _family_markers(self, special_tokens: Mapping[str, Any] | None) -> tuple[str, ...]:
-        if self.family in V4_FAMILIES:
-            return deepseek_v4.MARKERS
-        named = [v for v in (special_tokens or {}).values() if isinstance(v, str)]
-        return (*named, *END_OF_TURN_MARKERS, THINK_OPEN, THINK_CLOSE, *_DEEPSEEK_V3_MARKERS)
+        self._stop_markers = self.encoding.stop_markers(chat_template, special_tokens)
+        self._markers = self.encoding.markers(special_tokens)
 
     @classmethod
     def for_model(cls, info: ModelInfo, *, now: Callable[[], datetime] = datetime.now) -> Recipe:
+        family = resolve_family(info)
+        # The record's tool syntax is for the encoding it chose; an explicit family speaks its own.
+        record = family_for_model_type(info.model_type) if info.family is None else None
         return cls(
-            resolve_family(info),
+            family,
             chat_template=info.chat_template,
             special_tokens=info.special_tokens,
             now=now,
+            tool_format=record.tool_format if record is not None else None,  # type: ignore[arg-type]
         )
 
     def render(
@@ -229,52 +170,39 @@ class Recipe:
         `template_kwargs` (chat_template_kwargs) only reach Jinja templates.
         """
         guard = self._guard(tokenizer)
-        safe = guard.protect(conv)
-        initial: InitialState | None = None
-        if self._template is not None:
-            rendered = self._template.render(safe, template_kwargs=template_kwargs)
-            tool_format = self._template.features.tool_format
-            can_think = self._template.features.can_think
-        elif self._v4 is not None:
-            rendered = self._v4.render(safe)
-            tool_format = _NATIVE_TOOL_FORMAT[self.family]
-            can_think = True
-            initial = self._v4.initial_state(conv)
-        else:
-            assert self._native is not None
-            rendered = self._native().render(safe)
-            tool_format = _NATIVE_TOOL_FORMAT[self.family]
-            can_think = True
+        renderer = self._renderer
+        rendered = renderer.render(guard.protect(conv), template_kwargs)
         text = guard.restore(rendered)
         tools = active_tools(conv)
+        initial: InitialState | None = renderer.initial_state(conv)
         if initial is None:
             tail = text.rstrip()
             if tail.endswith(THINK_OPEN):
                 initial = "reasoning"
-            elif can_think and not tail.endswith(THINK_CLOSE):
+            elif renderer.can_think and not tail.endswith(THINK_CLOSE):
                 initial = "maybe_reasoning"
             else:
                 initial = "content"
         spec = ParserSpec(
             family=self.family,
-            tool_format=tool_format if tools else None,
+            tool_format=renderer.tool_format if tools else None,
             initial=initial,
             stop_markers=self._stop_markers,
             tool_names=tuple(t.name for t in tools),
-            tool_aliases=tuple(deepseek_v4.tool_aliases(tools, self._v4.version).items()) if self._v4 else (),
+            tool_aliases=renderer.tool_aliases(tools),
         )
         token_ids = None
         if tokenizer is not None:
             token_ids = prompt_tokenizer(tokenizer).encode(
-                guard.segments(rendered), strict=self._v4 is not None, max_tokens=max_tokens
+                guard.segments(rendered), strict=self.encoding.strict_tokens, max_tokens=max_tokens
             )
         return RenderedPrompt(
             text=text,
             family=self.family,
             parser_spec=spec,
             token_ids=token_ids,
-            images=deepseek_v4.images_of(conv) if self.family == "deepseek_v41" else [],
-            defaults=self._defaults(conv),
+            images=self.encoding.images(conv),
+            defaults=self.encoding.defaults(conv),
         )
 
     def warm(self, tokenizer: Tokenizer) -> None:
@@ -293,16 +221,6 @@ class Recipe:
         """The spellings client text may not carry: the tokenizer's added tokens and the markers
         this family writes (so prompt text is the same with or without a tokenizer)."""
         return _guard_for(self._markers, tokenizer)
-
-    def _defaults(self, conv: Conversation) -> PromptDefaults:
-        if self._v4 is None:
-            return PromptDefaults()
-        thinking = deepseek_v4.thinking_enabled(conv)
-        return PromptDefaults(
-            max_tokens=deepseek_v4.default_max_tokens(conv),
-            temperature=1.0 if thinking else None,
-            min_top_p=(0.95 if self.family == "deepseek_v41" else 1.0) if thinking else None,
-        )
 
     def new_parser(
         self, prompt: RenderedPrompt, *, id_factory: Callable[[], str] | None = None

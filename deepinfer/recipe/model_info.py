@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deepinfer.recipe.gguf_header import read_header
+from deepinfer.formats.gguf_header import read_header
 
 # The tokenizer_config.json keys transformers passes to chat templates.
 SPECIAL_TOKEN_KEYS = (

@@ -30,7 +30,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from deepinfer.config.router import RouterConfig
-from deepinfer.engine.kv_cache.events import DEVICE
 from deepinfer.router.branches import ConversationTree
 from deepinfer.router.index import PrefixIndex
 from deepinfer.router.metrics import RouterMetrics
@@ -48,6 +47,7 @@ from deepinfer.security.cluster_key import cluster_key_of
 from deepinfer.security.signing import PEER_HEADER, peer_token, sign_handoff
 from deepinfer.server.auth import check_admin_key, check_api_key, is_admin
 from deepinfer.server.errors import ApiError, error_response, flavor_of
+from deepinfer.transport.kv_event_log import DEVICE
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ REQUEST_ID_HEADER = "x-request-id"
 # On answers, which replica served it: its URL is internal, so only where is_admin (a keyless
 # router; a tenant's key never is one).
 REPLICA_HEADER = "x-deepinfer-replica"
-KV_TRANSFER_HEADER = "x-deepinfer-kv-transfer"  # read by the decode replica (server/state.py)
+KV_TRANSFER_HEADER = "x-deepinfer-kv-transfer"  # read by the decode replica (server/engine_requests.py)
 RETRY_STATUSES = frozenset({429, 502, 503, 504, 529})
 FAILURE_STATUSES = frozenset({502, 503, 504})  # count against the replica's circuit
 AUTH_HEADERS = ("authorization", "x-api-key")

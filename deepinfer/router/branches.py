@@ -11,6 +11,15 @@ that point, and the blocks beyond are its own.
 The tree also remembers where each routed prompt was sent (by its last block): a later turn that
 extends a previous prompt of its conversation knows the replica computing or holding that
 history from the router's own decisions, before (or without) that replica's KV events.
+
+A later turn need not repeat its previous prompt to the last token: the reply header a prompt
+ends with (a `<think>` the history writes otherwise, tokens merged across the boundary) may be
+rendered differently once the reply follows it. So a recorded prompt whose chain this one follows
+to its last block, then leaves there while going on for more than a block, is this
+conversation's previous turn told again, not another conversation: its blocks count as this
+conversation's own, and the replica it went to as the one holding them. (A new conversation whose
+sibling ends one block past their common prefix looks the same; that only gathers the two, as
+without the tree.)
 """
 
 from __future__ import annotations
@@ -53,11 +62,14 @@ class ConversationTree:
                     del table[node]
 
     def previous_turn(self, chain: list[bytes], pool: str = "both") -> tuple[int, str] | None:
-        """The longest prompt routed in `pool` that `chain` starts with: its length in blocks and
-        the replica it was sent to (None: no routed prompt is a prefix of this one); mutates
-        nothing. Block hashes are chained, so a prompt's last block stands for all of it."""
+        """The longest prompt routed in `pool` that `chain` starts with, or follows to its last
+        block (a retold tail): how many of its blocks `chain` holds and the replica it was sent
+        to (None: no routed prompt is a prefix of this one); mutates nothing. Block hashes are
+        chained, so a prompt's last block stands for all of it."""
         for depth in range(len(chain), 0, -1):
             replica = self._sent.get((pool, chain[depth - 1]))
+            if replica is None and self._retold_tail(chain, depth):
+                replica = self._sent.get((pool, self._child[chain[depth - 1]]))
             if replica is not None:
                 return depth, replica
         return None
@@ -68,10 +80,20 @@ class ConversationTree:
         shared = 0
         for depth, (node, following) in enumerate(pairwise(chain), start=1):
             known = self._child.get(node)
-            if known is None:
-                break
+            if known is None or self._retold_tail(chain, depth):
+                break  # past every recorded chain, or past this conversation's previous turn
             if known != following:  # another conversation goes on differently from here
                 shared = depth
             if known != _BRANCH and known != following:
                 break  # this prompt leaves every recorded chain here
         return shared
+
+    def _retold_tail(self, chain: list[bytes], depth: int) -> bool:
+        """Whether `chain` leaves, after `depth` blocks, a recorded prompt that ends one block
+        later (nothing recorded follows that block) and goes on for more than a block: that
+        prompt is this conversation's previous turn with its last block rendered otherwise.
+        Mutates nothing."""
+        if len(chain) <= depth + 1:
+            return False  # a later turn adds its reply and new input: it is longer
+        known = self._child.get(chain[depth - 1])
+        return known is not None and known != _BRANCH and known != chain[depth] and known not in self._child

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from deepinfer.engine.kv_cache.events import DEVICE, HOST, STORE
-from deepinfer.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, WireEvent
+from deepinfer.transport.kv_event_log import DEVICE, HOST, STORE
+from deepinfer.transport.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, WireEvent
 
 
 @dataclass(frozen=True, slots=True)

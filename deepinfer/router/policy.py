@@ -20,6 +20,15 @@ answer, and a replica's index is forgotten when its events are lost or it misses
 So a later turn stays with its own history, the longest match, instead of being placed by load
 like a new conversation (SGLang's router likewise inserts a prompt into the chosen worker's tree
 when it routes it).
+The rule, then: the replica holding the longest match wins whenever that match reaches past the
+part the prompt shares with other conversations (its own history: its index's blocks past that
+part, or the previous turn the router sent it, even one whose last block this prompt renders
+otherwise, branches.py); a prompt whose only match is that shared part (every agent session's
+system prompt) is placed by load, which spreads sessions over the replicas. Agent sessions
+sharing a long system prompt thus each stay on the replica holding their history
+(issue 29's check: tests/router/test_held_out_sessions.py). Placing by load counts the blocks
+routed to a replica since its device cache size last changed as cached there too: without them,
+a second session arriving before the first one's KV events would join it on the same replica.
 
 Least work: the replica where the request's first token is estimated to come soonest, the prompt
 blocks it would compute there (the prompt less the replica's credit) plus `request_cost_blocks`
@@ -88,6 +97,9 @@ class Policy:
         self.config = config
         self._turns = itertools.count()
         self._sessions: dict[str, str] = {}  # session key -> replica name that served it last
+        # replica name -> (its cached_blocks when last chosen by cache_aware, the prompt blocks it
+        # was sent to compute since that count last changed): what its events have not told yet
+        self._unreported: dict[str, tuple[int, int]] = {}
 
     def choose(self, candidates: list[Candidate], session: str | None) -> Decision:
         if not candidates:
@@ -114,6 +126,21 @@ class Policy:
         return min(candidates, key=lambda c: (c.replica.load, c.replica.name != last))
 
     def _cache_aware(self, candidates: list[Candidate], session: str | None) -> Decision:
+        """The cache-aware choice; records the blocks sent to the chosen replica (`_unreported`)."""
+        chosen, reason = self._cache_aware_choice(candidates, session)
+        seen, routed = self._unreported.get(chosen.replica.name, (-1, 0))
+        computed = max(chosen.total_blocks - round(chosen.held), 0)
+        # a changed count means events arrived: they tell what the replica holds from then on
+        routed = routed + computed if seen == chosen.cached_blocks else computed
+        self._unreported[chosen.replica.name] = (chosen.cached_blocks, routed)
+        return Decision(chosen.replica, reason, chosen.credit, chosen.total_blocks)
+
+    def _cached_estimate(self, candidate: Candidate) -> int:
+        """The replica's device blocks, with those sent since its count last changed."""
+        seen, routed = self._unreported.get(candidate.replica.name, (-1, 0))
+        return candidate.cached_blocks + (routed if seen == candidate.cached_blocks else 0)
+
+    def _cache_aware_choice(self, candidates: list[Candidate], session: str | None) -> tuple[Candidate, str]:
         config = self.config
         loads = [c.replica.load for c in candidates]
         busiest, idlest = max(loads), min(loads)
@@ -121,8 +148,7 @@ class Policy:
             busiest - idlest > config.balance_abs_threshold
             and busiest > config.balance_rel_threshold * idlest
         ):
-            chosen = self._least_loaded(candidates, session)
-            return Decision(chosen.replica, "balance", chosen.credit, chosen.total_blocks)
+            return self._least_loaded(candidates, session), "balance"
         holders = candidates
         if config.spread_shared_prefixes:  # replicas holding some of this conversation's own blocks
             holders = [c for c in candidates if c.holds_own_history]
@@ -130,12 +156,12 @@ class Policy:
         total = candidates[0].total_blocks
         if total and best / total >= config.cache_threshold:
             tied = [c for c in holders if c.held >= best - CREDIT_EPSILON]
-            chosen = self._least_loaded(tied, session)
-            return Decision(chosen.replica, "cache", chosen.credit, chosen.total_blocks)
+            return self._least_loaded(tied, session), "cache"
         last = self._sessions.get(session) if session is not None else None
-        chosen = min(candidates, key=lambda c: (c.replica.load, c.replica.name != last, c.cached_blocks))
-        reason = "affinity" if last == chosen.replica.name and len(candidates) > 1 else "load"
-        return Decision(chosen.replica, reason, chosen.credit, chosen.total_blocks)
+        chosen = min(
+            candidates, key=lambda c: (c.replica.load, c.replica.name != last, self._cached_estimate(c))
+        )
+        return chosen, "affinity" if last == chosen.replica.name and len(candidates) > 1 else "load"
 
     def _least_work(self, candidates: list[Candidate], session: str | None) -> Decision:
         cost = self.config.request_cost_blocks

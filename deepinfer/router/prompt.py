@@ -19,11 +19,11 @@ from deepinfer.recipe import ModelInfo, Recipe, RecipeError
 from deepinfer.recipe.api import (
     chat_completion_to_conversation,
     messages_to_conversation,
+    parse_completion_request,
     parse_responses_request,
     request_to_conversation,
 )
 from deepinfer.sampling_params import InvalidRequestError
-from deepinfer.server.completions import parse_completion_request
 from deepinfer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

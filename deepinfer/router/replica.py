@@ -23,12 +23,12 @@ import zmq
 import zmq.asyncio
 
 from deepinfer.config.router import RouterConfig
-from deepinfer.engine.kv_events import decode_batch
 from deepinfer.router.index import PrefixIndex
 from deepinfer.security.cluster_key import cluster_key_of
 from deepinfer.security.curve import client_keys, server_keys
 from deepinfer.security.signing import PEER_HEADER, peer_token
 from deepinfer.store.breaker import BreakerState, CircuitBreaker
+from deepinfer.transport.kv_events import decode_batch
 
 log = logging.getLogger(__name__)
 

@@ -140,9 +140,12 @@ class ModelRunner:
         grammar_masks: GrammarMasks | None = None,
         peers: Peers | None = None,
         experts: ExpertBalancer | None = None,
+        feature_layers: tuple[int, ...] = (),
     ) -> None:
         """`peers`: on rank 0 of a tensor-parallel group, the other ranks every forward runs on;
-        `experts`: the expert-load balancer of an expert-parallel MoE model."""
+        `experts`: the expert-load balancer of an expert-parallel MoE model; `feature_layers`: the
+        layers whose features every step keeps, concatenated in this order, for a proposer that
+        drafts from them (DSpark); the model fills a `features` dict when given one."""
         self.model = model
         self.peers = peers
         self.experts = experts
@@ -160,9 +163,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.grammar_masks = grammar_masks
         self._generators: dict[int, torch.Generator] = {}
-        # Layers whose features every step keeps, concatenated in this order (set by a proposer
-        # that drafts from them: DSpark); the model fills a `features` dict when given one.
-        self.feature_layers: tuple[int, ...] = ()
+        self.feature_layers = feature_layers
         # The vision tower's outputs by image (a model with one), spliced in at image positions.
         self.images = ImageEmbeddings(model.embed_images) if model.accepts_images else None
 

@@ -15,8 +15,8 @@ from typing import Any, Protocol
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from deepinfer.engine.ipc.client import EngineDeadError, GenerationStream
-from deepinfer.engine.output_processor import SequenceDelta
+from deepinfer.frontend.client import EngineDeadError, GenerationStream
+from deepinfer.frontend.output_processor import SequenceDelta
 from deepinfer.recipe.api import GenerationError
 from deepinfer.recipe.events import Event
 from deepinfer.server.errors import ApiError

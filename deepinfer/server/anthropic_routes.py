@@ -1,74 +1,44 @@
-"""Anthropic-compatible routes: Messages and count_tokens (errors in Anthropic's shape)."""
+"""Anthropic-compatible routes: Messages and count_tokens (errors in Anthropic's shape). The
+shared path is server/pipeline.py; this file holds the Messages codec's two ends."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from deepinfer.recipe.api import (
-    count_tokens_body,
-    count_tokens_to_conversation,
-    messages_to_conversation,
-    new_id,
-)
+from deepinfer.recipe.api import count_tokens_body, count_tokens_to_conversation, messages_to_conversation
 from deepinfer.server.answer import respond
 from deepinfer.server.constraints import MESSAGES_FORMAT
-from deepinfer.server.generation import ChoiceParsers
-from deepinfer.server.http_io import read_json
-from deepinfer.server.openai_routes import state_of
+from deepinfer.server.pipeline import ChatApi, counted_tokens, open_call, prepare, require_recipe
 from deepinfer.server.sinks import MessagesSink
 
 router = APIRouter()
 
+MESSAGES = ChatApi(param="messages", fmt=MESSAGES_FORMAT, id_prefix="msg_", flavor="anthropic")
+
 
 @router.post("/v1/messages")
 async def messages(request: Request) -> Response:
-    state = state_of(request)
-    arrival = time.monotonic()
-    api_key = state.authorize(request)
-    body = await read_json(request, state.config.max_body_bytes)
-    model = state.model_name(body)
-    conv = await asyncio.to_thread(messages_to_conversation, body)
-    prompt = await state.render(conv, param="messages")
-    assert prompt.token_ids is not None
-    images = await state.place_images(prompt, param="messages", api_key=api_key)
-    params = state.sampling_params(
-        conv.params,
-        len(prompt.token_ids),
-        skip_special_tokens=False,
-        defaults=prompt.defaults,
-    )
-    grammar = await state.output_constraint(conv, prompt, MESSAGES_FORMAT, body)
-    message_id = new_id("msg_")
-    engine_request = state.engine_request(
-        request,
-        message_id,
-        prompt.token_ids,
-        params,
-        api_key=api_key,
-        cache_salt=conv.cache_salt,
-        traffic_class=conv.traffic_class,
-        grammar=grammar,
-        images=images,
-    )
-    state.admit("anthropic")
-    stream = state.submit([(engine_request, prompt.text)], arrival)
+    call = await open_call(request)
+    conv = await asyncio.to_thread(messages_to_conversation, call.body)
+    prepared = await prepare(call, conv, MESSAGES)
+    stream = prepared.submit()
     sink = MessagesSink(
-        message_id=message_id, model=model, prompt_tokens=len(prompt.token_ids), stream=conv.stream
+        message_id=prepared.request_id,
+        model=call.model,
+        prompt_tokens=prepared.num_prompt_tokens,
+        stream=conv.stream,
     )
-    return await respond(request, stream, ChoiceParsers(prompt, 1, 0), sink, streaming=conv.stream)
+    return await respond(request, stream, prepared.choices(), sink, streaming=conv.stream)
 
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request) -> JSONResponse:
-    state = state_of(request)
-    state.authorize(request)
-    body = await read_json(request, state.config.max_body_bytes)
-    state.model_name(body)
-    conv = await asyncio.to_thread(count_tokens_to_conversation, body)
-    recipe = state.require_recipe()
+    call = await open_call(request)
+    state = call.state
+    conv = await asyncio.to_thread(count_tokens_to_conversation, call.body)
+    recipe = require_recipe(state)
     prompt = await asyncio.to_thread(recipe.render, conv, tokenizer=state.tokenizer.backend)
-    return JSONResponse(count_tokens_body(len(await state.counted_tokens(prompt, param="messages"))))
+    return JSONResponse(count_tokens_body(len(await counted_tokens(state, prompt, param="messages"))))

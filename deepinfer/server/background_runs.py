@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from deepinfer.engine.ipc.client import EngineDeadError, GenerationStream
+from deepinfer.frontend.client import EngineDeadError, GenerationStream
 from deepinfer.recipe.api import ResponsesEncoder
 from deepinfer.recipe.events import Event
 from deepinfer.response_store import ResponseStore

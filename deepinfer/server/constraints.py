@@ -47,10 +47,8 @@ from deepinfer.structured import (
     tool_call_spec,
 )
 from deepinfer.structured.json_schema import closed_objects
+from deepinfer.structured.tool_calls import forceable_tool_formats
 from deepinfer.tokenizer import Tokenizer
-
-# The recipe's tool formats a forced call can be written in (deepinfer.structured.tool_calls).
-FORCEABLE_TOOL_FORMATS = ("hermes", "dsml", "dsml_v4", "dsml_v41")
 
 
 @dataclass(slots=True, frozen=True)
@@ -101,10 +99,12 @@ def output_constraint(
             param=fmt.name,
         )
     tool_format = prompt.parser_spec.tool_format
-    if tool_format not in FORCEABLE_TOOL_FORMATS:
+    # The syntaxes with a forced-call grammar (deepinfer.structured.tool_calls' table).
+    forceable = forceable_tool_formats()
+    if tool_format not in forceable:
         raise InvalidRequestError(
             f"tool_choice: forcing a tool call ({forced}) is not supported for this model's tool-call "
-            f"syntax ({tool_format}); supported: {', '.join(FORCEABLE_TOOL_FORMATS)}. Use tool_choice 'auto'",
+            f"syntax ({tool_format}); supported: {', '.join(forceable)}. Use tool_choice 'auto'",
             param="tool_choice",
         )
     tools = (

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from deepinfer.engine.output_processor import SequenceDelta
+from deepinfer.frontend.output_processor import SequenceDelta
 from deepinfer.outputs import Logprob
 from deepinfer.recipe import RenderedPrompt, StreamParser
 from deepinfer.recipe.events import (
@@ -24,7 +24,6 @@ from deepinfer.recipe.family import PromptDefaults
 from deepinfer.recipe.ir import GenerationParams, ResponseFormat
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.structured.spec import GrammarSpec
-from deepinfer.validation import max_tokens_for
 
 _FINISH_REASONS: dict[str | None, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -59,24 +58,19 @@ def grammar_for(
 def sampling_params(
     params: GenerationParams,
     *,
-    num_prompt_tokens: int,
-    max_model_len: int,
+    max_tokens: int,
     skip_special_tokens: bool,
     defaults: PromptDefaults | None = None,
-    default_max_tokens: int | None = None,
 ) -> SamplingParams:
     """The engine's parameters for a request; unset fields keep the engine's defaults, or the
     prompt encoding's (`defaults`: DeepSeek V4's thinking mode samples at temperature 1 with a
-    top_p floor, and has its own output-token defaults). An unset output bound is the server's
-    `default_max_tokens` (the operator's choice), then the encoding's, then the rest of the context."""
+    top_p floor). `max_tokens` is the output bound the edge resolved (server/pipeline.py's
+    output_bound: the one place that decides it)."""
     defaults = defaults or PromptDefaults()
     temperature = defaults.temperature if defaults.temperature is not None else params.temperature
     top_p = params.top_p
     if defaults.min_top_p is not None:
         top_p = max(top_p if top_p is not None else 1.0, defaults.min_top_p)
-    requested_max = params.max_tokens
-    if requested_max is None:
-        requested_max = default_max_tokens if default_max_tokens is not None else defaults.max_tokens
     optional: dict[str, Any] = {
         "temperature": temperature,
         "top_p": top_p,
@@ -90,7 +84,7 @@ def sampling_params(
         top_k=params.top_k or 0,
         seed=params.seed,
         stop=list(params.stop),
-        max_tokens=max_tokens_for(requested_max, num_prompt_tokens, max_model_len),
+        max_tokens=max_tokens,
         min_tokens=params.min_tokens or 0,
         ignore_eos=params.ignore_eos,
         logprobs=(params.top_logprobs or 0) if params.logprobs else None,

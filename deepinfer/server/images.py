@@ -16,13 +16,24 @@ from dataclasses import dataclass
 import msgspec
 
 from deepinfer.image_input import ImageInput, image_content_hash
+from deepinfer.recipe.encodings import encoding_names, get_encoding
 from deepinfer.recipe.images.errors import ImageInputError
 from deepinfer.recipe.images.fetch import FetchPolicy, refuse_unless_fetching
 from deepinfer.recipe.images.source import prepare_image
 from deepinfer.recipe.ir import ImagePart
 from deepinfer.server.errors import ApiError
 
-IMAGE_PLACEHOLDER = "<｜image｜>"  # V4.1's image token (recipe/render/deepseek_v4.py's IMAGE)
+
+def _image_placeholder() -> str:
+    """The image token of the chat encoding that takes images (its record's placeholder: of the
+    built-in encodings, V4.1's `<｜image｜>`)."""
+    marks = [e.image_placeholder for e in map(get_encoding, encoding_names()) if e.image_placeholder]
+    if len(set(marks)) != 1:
+        raise RuntimeError(f"the chat encodings name {len(set(marks))} image placeholders; expected one")
+    return marks[0]
+
+
+IMAGE_PLACEHOLDER = _image_placeholder()
 
 
 @dataclass(slots=True, frozen=True)

@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from deepinfer.engine.ipc.client import RequestRecord
 from deepinfer.engine.stats import EngineStats
+from deepinfer.frontend.client import RequestRecord
 
 PREFIX = "deepinfer_"
 

@@ -10,14 +10,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from deepinfer.engine.ipc.client import EngineDeadError
+from deepinfer.frontend.client import EngineDeadError
 from deepinfer.recipe.api import chat_completion_to_conversation
 from deepinfer.recipe.api._validation import ApiModel, require, validate
 from deepinfer.response_store import tenant_of
 from deepinfer.server.errors import ApiError
-from deepinfer.server.http_io import read_json
-from deepinfer.server.openai_routes import state_of
-from deepinfer.server.responses_routes import responses_prompt
+from deepinfer.server.pipeline import counted_tokens, open_call, render, require_recipe
+from deepinfer.server.responses_routes import responses_input
+from deepinfer.server.state import state_of
 
 router = APIRouter()
 
@@ -66,23 +66,22 @@ async def tokenize(request: Request) -> JSONResponse:
     """`{"prompt": text}` tokenizes text; `{"messages": [...], ...}` (a Chat Completions body)
     or `{"input": ..., ...}` (a Responses body, `previous_response_id` included) tokenizes the
     prompt the chat template renders for it, exactly as a request would."""
-    state = state_of(request)
-    api_key = state.authorize(request)
-    body = await read_json(request, state.config.max_body_bytes)
-    state.model_name(body)
+    call = await open_call(request)
+    state, body = call.state, call.body
     if isinstance(body, dict) and "input" in body:
-        rendered = await responses_prompt(state, body, tenant_of(api_key))
-        tokens = await state.counted_tokens(rendered.prompt, param="input")
+        given = await responses_input(state, body, tenant_of(call.api_key))
+        prompt = await render(state, given.conv, param="input")
+        tokens = await counted_tokens(state, prompt, param="input")
     elif isinstance(body, dict) and "messages" in body:
         conv = await asyncio.to_thread(chat_completion_to_conversation, body)
         kwargs = body.get("chat_template_kwargs")
         prompt = await asyncio.to_thread(
-            state.require_recipe().render,
+            require_recipe(state).render,
             conv,
             tokenizer=state.tokenizer.backend,
             template_kwargs=kwargs if isinstance(kwargs, dict) else None,
         )
-        tokens: list[int] = await state.counted_tokens(prompt, param="messages")
+        tokens: list[int] = await counted_tokens(state, prompt, param="messages")
     else:
         parsed = validate(_TokenizePrompt, body)
         tokens = await asyncio.to_thread(state.tokenizer.encode, parsed.prompt, parsed.add_special_tokens)
@@ -93,11 +92,9 @@ async def tokenize(request: Request) -> JSONResponse:
 
 @router.post("/detokenize")
 async def detokenize(request: Request) -> JSONResponse:
-    state = state_of(request)
-    state.authorize(request)
-    body = await read_json(request, state.config.max_body_bytes)
-    state.model_name(body)
-    parsed = validate(_Detokenize, body)
+    call = await open_call(request)
+    state = call.state
+    parsed = validate(_Detokenize, call.body)
     for i, token_id in enumerate(parsed.tokens):
         require(
             0 <= token_id < state.vocab_size,

@@ -1,5 +1,6 @@
 """OpenAI-compatible routes: Chat Completions, Completions and the model list (the Responses API
-is responses_routes.py)."""
+is responses_routes.py). The shared path is server/pipeline.py; this file holds the two codecs'
+ends."""
 
 from __future__ import annotations
 
@@ -13,112 +14,49 @@ from deepinfer.recipe.api import (
     ChatCompletionEncoder,
     chat_completion_to_conversation,
     new_id,
+    parse_completion_request,
 )
-from deepinfer.recipe.ir import Conversation
 from deepinfer.server.answer import respond
-from deepinfer.server.completions import CompletionEncoder, TextChoices, parse_completion_request
+from deepinfer.server.completions import CompletionSink, TextChoices, completion_requests
 from deepinfer.server.constraints import CHAT_FORMAT
-from deepinfer.server.generation import ChoiceParsers
-from deepinfer.server.http_io import read_json
+from deepinfer.server.pipeline import ChatApi, model_name, open_call, prepare
 from deepinfer.server.sinks import ChatSink
-from deepinfer.server.state import ServerState
-from deepinfer.validation import PromptTooLong, check_context, check_prompt
+from deepinfer.server.state import state_of
 
 router = APIRouter()
 
-
-def state_of(request: Request) -> ServerState:
-    return request.app.state.server
-
-
-def _top_logprobs(conv: Conversation) -> int:
-    return (conv.params.top_logprobs or 0) if conv.params.logprobs else 0
+CHAT = ChatApi(param="messages", fmt=CHAT_FORMAT, id_prefix="chatcmpl-", flavor="openai")
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
-    state = state_of(request)
-    arrival = time.monotonic()
-    api_key = state.authorize(request)
-    body = await read_json(request, state.config.max_body_bytes)
-    model = state.model_name(body)
-    conv = await asyncio.to_thread(chat_completion_to_conversation, body)
-    prompt = await state.render(conv, body.get("chat_template_kwargs"), param="messages")
-    assert prompt.token_ids is not None
-    images = await state.place_images(prompt, param="messages", api_key=api_key)
-    params = state.sampling_params(
-        conv.params,
-        len(prompt.token_ids),
-        skip_special_tokens=False,  # the recipe's parser reads (and strips) the model's markers
-        defaults=prompt.defaults,
-    )
-    grammar = await state.output_constraint(conv, prompt, CHAT_FORMAT, body)
-    request_id = new_id("chatcmpl-")
-    engine_request = state.engine_request(
-        request,
-        request_id,
-        prompt.token_ids,
-        params,
-        api_key=api_key,
-        cache_salt=conv.cache_salt,
-        traffic_class=conv.traffic_class,
-        grammar=grammar,
-        images=images,
-    )
-    state.admit("openai")
-    stream = state.submit([(engine_request, prompt.text)], arrival)
+    call = await open_call(request)
+    conv = await asyncio.to_thread(chat_completion_to_conversation, call.body)
+    prepared = await prepare(call, conv, CHAT, template_kwargs=call.body.get("chat_template_kwargs"))
+    stream = prepared.submit()
     encoder = ChatCompletionEncoder(
-        completion_id=request_id,
-        model=model,
+        completion_id=prepared.request_id,
+        model=call.model,
         created=int(time.time()),
-        n=params.n,
+        n=prepared.params.n,
         include_usage=conv.include_usage,
         stream=conv.stream,
     )
-    choices = ChoiceParsers(prompt, params.n, _top_logprobs(conv))
-    return await respond(request, stream, choices, ChatSink(encoder), streaming=conv.stream)
+    return await respond(request, stream, prepared.choices(), ChatSink(encoder), streaming=conv.stream)
 
 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
-    state = state_of(request)
-    arrival = time.monotonic()
-    api_key = state.authorize(request)
-    body = await read_json(request, state.config.max_body_bytes)
-    model = state.model_name(body)
-    parsed = await asyncio.to_thread(parse_completion_request, body)
+    call = await open_call(request)
+    parsed = await asyncio.to_thread(parse_completion_request, call.body)
     completion_id = new_id("cmpl-")
-    engine_requests = []
-    for i, prompt in enumerate(parsed.prompts):
-        where = "prompt" if len(parsed.prompts) == 1 else f"prompt[{i}]"
-        text = prompt if isinstance(prompt, str) else None
-        token_ids = await asyncio.to_thread(_prompt_ids, state, prompt, where)
-        params = state.sampling_params(
-            parsed.params,
-            len(token_ids),
-            skip_special_tokens=True,
-        )
-        request_id = completion_id if len(parsed.prompts) == 1 else f"{completion_id}-{i}"
-        engine_requests.append(
-            (
-                state.engine_request(
-                    request,
-                    request_id,
-                    token_ids,
-                    params,
-                    api_key=api_key,
-                    cache_salt=parsed.cache_salt,
-                    traffic_class=parsed.traffic_class,
-                ),
-                text,
-            )
-        )
-    state.admit("openai")
-    stream = state.submit(engine_requests, arrival)
+    engine_requests = await completion_requests(call, parsed, completion_id)
+    call.admit("openai")
+    stream = call.submit(engine_requests)
     n = parsed.params.n
-    encoder = CompletionEncoder(
+    sink = CompletionSink(
         completion_id=completion_id,
-        model=model,
+        model=call.model,
         created=int(time.time()),
         num_choices=len(engine_requests) * n,
         n=n,
@@ -126,7 +64,7 @@ async def completions(request: Request) -> Response:
         stream=parsed.stream,
     )
     choices = TextChoices([r.request_id for r, _ in engine_requests], n, parsed.params.top_logprobs or 0)
-    return await respond(request, stream, choices, encoder, streaming=parsed.stream)
+    return await respond(request, stream, choices, sink, streaming=parsed.stream)
 
 
 def _model_card(name: str, created: int, max_model_len: int) -> dict[str, object]:
@@ -144,20 +82,6 @@ def _model_card(name: str, created: int, max_model_len: int) -> dict[str, object
         "max_input_tokens": max_model_len,
         "max_tokens": max_model_len,
     }
-
-
-def _prompt_ids(state: ServerState, prompt: str | list[int], where: str) -> list[int]:
-    """A Completions prompt's ids, checked (on a thread: a long one takes seconds either way)."""
-    if isinstance(prompt, str):
-        try:
-            token_ids = state.tokenizer.encode(prompt, max_tokens=state.max_model_len - 1)
-        except PromptTooLong as error:
-            check_context(error.num_tokens, state.max_model_len, where)
-            raise
-    else:
-        token_ids = prompt
-    check_prompt(token_ids, state.vocab_size, state.max_model_len, where)
-    return token_ids
 
 
 @router.get("/v1/models")
@@ -180,5 +104,5 @@ async def list_models(request: Request) -> JSONResponse:
 async def get_model(model: str, request: Request) -> JSONResponse:
     state = state_of(request)
     state.authorize(request)
-    name = state.model_name({"model": model})
+    name = model_name(state, {"model": model})
     return JSONResponse(_model_card(name, state.created, state.max_model_len))

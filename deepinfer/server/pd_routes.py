@@ -14,16 +14,17 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from deepinfer.engine.ipc.client import EngineDeadError, GenerationStream
 from deepinfer.engine.outputs import KVHandoff
+from deepinfer.frontend.client import EngineDeadError, GenerationStream
 from deepinfer.recipe.api._validation import ApiModel, validate
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.security import CLUSTER_KEY_FLAG
 from deepinfer.server.auth import key_of, matching_key
+from deepinfer.server.engine_requests import admit, engine_request, submit
 from deepinfer.server.errors import ApiError
 from deepinfer.server.http_io import read_json, until_disconnect
-from deepinfer.server.openai_routes import state_of
 from deepinfer.server.peers import require_peer
+from deepinfer.server.state import state_of
 from deepinfer.store.retention import DEFAULT_TRAFFIC_CLASS
 from deepinfer.validation import check_prompt
 
@@ -102,7 +103,8 @@ async def prefill(request: Request) -> JSONResponse:
             f"traffic_class: {body.traffic_class!r} is not one of {info.traffic_classes}",
             param="traffic_class",
         )
-    engine_request = state.engine_request(
+    prefill_request = engine_request(
+        state,
         request,
         body.transfer_id,
         body.prompt_token_ids,
@@ -111,14 +113,14 @@ async def prefill(request: Request) -> JSONResponse:
         cache_salt=body.cache_salt,
         traffic_class=body.traffic_class or DEFAULT_TRAFFIC_CLASS,
     )
-    engine_request.priority = body.priority
-    engine_request.kv_handoff = body.transfer_id
-    state.admit("openai")
+    prefill_request.priority = body.priority
+    prefill_request.kv_handoff = body.transfer_id
+    admit(state, "openai")
     try:
         ready = state.client.expect_handoff(body.transfer_id)
     except EngineDeadError as error:
         raise ApiError(503, f"the engine is not running: {error}", code="engine_unavailable") from None
-    stream = state.submit([(engine_request, None)], arrival)
+    stream = submit(state, [(prefill_request, None)], arrival)
     outcome = await until_disconnect(request, _prefilled(stream, ready), stream.abort)
     if outcome is None:
         ready.cancel()

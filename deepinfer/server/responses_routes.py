@@ -17,8 +17,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from deepinfer.recipe import RenderedPrompt
-from deepinfer.recipe.api import ResponsesEncoder, new_id, parse_responses_request, request_to_conversation
+from deepinfer.recipe.api import ResponsesEncoder, parse_responses_request, request_to_conversation
 from deepinfer.recipe.api.responses import ResponsesRequest, response_echo, wants_encrypted_reasoning
 from deepinfer.recipe.api.responses_items import input_item_resources
 from deepinfer.recipe.ir import Conversation
@@ -26,10 +25,10 @@ from deepinfer.response_store import ACTIVE_STATUSES, StoredResponse, tenant_of
 from deepinfer.server.answer import respond
 from deepinfer.server.constraints import RESPONSES_FORMAT
 from deepinfer.server.errors import ApiError
-from deepinfer.server.generation import ChoiceParsers
-from deepinfer.server.http_io import EventStreamResponse, read_json
+from deepinfer.server.http_io import EventStreamResponse
+from deepinfer.server.pipeline import ChatApi, open_call, prepare
 from deepinfer.server.sinks import ResponsesSink
-from deepinfer.server.state import ServerState
+from deepinfer.server.state import ServerState, state_of
 from deepinfer.server.stored_responses import Continuation
 
 log = logging.getLogger(__name__)
@@ -39,68 +38,43 @@ router = APIRouter()
 MAX_LIST_LIMIT = 100
 
 
-def state_of(request: Request) -> ServerState:
-    return request.app.state.server
+RESPONSES = ChatApi(param="input", fmt=RESPONSES_FORMAT, id_prefix="resp_", flavor="openai")
 
 
 @dataclass(slots=True)
-class ResponsesPrompt:
-    """A Responses body, checked and rendered: what both a request and /tokenize need."""
+class ResponsesInput:
+    """A Responses body, checked, with the earlier turns its `previous_response_id` names: what
+    both a request and /tokenize render."""
 
     parsed: ResponsesRequest
     conv: Conversation
-    prompt: RenderedPrompt
     continuation: Continuation
 
 
-async def responses_prompt(state: ServerState, body: Any, tenant: str) -> ResponsesPrompt:
-    """Validate a body, bring in the conversation its `previous_response_id` names, render it."""
+async def responses_input(state: ServerState, body: Any, tenant: str) -> ResponsesInput:
+    """Validate a body and bring in the conversation its `previous_response_id` names."""
     responses = state.responses
     parsed = await asyncio.to_thread(parse_responses_request, body, stored=responses.enabled)
     continuation = await responses.continuation(tenant, parsed.previous_response_id)
     conv = request_to_conversation(parsed, state.responses_options, continuation.items)
-    prompt = await state.render(conv, param="input")
-    return ResponsesPrompt(parsed, conv, prompt, continuation)
+    return ResponsesInput(parsed, conv, continuation)
 
 
 @router.post("/v1/responses")
 async def create_response(request: Request) -> Response:
-    state = state_of(request)
-    arrival = time.monotonic()
-    api_key = state.authorize(request)
-    tenant = tenant_of(api_key)
-    body = await read_json(request, state.config.max_body_bytes)
-    model = state.model_name(body)
-    rendered = await responses_prompt(state, body, tenant)
-    parsed, conv, prompt = rendered.parsed, rendered.conv, rendered.prompt
-    assert prompt.token_ids is not None
-    images = await state.place_images(prompt, param="input", api_key=api_key)
+    call = await open_call(request)
+    state = call.state
+    tenant = tenant_of(call.api_key)
+    given = await responses_input(state, call.body, tenant)
+    parsed, conv = given.parsed, given.conv
+    prepared = await prepare(call, conv, RESPONSES)
+    response_id = prepared.request_id
     responses = state.responses
     keep = responses.enabled and parsed.store is not False
     background = bool(parsed.background)
-    params = state.sampling_params(
-        conv.params,
-        len(prompt.token_ids),
-        skip_special_tokens=False,
-        defaults=prompt.defaults,
-    )
-    grammar = await state.output_constraint(conv, prompt, RESPONSES_FORMAT, body)
-    response_id = new_id("resp_")
-    engine_request = state.engine_request(
-        request,
-        response_id,
-        prompt.token_ids,
-        params,
-        api_key=api_key,
-        cache_salt=conv.cache_salt,
-        traffic_class=conv.traffic_class,
-        grammar=grammar,
-        images=images,
-    )
-    state.admit("openai")
     encoder = ResponsesEncoder(
         response_id=response_id,
-        model=model,
+        model=call.model,
         created_at=int(time.time()),
         echo=response_echo(parsed, stored=keep),
         stream=conv.stream or background,  # a background run records its events for resuming
@@ -108,14 +82,14 @@ async def create_response(request: Request) -> Response:
         seal_reasoning=state.reasoning_sealer.seal if wants_encrypted_reasoning(parsed) else None,
         queued=background,
     )
-    choices = ChoiceParsers(prompt, 1, (conv.params.top_logprobs or 0) if conv.params.logprobs else 0)
+    choices = prepared.choices()
     record = StoredResponse(
         response_id=response_id,
         tenant=tenant,
         response={},
         input_items=input_item_resources(parsed.input, response_id.removeprefix("resp_")),
-        ancestors=rendered.continuation.ancestors,
-        traffic_class=engine_request.traffic_class,
+        ancestors=given.continuation.ancestors,
+        traffic_class=prepared.request.traffic_class,
         background=background,
         done=not background,
     )
@@ -123,13 +97,13 @@ async def create_response(request: Request) -> Response:
         opening = encoder.start()
         record.response = encoder.snapshot("queued")
         await responses.save(record, opening)  # before the engine starts: a store that is down is a 503
-        stream = state.submit([(engine_request, prompt.text)], arrival)
+        stream = prepared.submit()
         responses.background.start(tenant, response_id, stream, choices, encoder)
         if conv.stream:
             # The client follows the run; leaving does not stop it.
             return EventStreamResponse(responses.background.follow(tenant, response_id, -1), lambda: None)
         return JSONResponse(record.response)
-    stream = state.submit([(engine_request, prompt.text)], arrival)
+    stream = prepared.submit()
 
     async def save() -> None:
         assert encoder.result is not None

@@ -25,9 +25,9 @@ from types import FrameType
 import uvicorn
 
 from deepinfer.config import ConfigError, EngineConfig, ServerConfig
-from deepinfer.engine.ipc.client import EngineClient
 from deepinfer.engine.ipc.protocol import EngineInfo
 from deepinfer.engine.ipc.transport import EngineTransport, ProcessTransport, ThreadTransport
+from deepinfer.frontend.client import EngineClient
 from deepinfer.model.loader.source import DEFAULT_MODEL_NAME, converted_gguf_dir, resolve_model_path
 from deepinfer.recipe import ModelInfo, Recipe, RecipeError
 from deepinfer.recipe.api.responses_reasoning import ReasoningSealer

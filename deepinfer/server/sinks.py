@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from deepinfer.engine.output_processor import SequenceDelta
+from deepinfer.frontend.output_processor import SequenceDelta
 from deepinfer.recipe.api import ChatCompletionEncoder, MessagesEncoder, ResponsesEncoder
 from deepinfer.recipe.api.sse import SSE_KEEPALIVE
 from deepinfer.recipe.events import Event

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from deepinfer.cache_layout import CacheGroup
@@ -113,16 +115,26 @@ def build_speculative_decoder(
     )
 
 
+def feature_layers(config: EngineConfig, model: CausalLM) -> tuple[int, ...]:
+    """The target layers whose features every step keeps for the proposer, handed to the runner
+    at construction: DSpark drafts from its layers' features; other methods need none."""
+    if not config.speculative.enabled or config.speculative.speculative_method != "dspark":
+        return ()
+    return tuple(_dspark_layers(model).spec.target_layer_ids)
+
+
 def dspark_proposer(runner: ModelRunner) -> DSparkProposer:
-    """DSpark over the target's own draft layers; every step then keeps the target features of
-    DSpark's layers for it (the runner asks the model for them)."""
-    drafter = getattr(runner.model, "dspark", None)
+    """DSpark over the target's own draft layers (the runner keeps their target features)."""
+    return DSparkProposer(_dspark_layers(runner.model))
+
+
+def _dspark_layers(model: CausalLM) -> Any:  # the V4.1 model's DSparkV41
+    drafter = getattr(model, "dspark", None)
     if drafter is None:  # check_engine refuses this first for an HF directory
         raise ValueError(
-            f"speculative_method='dspark' needs DeepSeek-V4.1's DSpark layers; {type(runner.model).__name__} has none"
+            f"speculative_method='dspark' needs DeepSeek-V4.1's DSpark layers; {type(model).__name__} has none"
         )
-    runner.feature_layers = drafter.spec.target_layer_ids
-    return DSparkProposer(drafter)
+    return drafter
 
 
 def _target_forward(runner: ModelRunner):

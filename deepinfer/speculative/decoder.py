@@ -15,7 +15,7 @@ import torch
 
 from deepinfer.runner.model_runner import StepResult, seed_generator
 from deepinfer.runner.sampler import SampledToken, SamplingRow, process_logits
-from deepinfer.sequence import Sequence
+from deepinfer.sequence import Sequence, draft_room
 from deepinfer.speculative.confidence_policy import ConfidencePolicy
 from deepinfer.speculative.cost_model import StepCostModel
 from deepinfer.speculative.length_policy import (
@@ -107,9 +107,7 @@ class SpeculativeDecoder:
         for seq in running:
             if not is_decode_step(seq):
                 continue
-            bound = min(self.max_k, max_model_len - seq.num_tokens)
-            if seq.params.max_tokens is not None:
-                bound = min(bound, seq.params.max_tokens - seq.num_output_tokens - 1)
+            bound = min(self.max_k, draft_room(seq, max_model_len))
             if bound > 0:
                 bound = self.proposer.available(seq, bound)
             candidates.append(Candidate(seq.seq_id, self.estimator(seq.seq_id).alphas, max(bound, 0)))

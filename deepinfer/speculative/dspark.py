@@ -1,4 +1,4 @@
-"""DSpark drafting (DeepSeek-V4.1's draft layers, model/dspark_v41.py): one non-causal block
+"""DSpark drafting (DeepSeek-V4.1's draft layers, model/deepseek_v4/v41_dspark.py): one non-causal block
 forward gives every draft position's hidden state, then the drafts are drawn in order, each with
 the Markov correction of the draft before it, each with the confidence head's estimate.
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.model.dspark_v41 import DSparkV41
+from deepinfer.model.deepseek_v4.v41_dspark import DSparkV41
 from deepinfer.runner.sampler import SampledToken
 from deepinfer.sequence import Sequence
 from deepinfer.speculative.cost_model import CostCurve

@@ -17,12 +17,17 @@ Formats (kept byte-identical to the recipe's parsers in deepinfer/recipe/parse/)
 
 The result is a `GrammarSpec` of kind "grammar" in llguidance's Lark dialect (it embeds the
 argument schemas with `%json`), so it needs the llguidance backend.
+
+The syntaxes are one table (`register_tool_call_grammar` adds one): the structured-output hook
+of every model family whose encoding writes that syntax; `forceable_tool_formats()` is what the
+server accepts a forced call for.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
+from functools import partial
 from typing import Any, Literal, Protocol
 
 import llguidance
@@ -108,17 +113,16 @@ def tool_call_spec(
                 "tools",
                 f'tool name {tool_name!r} cannot appear in a tool call (empty or has ", <, > or newline)',
             )
-    if fmt == "hermes":
-        text = _hermes(tools, parallel, special_tokens)
-    elif fmt in DSML_TAGS:
-        text = _dsml(tools, parallel, special_tokens, DSML_TAGS[fmt], opened=opened)
-    else:
+    build = _GRAMMARS.get(fmt)
+    if build is None:
         raise _error("tools", f"unknown tool-call format {fmt!r}")
+    text = build(tools, parallel, special_tokens, opened)
     spec = GrammarSpec.grammar(text, param="tools")
     return spec.with_reasoning(after_reasoning) if after_reasoning else spec
 
 
-def _hermes(tools: Sequence[ToolLike], parallel: bool, special: Collection[str]) -> str:
+def _hermes(tools: Sequence[ToolLike], parallel: bool, special: Collection[str], opened: bool) -> str:
+    # `opened` never holds here: no prompt writes the opening of a Hermes block.
     lines = []
     alternatives = []
     for i, tool in enumerate(tools):
@@ -133,11 +137,10 @@ def _hermes(tools: Sequence[ToolLike], parallel: bool, special: Collection[str])
 
 
 def _dsml(
+    tags: tuple[str, str, str],
     tools: Sequence[ToolLike],
     parallel: bool,
     special: Collection[str],
-    tags: tuple[str, str, str],
-    *,
     opened: bool,
 ) -> str:
     block, invoke, parameter = tags
@@ -190,6 +193,27 @@ def _dsml(
         )
     lines.insert(2, f"invoke: {' | '.join(alternatives)}")
     return "\n".join(lines) + "\n"
+
+
+# (tools, parallel, special tokens, opened) -> the Lark grammar of a forced call, per syntax.
+GrammarBuilder = Callable[[Sequence[ToolLike], bool, Collection[str], bool], str]
+_GRAMMARS: dict[str, GrammarBuilder] = {
+    "hermes": _hermes,
+    **{fmt: partial(_dsml, tags) for fmt, tags in DSML_TAGS.items()},
+}
+
+
+def register_tool_call_grammar(fmt: str, build: GrammarBuilder) -> None:
+    """Make calls in the syntax `fmt` forceable with `build`'s grammar (mutates the table); a
+    ValueError when the syntax has one already."""
+    if fmt in _GRAMMARS:
+        raise ValueError(f"the tool-call syntax {fmt!r} has a grammar already")
+    _GRAMMARS[fmt] = build
+
+
+def forceable_tool_formats() -> tuple[str, ...]:
+    """The tool-call syntaxes a call can be forced in, in registration order."""
+    return tuple(_GRAMMARS)
 
 
 def _raw_string_regex(schema: dict[str, Any]) -> str | None:

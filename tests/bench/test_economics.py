@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.economics import (
+from deepinfer.bench.cli import main
+from deepinfer.bench.economics import (
     CardThroughput,
     blended_input_price,
     card_economics,
@@ -10,8 +11,7 @@ from bench.economics import (
     hit_ratio_table,
     throughput_from_result,
 )
-from bench.prices import PRESETS, Prices, parse_prices
-from deepinfer.bench.cli import main
+from deepinfer.bench.prices import PRESETS, Prices, parse_prices
 
 
 def test_38_revenue_and_7_cost_per_card_hour_is_82_percent_margin() -> None:

@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.hf_from_gguf import hf_dir_is_complete
-from bench.peer_vllm import VLLM_ENV, find_vllm, installed_version, vllm_command
-from bench.peers import PeerOutcome, PeersOptions, format_peers, run_peers
+from deepinfer.bench.hf_from_gguf import hf_dir_is_complete
+from deepinfer.bench.peer_vllm import VLLM_ENV, find_vllm, installed_version, vllm_command
+from deepinfer.bench.peers import PeerOutcome, PeersOptions, format_peers, run_peers
 from deepinfer.bench.report import provenance
 
 

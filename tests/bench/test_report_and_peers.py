@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.peers import PeerOutcome, PeersOptions, format_peers, run_peers
+from deepinfer.bench.peers import PeerOutcome, PeersOptions, format_peers, run_peers
 from deepinfer.bench.report import (
     markdown_table,
     provenance,
@@ -99,8 +99,8 @@ def test_run_peers_reports_a_peer_that_cannot_start(tmp_path: Path) -> None:
 
 
 def test_offline_peer_runs_the_server_workload_in_process(default_model_path: Path) -> None:
-    from bench.peer_offline import run_offline
     from deepinfer.bench.datasets import build_dataset
+    from deepinfer.bench.peer_offline import run_offline
     from deepinfer.bench.serve import summarize_run
     from deepinfer.bench.stats import Slo
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from bench.roofline import (
+from deepinfer.bench.cli import main
+from deepinfer.bench.roofline import (
     Roofline,
     default_model_path,
     llama_config_from_gguf,
@@ -16,7 +17,6 @@ from bench.roofline import (
     model_flops_per_token,
     utilization,
 )
-from deepinfer.bench.cli import main
 
 TINY = {
     "hidden_size": 64,

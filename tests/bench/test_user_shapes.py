@@ -1,4 +1,4 @@
-"""bench/user_shapes.py: llama.cpp's Q4_K_M mix, valid random blocks of trained-like scale."""
+"""deepinfer/bench/user_shapes.py: llama.cpp's Q4_K_M mix, valid random blocks of trained-like scale."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
 
-from bench.user_shapes import SHAPES, random_blocks, tensor_plan
+from deepinfer.bench.user_shapes import SHAPES, random_blocks, tensor_plan
 
 
 def test_q4_k_m_gives_q6_k_where_llama_cpp_does():

@@ -1,10 +1,10 @@
-"""bench/vision.py at its smallest: one small picture, a one-layer tower, one request per case."""
+"""deepinfer/bench/vision.py at its smallest: one small picture, a one-layer tower, one request per case."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.vision import (
+from deepinfer.bench.vision import (
     _grids,
     encode,
     image_part,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.model.layers.fp8 import dequantize_block_fp8, dequantize_checkpoint, weight_block_size
+from deepinfer.model.layers.fp8 import dequantize_block_fp8, weight_block_size
+from deepinfer.model.loader.scaled import dequantize_checkpoint
 from tests.deepseek.tiny_checkpoint import dequantize_reference, quantize_block_fp8
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.attention.v4_cache import ContiguousV4Cache, StepLayout
+from deepinfer.model.deepseek_v4.cache import StepLayout
 from deepinfer.model.loader.load import load_model
+from tests.deepseek_v4.oracle_cache import ContiguousV4Cache
 from tests.deepseek_v4.tiny_v4 import TinyV4, build_v4, official_config, tiny_config
 from tests.one_thread import one_thread  # noqa: F401  (autouse)
 

@@ -8,8 +8,9 @@ import copy
 import pytest
 import torch
 
-from deepinfer.attention.v4_cache import CacheKind, ContiguousV4Cache, StepLayout, kv_cache_bytes
+from deepinfer.model.deepseek_v4.cache import CacheKind, StepLayout, kv_cache_bytes
 from tests.deepseek_v4.conftest import CachedRun
+from tests.deepseek_v4.oracle_cache import ContiguousV4Cache
 
 
 def _prompt(length: int, seed: int, vocab: int) -> list[int]:

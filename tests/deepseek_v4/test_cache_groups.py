@@ -1,4 +1,4 @@
-"""DeepSeek-V4's cache groups for the real V4-Flash and V4-Pro configs (bench/v4_kv_memory.py):
+"""DeepSeek-V4's cache groups for the real V4-Flash and V4-Pro configs (deepinfer/bench/v4_kv_memory.py):
 the layout the engine plans grows by exactly the formula's bytes per token, and holds a bounded
 window per sequence in its sliding groups."""
 
@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.v4_kv_memory import FLASH_CONFIG, PRO_CONFIG, v4_bytes
-from deepinfer.attention.v4_cache import CacheKind
+from deepinfer.bench.v4_kv_memory import FLASH_CONFIG, PRO_CONFIG, v4_bytes
 from deepinfer.cache_layout import plan_cache_layout
-from deepinfer.model.deepseek_v4 import cache_declarations, v4_cache_groups
-from deepinfer.model.deepseek_v4_config import DeepseekV4Arch
+from deepinfer.model.deepseek_v4.cache import CacheKind
+from deepinfer.model.deepseek_v4.config import DeepseekV4Arch
+from deepinfer.model.deepseek_v4.model import cache_declarations, v4_cache_groups
 
 
 @pytest.mark.parametrize(

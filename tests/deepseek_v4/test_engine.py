@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.attention.v4_cache import CacheKind
+from deepinfer.model.deepseek_v4.cache import CacheKind
 from deepinfer.runner.inputs import ForwardWork, RowSpan
 from deepinfer.sequence import EngineRequest, Sequence
 from tests.deepseek_v4.conftest import WINDOW, CachedRun

@@ -17,9 +17,9 @@ import pytest
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.cache_layout import CacheGroup, CacheTensor, plan_cache_layout
+from deepinfer.engine.connectors.chunks import ChunkLayout
 from deepinfer.engine.kv_cache.manager import KVCacheManager
 from deepinfer.engine.kv_cache.prefix import namespace_root
-from deepinfer.engine.kv_chunks import ChunkLayout
 from deepinfer.engine.outputs import KVHandoff
 from deepinfer.sequence import EngineRequest, KVSource, Sequence
 from deepinfer.store import TieredKVStore

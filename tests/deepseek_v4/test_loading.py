@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from deepinfer.model.deepseek_v4_config import DeepseekV4Arch
+from deepinfer.model.deepseek_v4.config import DeepseekV4Arch
 from deepinfer.model.loader.load import load_model
 from deepinfer.model.registry import model_class
 from tests.deepseek_v4.conftest import CachedRun
@@ -174,7 +174,7 @@ def test_bad_config_fails_at_load_time(tiny, tmp_path):
 
 def test_published_flash_config_parses():
     """DeepSeek-V4-Flash's config.json as published (values as listed in docs/benchmarks.md)."""
-    from bench.v4_kv_memory import FLASH_CONFIG
+    from deepinfer.bench.v4_kv_memory import FLASH_CONFIG
 
     arch = DeepseekV4Arch.from_raw(FLASH_CONFIG)
     assert arch.layer_types[:4] == (

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.attention.v4_cache import StepLayout
+from deepinfer.model.deepseek_v4.cache import StepLayout
 from tests.deepseek_v4.conftest import CachedRun
 
 

@@ -87,7 +87,7 @@ def test_greedy_64_tokens_match_hf_generate(tiny, tiny_model):
 
 def test_queries_in_blocks_match_hf(tiny, tiny_model, monkeypatch):
     """A long prefill attends its queries in blocks (QUERY_BLOCK); blocks of 5 over 61 tokens."""
-    import deepinfer.model.layers.v4_attention as v4_attention
+    import deepinfer.model.deepseek_v4.attention as v4_attention
 
     monkeypatch.setattr(v4_attention, "QUERY_BLOCK", 5)
     ids = _prompt(61, 17, tiny.config["vocab_size"])

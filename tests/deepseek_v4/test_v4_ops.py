@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.attention.v4_sparse import select_entries
-from deepinfer.model.deepseek_v4_config import DeepseekV4Arch
-from deepinfer.model.layers.mxfp4 import dequantize_mxfp4
-from deepinfer.model.layers.v4_rotary import inverse_frequencies, rotate_tail
+from deepinfer.model.deepseek_v4.config import DeepseekV4Arch
+from deepinfer.model.deepseek_v4.mxfp4 import dequantize_mxfp4
+from deepinfer.model.deepseek_v4.rotary import inverse_frequencies, rotate_tail
+from deepinfer.model.deepseek_v4.sparse import select_entries
 
 
 def test_mxfp4_decodes_every_code_with_its_block_scale():
@@ -26,7 +26,7 @@ def test_compress_rope_frequencies_equal_transformers_yarn():
     from transformers import DeepseekV4Config
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from bench.v4_kv_memory import FLASH_CONFIG
+    from deepinfer.bench.v4_kv_memory import FLASH_CONFIG
 
     config = DeepseekV4Config(**{k: v for k, v in FLASH_CONFIG.items() if k != "model_type"})
     theirs, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](config, layer_type="compress")

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from deepinfer.model.layers.v41_compressor import Compressor, compress_chunk, ring_size
+from deepinfer.model.deepseek_v4.v41_compressor import Compressor, compress_chunk, ring_size
 from tests.deepseek_v41.reference import ENGINE_SDIST, reference_file
 
 DIM = 8

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from deepinfer.model.deepseek_v41_config import (
+from deepinfer.model.deepseek_v4.v41_config import (
     CandidateBlocks,
     DeepseekV41Arch,
     engram_table_sizes,

@@ -20,13 +20,13 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.attention.v41_cache import ContiguousV41Cache
 from deepinfer.config import ConfigError
 from deepinfer.speculative import dspark
 from deepinfer.speculative.cost_model import CostCurve, StepCostModel
 from deepinfer.speculative.dspark import DSparkProposer
 from deepinfer.speculative.proposer import draw_drafts
 from tests.deepseek.tiny_checkpoint import build_tokenizer, deepseek_config
+from tests.deepseek_v41.oracle_cache import ContiguousV41Cache
 from tests.deepseek_v41.test_engine import (
     WINDOW,
     _blocks_in_use,

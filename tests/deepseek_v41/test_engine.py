@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.attention.v4_cache import CacheKind, StepLayout
-from deepinfer.attention.v41_cache import ContiguousV41Cache
 from deepinfer.config import ConfigError
-from deepinfer.model.deepseek_v41 import DeepseekV41ForCausalLM
+from deepinfer.model.deepseek_v4.cache import CacheKind, StepLayout
+from deepinfer.model.deepseek_v4.v41_model import DeepseekV41ForCausalLM
 from deepinfer.runner.inputs import ForwardWork, RowSpan
 from deepinfer.sequence import EngineRequest, Sequence
 from tests.deepseek.tiny_checkpoint import build_tokenizer
+from tests.deepseek_v41.oracle_cache import ContiguousV41Cache
 from tests.deepseek_v41.tiny_v41 import TinyV41, build_v41, tiny_config
 
 BLOCK = 4

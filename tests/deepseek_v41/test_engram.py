@@ -20,9 +20,7 @@ import torch
 from sympy import nextprime
 from tokenizers import Regex, Tokenizer, normalizers
 
-from deepinfer.model.deepseek_v41_config import DeepseekV41Arch
-from deepinfer.model.deepseek_v41_weights import load_v41_weights
-from deepinfer.model.layers.engram import (
+from deepinfer.model.deepseek_v4.engram import (
     GATE_CLAMP,
     Engram,
     EngramHashing,
@@ -33,6 +31,8 @@ from deepinfer.model.layers.engram import (
     hash_multipliers,
     ngram_windows,
 )
+from deepinfer.model.deepseek_v4.v41_config import DeepseekV41Arch
+from deepinfer.model.deepseek_v4.v41_weights import load_v41_weights
 from tests.deepseek_v41.reference import ENGINE_SDIST, TILE_KERNELS_WHEEL, reference_file
 from tests.deepseek_v41.tiny_v41 import TinyV41, build_v41, tiny_config
 

@@ -11,16 +11,16 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from deepinfer.attention.v4_cache import StepLayout
-from deepinfer.attention.v41_cache import ContiguousV41Cache
-from deepinfer.model.deepseek_v41 import DeepseekV41ForCausalLM
-from deepinfer.model.layers.engram import (
+from deepinfer.model.deepseek_v4.cache import StepLayout
+from deepinfer.model.deepseek_v4.engram import (
     GATE_CLAMP,
     IMAGE_SENTINEL,
     EngramHashing,
     with_image_sentinels,
 )
+from deepinfer.model.deepseek_v4.v41_model import DeepseekV41ForCausalLM
 from tests.deepseek_v41 import test_engram as base
+from tests.deepseek_v41.oracle_cache import ContiguousV41Cache
 from tests.deepseek_v41.reference import ENGINE_SDIST, reference_file
 from tests.deepseek_v41.test_engram import _arch, _engrams, _exec_nodes, _loop_rows
 from tests.deepseek_v41.tiny_v41 import build_v41, tiny_config

@@ -11,7 +11,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from deepinfer.model.layers.mhc import HyperConnection
+from deepinfer.model.deepseek_v4.mhc import HyperConnection
 from tests.deepseek_v41.reference import TILE_KERNELS_WHEEL, reference_file
 
 HIDDEN, STREAMS, ITERS, HC_EPS, NORM_EPS = 16, 4, 20, 1e-6, 1e-6

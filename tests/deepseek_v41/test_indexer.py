@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deepinfer.model.deepseek_v4_config import RopeSpec
-from deepinfer.model.deepseek_v41_config import DeepseekV41Arch
-from deepinfer.model.layers.v4_rotary import TrailingRope
-from deepinfer.model.layers.v41_indexer import (
+from deepinfer.model.deepseek_v4.config import RopeSpec
+from deepinfer.model.deepseek_v4.rotary import TrailingRope
+from deepinfer.model.deepseek_v4.v41_config import DeepseekV41Arch
+from deepinfer.model.deepseek_v4.v41_indexer import (
     CandidateRole,
     V41Indexer,
     candidate_block_scores,

@@ -1,4 +1,4 @@
-"""bench/v41_kv_memory.py's formula against what the engine allocates: on the tiny V4.1 (a
+"""deepinfer/bench/v41_kv_memory.py's formula against what the engine allocates: on the tiny V4.1 (a
 scaled-down config through the real engine: its cache groups, bytes per token and windows, and
 the Engram tables it maps) and on the script's assumed V4-Flash-sized configs (the layout the
 engine plans for them)."""
@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.v41_kv_memory import engram_host_bytes, growth_per_token, v41_bytes, v41_config
-from deepinfer.attention.v4_cache import CacheKind
-from deepinfer.attention.v41_paged import cache_declarations
+from deepinfer.bench.v41_kv_memory import engram_host_bytes, growth_per_token, v41_bytes, v41_config
 from deepinfer.cache_layout import plan_cache_layout
-from deepinfer.model.deepseek_v4 import v4_cache_groups
-from deepinfer.model.deepseek_v41_config import DeepseekV41Arch
-from deepinfer.model.layers.engram import Engram
+from deepinfer.model.deepseek_v4.cache import CacheKind
+from deepinfer.model.deepseek_v4.engram import Engram
+from deepinfer.model.deepseek_v4.model import v4_cache_groups
+from deepinfer.model.deepseek_v4.v41_config import DeepseekV41Arch
+from deepinfer.model.deepseek_v4.v41_paged import cache_declarations
 from tests.deepseek_v41.test_engine import _llm, checkpoint  # noqa: F401
 
 LONG = 1 << 12  # tokens: past every window, a whole number of C2 pairs

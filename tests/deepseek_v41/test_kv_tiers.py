@@ -21,13 +21,13 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.cache_layout import plan_cache_layout
+from deepinfer.engine.connectors.chunks import ChunkLayout
 from deepinfer.engine.kv_cache.manager import KVCacheManager
 from deepinfer.engine.kv_cache.prefix import namespace_root
-from deepinfer.engine.kv_chunks import ChunkLayout
 from deepinfer.engine.outputs import KVHandoff
-from deepinfer.model.deepseek_v4 import cache_declarations as v4_declarations
-from deepinfer.model.deepseek_v4 import v4_cache_groups
-from deepinfer.model.deepseek_v4_config import DeepseekV4Arch
+from deepinfer.model.deepseek_v4.config import DeepseekV4Arch
+from deepinfer.model.deepseek_v4.model import cache_declarations as v4_declarations
+from deepinfer.model.deepseek_v4.model import v4_cache_groups
 from deepinfer.sequence import EngineRequest, KVSource, Sequence
 from deepinfer.store import TieredKVStore
 from deepinfer.store.file_backend import FileBackend

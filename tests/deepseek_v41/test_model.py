@@ -11,15 +11,16 @@ from typing import Any
 import pytest
 import torch
 
-from deepinfer.attention.v4_cache import ContiguousV4Cache, StepLayout
-from deepinfer.attention.v41_cache import ContiguousV41Cache
-from deepinfer.model import deepseek_v4
-from deepinfer.model.deepseek_v4_config import DeepseekV4Arch
-from deepinfer.model.deepseek_v41 import DeepseekV41ForCausalLM, rope_specs
-from deepinfer.model.layers import v4_attention
-from deepinfer.model.layers.v4_rotary import TrailingRope
-from deepinfer.model.layers.v41_attention import CrossLayer
+from deepinfer.model.deepseek_v4 import attention as v4_attention
+from deepinfer.model.deepseek_v4 import model as deepseek_v4
+from deepinfer.model.deepseek_v4.cache import StepLayout
+from deepinfer.model.deepseek_v4.config import DeepseekV4Arch
+from deepinfer.model.deepseek_v4.rotary import TrailingRope
+from deepinfer.model.deepseek_v4.v41_attention import CrossLayer
+from deepinfer.model.deepseek_v4.v41_model import DeepseekV41ForCausalLM, rope_specs
+from tests.deepseek_v4.oracle_cache import ContiguousV4Cache
 from tests.deepseek_v4.tiny_v4 import tiny_config as tiny_v4_config
+from tests.deepseek_v41.oracle_cache import ContiguousV41Cache
 from tests.deepseek_v41.tiny_v41 import build_v41, tiny_config
 
 PROMPT = 40  # > the window (8): 40 C1 entries in 10 candidate blocks (8 kept), 20 C2 entries

@@ -17,13 +17,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deepinfer.attention.v4_cache import StepLayout
-from deepinfer.attention.v41_cache import ContiguousV41Cache
-from deepinfer.model.deepseek_v41 import DeepseekV41ForCausalLM
-from deepinfer.model.deepseek_v41_config import DeepseekV41Arch
-from deepinfer.model.deepseek_v41_weights import load_v41_weights
-from deepinfer.model.dspark_v41 import DSparkV41
-from deepinfer.model.layers.v4_moe import V4Router
+from deepinfer.model.deepseek_v4.cache import StepLayout
+from deepinfer.model.deepseek_v4.moe import V4Router
+from deepinfer.model.deepseek_v4.v41_config import DeepseekV41Arch
+from deepinfer.model.deepseek_v4.v41_dspark import DSparkV41
+from deepinfer.model.deepseek_v4.v41_model import DeepseekV41ForCausalLM
+from deepinfer.model.deepseek_v4.v41_weights import load_v41_weights
+from tests.deepseek_v41.oracle_cache import ContiguousV41Cache
 from tests.deepseek_v41.reference import ENGINE_SDIST, TILE_KERNELS_WHEEL, reference_file
 from tests.deepseek_v41.tiny_v41 import TinyV41, build_v41, tiny_config
 

@@ -19,11 +19,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deepinfer.model.deepseek_v41_config import DeepseekV41Arch
-from deepinfer.model.deepseek_v41_weights import expected_vision_tensors, load_v41_weights
-from deepinfer.model.layers.vision_projector import merge_patches
-from deepinfer.model.layers.vision_vit import PatchGrid, patch_positions, patchify
-from deepinfer.model.vision_v41 import SPECIAL_EMBEDDINGS, VisionEncoderV41, image_token_count
+from deepinfer.model.deepseek_v4.v41_config import DeepseekV41Arch
+from deepinfer.model.deepseek_v4.v41_weights import expected_vision_tensors, load_v41_weights
+from deepinfer.model.deepseek_v4.vision import SPECIAL_EMBEDDINGS, VisionEncoderV41, image_token_count
+from deepinfer.model.deepseek_v4.vision_projector import merge_patches
+from deepinfer.model.deepseek_v4.vision_vit import PatchGrid, patch_positions, patchify
 from tests.deepseek_v41.reference import ENGINE_SDIST, TILE_KERNELS_WHEEL, reference_file
 from tests.deepseek_v41.tiny_v41 import TinyV41, build_v41, tiny_config, write_checkpoint
 

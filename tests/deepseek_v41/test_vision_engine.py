@@ -18,18 +18,18 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.attention.v4_cache import StepLayout
-from deepinfer.attention.v41_cache import ContiguousV41Cache
 from deepinfer.engine.kv_cache.prefix import extend_block_hashes
-from deepinfer.engine.kv_transfer import KVTransferServer
 from deepinfer.image_input import EncodedAt, ImageInput
-from deepinfer.model.deepseek_v41 import DeepseekV41ForCausalLM
+from deepinfer.model.deepseek_v4.cache import StepLayout
+from deepinfer.model.deepseek_v4.v41_model import DeepseekV41ForCausalLM
 from deepinfer.recipe.images.source import prepare_image
 from deepinfer.recipe.ir import ImagePart
 from deepinfer.runner.image_embeds import image_patches
 from deepinfer.sequence import EngineRequest
 from deepinfer.server.images import expand_placeholders, prepare_for_engine
+from deepinfer.transport.kv_transfer import KVTransferServer
 from tests.deepseek.tiny_checkpoint import build_tokenizer
+from tests.deepseek_v41.oracle_cache import ContiguousV41Cache
 from tests.deepseek_v41.tiny_v41 import TinyV41, build_v41
 from tests.deepseek_v41.vision_inputs import png_base64, vision_config
 

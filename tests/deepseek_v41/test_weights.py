@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepinfer.model.deepseek_v41_config import DeepseekV41Arch
-from deepinfer.model.deepseek_v41_weights import load_v41_weights
+from deepinfer.model.deepseek_v4.v41_config import DeepseekV41Arch
+from deepinfer.model.deepseek_v4.v41_weights import load_v41_weights
 from tests.deepseek_v41.reference import ENGINE_SDIST, TILE_KERNELS_WHEEL, reference_file
 from tests.deepseek_v41.tiny_v41 import E2M1, TinyV41, build_v41, tiny_config, write_checkpoint
 

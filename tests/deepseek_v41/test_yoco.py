@@ -1,4 +1,4 @@
-"""YoCo's bounded replay (model/yoco.py) on the tiny V4.1 (float32; layers 3, 4, 5 past the
+"""YoCo's bounded replay (model/deepseek_v4/yoco.py) on the tiny V4.1 (float32; layers 3, 4, 5 past the
 boundary, window 8): the kept rows equal every row computed with the same clipped windows, and
 the unclipped model where the windows cannot reach the floor; chunks, decoding and rollbacks
 never read a skipped row; the option is refused where it cannot hold."""
@@ -11,17 +11,17 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.attention.v4_cache import StepLayout
-from deepinfer.attention.v41_cache import ContiguousV41Cache
 from deepinfer.config import ConfigError, EngineConfig
 from deepinfer.model.base import CausalLM
 from deepinfer.model.config import ModelConfig
-from deepinfer.model.deepseek_v41 import DeepseekV41ForCausalLM
+from deepinfer.model.deepseek_v4.cache import StepLayout
+from deepinfer.model.deepseek_v4.v41_model import DeepseekV41ForCausalLM
+from deepinfer.model.deepseek_v4.yoco import BoundedReplay, check_keep_tokens, prompt_floors
 from deepinfer.model.loader.load import check_model_engine
-from deepinfer.model.yoco import BoundedReplay, check_keep_tokens, prompt_floors
 from deepinfer.runner.inputs import ForwardWork, RowSpan
 from deepinfer.sequence import EngineRequest, Sequence
 from tests.deepseek.tiny_checkpoint import build_tokenizer
+from tests.deepseek_v41.oracle_cache import ContiguousV41Cache
 from tests.deepseek_v41.tiny_v41 import build_v41, tiny_config
 
 PROMPT = 40

@@ -13,12 +13,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from bench.hf_from_gguf import write_hf_dir
 from deepinfer import LLM, SamplingParams
 from deepinfer.attention.float32_boundary import Float32Boundary
+from deepinfer.bench.hf_from_gguf import write_hf_dir
 from deepinfer.config import ConfigError, EngineConfig
 from deepinfer.kernels import isa
-from deepinfer.model.llama import LlamaForCausalLM
+from deepinfer.model.llama.model import LlamaForCausalLM
 from deepinfer.model.loader.dtype import engine_dtype
 from deepinfer.model.loader.source import converted_gguf_dir
 from tests.engine.greedy import CHAT, QUESTIONS
@@ -125,7 +125,7 @@ def test_bf16_tiny_model_matches_hf_bf16(name: str, tmp_path: Path, tokenizer_di
 
 @pytest.fixture(scope="module")
 def bf16_llm(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LLM]:
-    """The default model's values written as a bf16 safetensors checkpoint (bench/hf_from_gguf.py),
+    """The default model's values written as a bf16 safetensors checkpoint (deepinfer/bench/hf_from_gguf.py),
     loaded with `dtype=auto` where the CPU has native bf16 and asked for elsewhere."""
     folder = write_hf_dir(default_model_path, tmp_path_factory.mktemp("smollm2-bf16"), "bfloat16")
     llm = LLM(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from deepinfer.engine.detokenizer import IncrementalDetokenizer
+from deepinfer.frontend.detokenizer import IncrementalDetokenizer
 
 TEXTS = ["Hello 😀 world 🐉🐉!", "日本語のテキスト、中文字符 and émoji 👩‍👩‍👧", "  leading spaces\n\ttabs  "]
 

@@ -18,13 +18,13 @@ import pytest
 
 from deepinfer.config import ConfigError, EngineConfig
 from deepinfer.engine.image_pull import ImagePuller
-from deepinfer.engine.kv_transfer import KVTransferServer
 from deepinfer.image_input import EncodedAt, ImageInput, check_images
 from deepinfer.model.config import ModelConfig
-from deepinfer.model.deepseek_v41 import DeepseekV41ForCausalLM
+from deepinfer.model.deepseek_v4.v41_model import DeepseekV41ForCausalLM
 from deepinfer.model.loader.load import check_model_engine
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.sequence import EngineRequest, Sequence
+from deepinfer.transport.kv_transfer import KVTransferServer
 from tests.deepseek_v41.tiny_v41 import tiny_config
 from tests.deepseek_v41.vision_inputs import vision_config
 

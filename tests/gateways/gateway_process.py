@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.cluster import free_port
+from deepinfer.bench.cluster import free_port
 from tests.server.server_process import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]

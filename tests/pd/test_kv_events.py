@@ -11,10 +11,10 @@ import zmq
 
 from deepinfer.cache_layout import CacheGroup, plan_cache_layout
 from deepinfer.config import SchedulerConfig
-from deepinfer.engine.kv_cache.events import DEVICE, KVEventLog, Removed, Stored
 from deepinfer.engine.kv_cache.manager import KVCacheManager
-from deepinfer.engine.kv_events import KVEventPublisher
 from deepinfer.engine.scheduler import Scheduler
+from deepinfer.transport.kv_event_log import DEVICE, KVEventLog, Removed, Stored
+from deepinfer.transport.kv_events import KVEventPublisher
 from tests.engine.helpers import TENSOR, request, run_step
 
 

@@ -10,15 +10,15 @@ import time
 import numpy as np
 import pytest
 
-from deepinfer.engine.kv_transfer import (
+from deepinfer.security.peer_auth import dial_peer
+from deepinfer.sequence import KVSource
+from deepinfer.transport.kv_transfer import (
     KVPuller,
     KVTransferServer,
     PullRequest,
     TransferError,
     send_frame,
 )
-from deepinfer.security.peer_auth import dial_peer
-from deepinfer.sequence import KVSource
 
 LAYOUT = "deepinfer-kv-chunk-v2|64|test"
 

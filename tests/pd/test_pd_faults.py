@@ -20,7 +20,9 @@ import msgspec
 import pytest
 
 from deepinfer.engine.kv_cache.prefix import extend_block_hashes, namespace_root
-from deepinfer.engine.kv_transfer import (
+from deepinfer.security.peer_auth import dial_peer
+from deepinfer.sequence import KVSource
+from deepinfer.transport.kv_transfer import (
     KVPuller,
     PullReply,
     PullRequest,
@@ -28,8 +30,6 @@ from deepinfer.engine.kv_transfer import (
     recv_frame,
     send_frame,
 )
-from deepinfer.security.peer_auth import dial_peer
-from deepinfer.sequence import KVSource
 from tests.pd.apis import ask
 from tests.pd.cluster import (
     MODEL,

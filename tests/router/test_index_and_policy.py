@@ -9,10 +9,10 @@ import pytest
 
 from deepinfer.config import ConfigError
 from deepinfer.config.router import RouterConfig
-from deepinfer.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from deepinfer.router.index import PrefixIndex, TierCredits
 from deepinfer.router.policy import Candidate, Policy
 from deepinfer.router.prompt import PromptFeatures
+from deepinfer.transport.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 H = [bytes([i]) * 32 for i in range(10)]
 

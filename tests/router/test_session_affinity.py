@@ -13,12 +13,12 @@ import httpx
 import pytest
 
 from deepinfer.config.router import RouterConfig
-from deepinfer.engine.kv_events import BlockStored
 from deepinfer.router.app import Router
 from deepinfer.router.index import PrefixIndex
 from deepinfer.router.metrics import RouterMetrics
 from deepinfer.router.prompt import PromptFeatures
 from deepinfer.router.replica import ReplicaSet
+from deepinfer.transport.kv_events import BlockStored
 
 URLS = ("http://127.0.0.1:1", "http://127.0.0.1:2")
 BLOCK = 16

@@ -22,10 +22,10 @@ import msgspec
 import pytest
 import zmq
 
-from deepinfer.engine.kv_events import BlockStored, decode_batch
 from deepinfer.security.curve import client_keys, server_keys
 from deepinfer.security.peer_auth import MAGIC
 from deepinfer.security.signing import sign_handoff
+from deepinfer.transport.kv_events import BlockStored, decode_batch
 from tests.pd.cluster import MODEL, cluster_key, peer_headers, replica, signed_handoff
 from tests.security.conftest import TENANT_A, TENANT_B, as_key, error_of
 

@@ -11,8 +11,6 @@ import zmq
 
 from deepinfer.cli import main
 from deepinfer.config import ConfigError, DisaggregationConfig
-from deepinfer.engine.kv_cache.events import DEVICE, Stored
-from deepinfer.engine.kv_events import BlockStored, KVEventPublisher, decode_batch
 from deepinfer.security import ClusterKeyError, read_cluster_key
 from deepinfer.security.curve import client_keys, server_keys
 from deepinfer.security.signing import (
@@ -25,6 +23,8 @@ from deepinfer.security.signing import (
 )
 from deepinfer.server.errors import ApiError
 from deepinfer.server.peers import check_handoff_signature
+from deepinfer.transport.kv_event_log import DEVICE, Stored
+from deepinfer.transport.kv_events import BlockStored, KVEventPublisher, decode_batch
 
 KEY = b"k" * 32
 

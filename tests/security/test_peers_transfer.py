@@ -13,9 +13,15 @@ import httpx
 import numpy as np
 import pytest
 
-from deepinfer.engine.kv_transfer import KVPuller, KVTransferServer, TransferError, recv_frame, split_address
 from deepinfer.security.peer_auth import MAGIC, PeerAuthError, dial_peer
 from deepinfer.sequence import KVSource
+from deepinfer.transport.kv_transfer import (
+    KVPuller,
+    KVTransferServer,
+    TransferError,
+    recv_frame,
+    split_address,
+)
 from tests.pd.cluster import cluster_key, engine_info, replica
 from tests.security.conftest import TENANT_B, as_key, error_of
 

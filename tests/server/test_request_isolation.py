@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from deepinfer.config import EngineConfig, ServerConfig
-from deepinfer.engine.kv_offload import KVOffloader
-from deepinfer.engine.output_processor import OutputProcessor
+from deepinfer.engine.connectors.offload import KVOffloader
+from deepinfer.frontend.output_processor import OutputProcessor
 from deepinfer.server.app import build_app
 from deepinfer.server.serve import start_state
 from deepinfer.structured.llguidance_backend import LLGuidanceGrammar

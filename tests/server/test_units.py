@@ -27,9 +27,11 @@ from deepinfer.recipe.images.fetch import FetchPolicy
 from deepinfer.recipe.ir import ResponseFormat
 from deepinfer.sampling_params import InvalidRequestError, SamplingParams
 from deepinfer.sequence import EngineRequest
+from deepinfer.server.engine_requests import engine_request, scoped_cache_salt
 from deepinfer.server.errors import ApiError
 from deepinfer.server.generation import grammar_for
 from deepinfer.server.metrics import ServerMetrics
+from deepinfer.server.pipeline import sampling_params
 from deepinfer.server.state import ServerState
 from deepinfer.structured.spec import GrammarSpec
 
@@ -137,7 +139,8 @@ def _request(headers: dict[str, str]) -> Request:
 def test_traffic_class_from_body_header_or_default(
     headers: dict[str, str], body_class, expected: str
 ) -> None:
-    request = _state().engine_request(
+    request = engine_request(
+        _state(),
         _request(headers),
         "r",
         [1, 2],
@@ -158,7 +161,8 @@ def test_a_traffic_class_the_engine_does_not_keep_is_a_400(
     headers: dict[str, str], body_class, named: str
 ) -> None:
     with pytest.raises(ApiError) as info:
-        _state().engine_request(
+        engine_request(
+            _state(),
             _request(headers),
             "r",
             [1, 2],
@@ -173,18 +177,19 @@ def test_a_traffic_class_the_engine_does_not_keep_is_a_400(
 def test_cache_salt_is_per_key_unless_shared() -> None:
     keys = ("key-a", "key-b")
     shared, isolated = _state(api_keys=keys, shared_prefix_cache=True), _state(api_keys=keys)
-    assert _state().cache_salt("key-a", None) is None  # no keys configured: one tenant
-    assert shared.cache_salt("key-a", None) is None
-    assert shared.cache_salt("key-a", "s") == "s"
-    a, b = isolated.cache_salt("key-a", None), isolated.cache_salt("key-b", None)
+    assert scoped_cache_salt(_state(), "key-a", None) is None  # no keys configured: one tenant
+    assert scoped_cache_salt(shared, "key-a", None) is None
+    assert scoped_cache_salt(shared, "key-a", "s") == "s"
+    a, b = scoped_cache_salt(isolated, "key-a", None), scoped_cache_salt(isolated, "key-b", None)
     assert a and b and a != b and "key-a" not in a  # the key itself never becomes a salt
-    assert isolated.cache_salt("key-a", "s") not in (a, "s")
-    assert isolated.cache_salt(None, "s") == "s"
+    assert scoped_cache_salt(isolated, "key-a", "s") not in (a, "s")
+    assert scoped_cache_salt(isolated, None, "s") == "s"
 
 
 def test_bad_sampling_values_are_refused_before_the_engine() -> None:
     with pytest.raises(InvalidRequestError) as info:
-        _state().engine_request(
+        engine_request(
+            _state(),
             _request({}),
             "r",
             [1],
@@ -206,7 +211,7 @@ def test_an_unset_output_bound_is_the_servers_then_the_encodings_then_the_contex
 
     def bound(state: ServerState, requested: int | None, defaults: PromptDefaults | None = None) -> int:
         params = GenerationParams(max_tokens=requested)
-        return state.sampling_params(params, 8000, skip_special_tokens=False, defaults=defaults).max_tokens
+        return sampling_params(state, params, 8000, skip_special_tokens=False, defaults=defaults).max_tokens
 
     assert bound(bounded, None) == 64
     assert bound(bounded, None, encoding) == 64

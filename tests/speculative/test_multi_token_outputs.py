@@ -3,8 +3,8 @@ drops the tokens after it, as if generation had stopped there."""
 
 from __future__ import annotations
 
-from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.outputs import SequenceOutput, TokenLogprobs
+from deepinfer.frontend.output_processor import OutputProcessor
 from deepinfer.sampling_params import SamplingParams
 
 

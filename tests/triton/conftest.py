@@ -1,7 +1,7 @@
 """Triton kernels run on CPU tensors under Triton's interpreter unless a GPU is there.
 
 `triton.jit` reads TRITON_INTERPRET when a kernel is decorated, so it is set here, before any
-test module of this directory imports deepinfer.kernels.triton. bench/device_check.sh runs these
+test module of this directory imports deepinfer.kernels.triton. deepinfer/bench/device_check.sh runs these
 tests with DEEPINFER_TEST_DEVICE=cuda: the same tests, compiled for the GPU.
 """
 

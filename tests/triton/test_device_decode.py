@@ -1,9 +1,9 @@
-"""bench/device_decode.py (the decode timing of bench/device_check.sh) on a tiny shape on the CPU,
+"""deepinfer/bench/device_decode.py (the decode timing of deepinfer/bench/device_check.sh) on a tiny shape on the CPU,
 so that its one run on a GPU machine does not fail on a mistake a CPU could have found."""
 
 from __future__ import annotations
 
-from bench.device_decode import TINY, main
+from deepinfer.bench.device_decode import TINY, main
 
 
 def test_tiny_decode_bench_runs_and_agrees_with_the_references(tmp_path, device):

@@ -1,4 +1,4 @@
-"""MLA decode over the paged latent cache in Triton against attention/mla.py's torch path (the
+"""MLA decode over the paged latent cache in Triton against model/deepseek_v3/mla.py's torch path (the
 engine on a tiny DeepSeek-V3 with it: test_engine.py)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.attention.mla import MLAStepMetadata, _mla_decode_triton, mla_decode
+from deepinfer.model.deepseek_v3.mla import MLAStepMetadata, _mla_decode_triton, mla_decode
 from tests.triton.paged import scattered_step
 
 BLOCK = 8

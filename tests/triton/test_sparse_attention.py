@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.attention.v4_sparse import attend_with_sink
 from deepinfer.kernels.triton.sparse_attention import sparse_attention_with_sink
+from deepinfer.model.deepseek_v4.sparse import attend_with_sink
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -20,7 +20,6 @@ from typing import Protocol
 import zmq
 
 from deepinfer.config import EngineConfig
-from deepinfer.engine.core import EngineCore
 from deepinfer.engine.ipc.protocol import (
     AbortRequest,
     AddRequest,
@@ -34,11 +33,11 @@ from deepinfer.engine.ipc.protocol import (
     ResetPrefixCache,
     Shutdown,
 )
-from deepinfer.engine.kv_events import KVEventPublisher
 from deepinfer.engine.outputs import SequenceOutput
-from deepinfer.engine.parallel.data_parallel import DataParallelEngine
 from deepinfer.engine.parallel.start import start_engine
+from deepinfer.engine.protocol import Engine
 from deepinfer.security.cluster_key import cluster_key_of
+from deepinfer.transport.kv_events import KVEventPublisher
 
 log = logging.getLogger(__name__)
 
@@ -104,9 +103,7 @@ class ZmqInbox:
         return self.drain()
 
 
-def engine_info(
-    core: EngineCore | DataParallelEngine, publisher: KVEventPublisher | None = None
-) -> EngineInfo:
+def engine_info(core: Engine, publisher: KVEventPublisher | None = None) -> EngineInfo:
     config = core.config
     pd = config.disaggregation
     # Chunks are what the store and host tiers keep and what a PD handoff moves (direct or
@@ -147,7 +144,7 @@ def build_publisher(config: EngineConfig) -> KVEventPublisher | None:
 class EngineLoop:
     def __init__(
         self,
-        core: EngineCore | DataParallelEngine,
+        core: Engine,
         inbox: Inbox,
         emit: Callable[[EngineMessage], None],
         alive: Callable[[], bool] | None = None,
@@ -278,11 +275,12 @@ def engine_process_main(
         emit(EngineFailed(f"the engine failed: {type(error).__name__}: {error}"))
         raise SystemExit(1) from error
     finally:
+        stats = core.stats()
         log.info(
             "engine stopping: %d of %d KV blocks in use, %d requests unfinished",
-            core.kv.num_used_blocks,
-            core.kv.num_blocks,
-            core.scheduler.num_unfinished_requests,
+            stats.num_blocks - stats.num_free_blocks,
+            stats.num_blocks,
+            core.num_unfinished_requests,
         )
         core.close(flush_timeout_s)  # KV writes flushed; worker threads end with the engine
         if publisher is not None:

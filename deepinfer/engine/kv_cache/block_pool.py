@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from deepinfer.engine.kv_cache.events import KVEventLog
+from deepinfer.transport.kv_event_log import KVEventLog
 
 
 @dataclass(slots=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from deepinfer.cache_layout import GroupLayout
 from deepinfer.engine.kv_cache.block_pool import BlockPool
-from deepinfer.engine.kv_cache.events import KVEventLog
+from deepinfer.transport.kv_event_log import KVEventLog
 from deepinfer.utils import cdiv
 
 NULL_BLOCK = -1  # a table entry whose block was released (out of a sliding window)

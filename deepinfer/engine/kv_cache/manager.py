@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from math import lcm
 
 from deepinfer.cache_layout import CacheLayout
-from deepinfer.engine.kv_cache.events import KVEventLog
 from deepinfer.engine.kv_cache.groups import NULL_BLOCK, FullAttentionGroup, make_group_manager
 from deepinfer.engine.kv_cache.prefix import extend_block_hashes
 from deepinfer.sequence import Sequence
+from deepinfer.transport.kv_event_log import KVEventLog
 
 # (group, source block, destination block): a copy the runner makes before the step's forward.
 BlockCopy = tuple[int, int, int]

@@ -1,7 +1,7 @@
 """Attention data parallelism: every rank is a whole engine core (its own scheduler, requests and
 KV cache) over its shard of the experts, and the ranks step together, because the MoE layers'
 all-to-alls need all of them. Rank 0's DataParallelEngine fronts them with the interface of one
-EngineCore (what EngineLoop and LLMEngine drive): it routes each new request to a rank
+engine (protocol.Engine, what EngineLoop and LLMEngine drive): it routes each new request to a rank
 (balancer.py), sends every rank its requests and aborts with the step, steps its own core, and
 gathers the others' outputs and stats (one set per rank, for the metrics).
 """
@@ -14,16 +14,16 @@ import torch
 
 from deepinfer.config import EngineConfig
 from deepinfer.engine.core import EngineCore
-from deepinfer.engine.kv_cache.events import KVEvent
-from deepinfer.engine.kv_cache.manager import KVCacheManager
 from deepinfer.engine.kv_cache.prefix import namespace_root
 from deepinfer.engine.outputs import KVHandoff, SequenceOutput
 from deepinfer.engine.parallel.balancer import DataParallelBalancer
 from deepinfer.engine.parallel.channel import StepChannel, WorkerEnd
 from deepinfer.engine.parallel.messages import DataParallelReply, DataParallelStep, Shutdown
-from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.stats import EngineStats
+from deepinfer.model.loader.load import LoadedModel
 from deepinfer.sequence import EngineRequest
+from deepinfer.structured import GrammarSpec
+from deepinfer.transport.kv_event_log import KVEvent
 
 log = logging.getLogger(__name__)
 
@@ -36,14 +36,15 @@ def summed(per_rank: list[EngineStats]) -> EngineStats:
 
 
 class DataParallelEngine:
-    """Rank 0's front of the data-parallel ranks. Mutates: the local core (its requests), the
-    pending message for the other ranks, the owner of every unfinished request."""
+    """Rank 0's front of the data-parallel ranks (a protocol.Engine). Mutates: the local core
+    (its requests), the pending message for the other ranks, the owner of every unfinished
+    request."""
 
     def __init__(self, core: EngineCore, channel: StepChannel) -> None:
         self.core = core
         self.channel = channel
         self.num_ranks = core.parallel.topology.dp_size if core.parallel else 1
-        self.balancer = DataParallelBalancer(self.num_ranks, core.config.cache.block_size, core.kv.num_blocks)
+        self.balancer = DataParallelBalancer(self.num_ranks, core.config.cache.block_size, core.num_blocks)
         self.pending = DataParallelStep()
         self.owner: dict[str, tuple[int, int]] = {}  # request id -> (rank, sequences unfinished)
         self.remote_work = [False] * self.num_ranks
@@ -51,14 +52,14 @@ class DataParallelEngine:
         self.failed: str | None = None  # set when a lockstep iteration failed half way
         self._closed = False
 
-    # -- what EngineLoop, LLMEngine and engine_info read of a core ------------------------------
+    # -- what EngineLoop, LLMEngine and engine_info read of an engine (rank 0's) -----------------
 
     @property
     def config(self) -> EngineConfig:
         return self.core.config
 
     @property
-    def loaded(self):
+    def loaded(self) -> LoadedModel:
         return self.core.loaded
 
     @property
@@ -71,24 +72,16 @@ class DataParallelEngine:
 
     @property
     def num_blocks(self) -> int:
+        """One rank's blocks (every rank plans the same cache)."""
         return self.core.num_blocks
 
     @property
-    def grammars(self):
-        return self.core.grammars
+    def num_unfinished_requests(self) -> int:
+        """Requests routed to any rank and not finished."""
+        return len(self.owner)
 
-    @property
-    def kv_bytes_per_token(self) -> float:
-        return self.core.kv_bytes_per_token
-
-    @property
-    def kv(self) -> KVCacheManager:
-        """Rank 0's KV manager (what the engine loop logs at a stop)."""
-        return self.core.kv
-
-    @property
-    def scheduler(self) -> Scheduler:
-        return self.core.scheduler
+    def validate_grammar(self, spec: GrammarSpec) -> None:
+        self.core.validate_grammar(spec)
 
     # Roles, KV events and the store are refused over several ranks (EngineConfig), so there is
     # no transfer listener, no connector to poll and nothing to hand off or publish.
@@ -215,11 +208,11 @@ class DataParallelRank:
 
     def run(self) -> None:
         core = self.core
+        rank = core.parallel.topology.dp_rank if core.parallel else 0
         while True:
             message = self.end.receive()
             if isinstance(message, Shutdown):
                 return
-            rank = core.parallel.topology.dp_rank if core.parallel else 0
             outputs: list[SequenceOutput] = []
             for target, request in message.adds:
                 if target == rank:
@@ -228,8 +221,8 @@ class DataParallelRank:
                 if target == rank:
                     core.abort(request_id, index)
             reset = core.reset_prefix_cache() if message.reset_prefix_cache else None
-            if message.idle_forward and core.parallel is not None and core.parallel.lockstep:
-                core.runner.run_empty()
+            if message.idle_forward:
+                core.idle_forward()
             elif message.step:
                 outputs = core.step()
             self.end.reply(DataParallelReply(outputs, core.stats(), core.has_work(), reset))

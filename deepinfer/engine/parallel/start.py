@@ -13,6 +13,7 @@ from collections.abc import Callable
 from deepinfer.config import EngineConfig
 from deepinfer.distributed.comm import Collectives
 from deepinfer.distributed.topology import Topology, resolve_topology
+from deepinfer.engine.build import build_engine_core
 from deepinfer.engine.core import EngineCore
 from deepinfer.engine.parallel.channel import PeerLost, ProcessGroupChannel, ShmChannel, StepChannel
 from deepinfer.engine.parallel.context import RankContext, bind_cores
@@ -65,7 +66,7 @@ def start_engine(
     """The engine of `config`: one core in this process, or rank 0 of several ranks.
     `on_rank_death` is called (from a watchdog thread) when another rank is gone."""
     if config.parallel.world_size == 1:
-        return EngineCore(config, loaded)
+        return build_engine_core(config, loaded)
     topology = resolve_topology(config.parallel)
     if topology.rank != 0:
         raise ValueError(
@@ -114,9 +115,9 @@ def start_engine(
         atexit.register(close_all)  # a script that never closes its LLM still stops its ranks
         context.rank_pids = local.pids if local is not None else []
         if topology.dp_size > 1:
-            return DataParallelEngine(EngineCore(config, parallel=context), channel)
+            return DataParallelEngine(build_engine_core(config, parallel=context), channel)
         context.peers = TensorParallelPeers(channel)
-        return EngineCore(config, parallel=context)
+        return build_engine_core(config, parallel=context)
     except BaseException:
         close_all()
         raise

@@ -19,8 +19,8 @@ import torch
 from deepinfer.config import EngineConfig
 from deepinfer.distributed.comm import Collectives
 from deepinfer.distributed.topology import Topology, resolve_topology
-from deepinfer.engine.core import (
-    EngineCore,
+from deepinfer.engine.build import (
+    build_engine_core,
     build_expert_balancer,
     engine_device,
     kv_cache_dtype,
@@ -121,7 +121,7 @@ def serve_rank(
     context = RankContext(config, topology, comm)
     try:
         if topology.dp_size > 1:
-            core = EngineCore(config, parallel=context)
+            core = build_engine_core(config, parallel=context)
             try:
                 DataParallelRank(core, end).run()
             finally:

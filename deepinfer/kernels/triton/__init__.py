@@ -1,7 +1,7 @@
 """Triton kernels: the GPU path, proven on the CPU under Triton's interpreter.
 
 Every kernel here has a torch reference it is tested against (tests/triton, run with
-TRITON_INTERPRET=1 on CPU tensors; bench/device_check.sh runs the same tests on real CUDA).
+TRITON_INTERPRET=1 on CPU tensors; deepinfer/bench/device_check.sh runs the same tests on real CUDA).
 `triton.jit` decides at decoration time whether a kernel is interpreted, so TRITON_INTERPRET
 must be set before any module of this package is imported.
 """

@@ -1,4 +1,4 @@
-"""MLA decode over the paged latent cache (attention/mla.py's absorbed form).
+"""MLA decode over the paged latent cache (model/deepseek_v3/mla.py's absorbed form).
 
 The cache of one layer is [num_slots, rank + rope]: the KV latent then the shared rope key. A
 decode row's query, already projected into the latent space with W_UK, is [H, rank + rope]; all

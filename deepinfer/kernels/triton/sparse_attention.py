@@ -3,7 +3,7 @@
 Each query attends to the rows its index list names (the indexer's top-k compressed entries and
 the sliding window's rows, -1 for none); a row is both key and value (shared-KV multi-query
 attention); a learned per-head sink logit joins the softmax denominator, so the weights may sum to
-less than 1 (attention/v4_sparse.py's `attend_with_sink` is the reference). One program per
+less than 1 (model/deepseek_v4/sparse.py's `attend_with_sink` is the reference). One program per
 (query, tile of BLOCK_H heads): the heads share each gathered row.
 """
 

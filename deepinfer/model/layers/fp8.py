@@ -2,12 +2,11 @@
 
 A quantized weight `X.weight` is stored as float8_e4m3fn next to `X.weight_scale_inv`, a float32
 tensor with one scale per 128x128 tile (ceil-divided, so edge tiles may be partial):
-weight = fp8.float() * scale_inv broadcast over its tile.
+weight = fp8.float() * scale_inv broadcast over its tile. loader/scaled.py pairs each weight with
+its scale as the checkpoint streams in.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -33,45 +32,6 @@ def dequantize_block_fp8(
         )
     scale = scale_inv.float().repeat_interleave(bm, dim=0)[:rows].repeat_interleave(bn, dim=1)[:, :cols]
     return weight.float() * scale
-
-
-def dequantize_checkpoint(
-    weights: Iterable[tuple[str, torch.Tensor]], block: tuple[int, int] = (128, 128)
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Pass unquantized tensors through; pair each fp8 weight with its scale (in either order) and
-    yield the dequantized float32 weight under the weight's name.
-
-    Only unpaired halves are held back, and a checkpoint stores a weight and its scale close
-    together, so this buffers little. Anything left unpaired at the end is an error.
-    """
-    pending_weights: dict[str, torch.Tensor] = {}
-    pending_scales: dict[str, torch.Tensor] = {}
-    for name, tensor in weights:
-        if name.endswith(SCALE_SUFFIX):
-            weight_name = name.removesuffix(SCALE_SUFFIX)
-            weight = pending_weights.pop(weight_name, None)
-            if weight is None:
-                pending_scales[weight_name] = tensor
-            else:
-                yield weight_name, dequantize_block_fp8(weight, tensor, block)
-        elif tensor.dtype in FP8_DTYPES:
-            scale = pending_scales.pop(name, None)
-            if scale is None:
-                pending_weights[name] = tensor
-            else:
-                yield name, dequantize_block_fp8(tensor, scale, block)
-        else:
-            if name in pending_scales:
-                raise ValueError(
-                    f"{name!r} has a {SCALE_SUFFIX} scale but is stored as {tensor.dtype}, not FP8"
-                )
-            yield name, tensor
-    if pending_weights:
-        missing = sorted(pending_weights)
-        raise ValueError(f"FP8 weights without a {SCALE_SUFFIX} scale: {missing[:8]}")
-    if pending_scales:
-        orphans = sorted(n + SCALE_SUFFIX for n in pending_scales)
-        raise ValueError(f"FP8 scales without their weight: {orphans[:8]}")
 
 
 def weight_block_size(raw_config: dict) -> tuple[int, int]:

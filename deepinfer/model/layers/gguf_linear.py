@@ -16,6 +16,7 @@ import torch
 
 from deepinfer.kernels.gguf_blocks import GGUFKernels, PackedGroup, PackedMatrix, gguf_kernels
 from deepinfer.model.layers.norm import RMSNorm
+from deepinfer.model.layers.parallel_linear import Segment
 
 
 def native_kernels() -> GGUFKernels:
@@ -65,12 +66,13 @@ class GGUFLinear(torch.nn.Module):
         """The packed matrices, in row order (q/k/v or gate/up of a fused projection)."""
         return self.group.matrices
 
-    def load(self, tensor: torch.Tensor, segment: int = 0, name: str = "weight") -> None:
-        """Copy the bias of part `segment` from the checkpoint (the packed weights are in place)."""
-        if name != "bias" or self.bias is None:
-            raise KeyError(f"a packed GGUF projection takes only its bias from dense weights, not {name!r}")
-        lo = sum(m.rows for m in self.group.matrices[:segment])
-        self.bias.data[lo : lo + self.group.matrices[segment].rows].copy_(tensor)
+    @property
+    def splits(self) -> dict[str, tuple[int, list[Segment]]]:
+        """How the loader fills this layer (loader/shards.py): the packed weights are in place and
+        never split, the bias is whole, one segment per packed matrix."""
+        if self.bias is None:
+            return {}
+        return {"bias": (0, [Segment.whole(m.rows) for m in self.segments])}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.dtype == torch.float32:  # the model's case: [T, in] -> [T, out]

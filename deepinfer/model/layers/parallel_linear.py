@@ -88,11 +88,10 @@ class ColumnParallelLinear(torch.nn.Module):
     def out_features(self) -> int:
         return self.offsets[-1]
 
-    def load(self, tensor: torch.Tensor, segment: int = 0, name: str = "weight") -> None:
-        """Copy this rank's rows of segment `segment` from its whole checkpoint tensor (a weight
-        [size, in] or a bias [size])."""
-        part = self.segments[segment].take(tensor)
-        getattr(self.linear, name).data[self.offsets[segment] : self.offsets[segment + 1]].copy_(part)
+    @property
+    def splits(self) -> dict[str, tuple[int, list[Segment]]]:
+        """How the weight loader places checkpoint tensors (loader/shards.py): rows, by segment."""
+        return {"linear.weight": (0, self.segments), "linear.bias": (0, self.segments)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x)
@@ -107,8 +106,10 @@ class RowParallelLinear(torch.nn.Module):
         self.tp = tp
         self.linear = _linear(out_features, columns.local)
 
-    def load(self, tensor: torch.Tensor) -> None:
-        self.linear.weight.data.copy_(self.columns.take(tensor, dim=1))
+    @property
+    def splits(self) -> dict[str, tuple[int, list[Segment]]]:
+        """How the weight loader places the checkpoint weight: this rank's input columns."""
+        return {"linear.weight": (1, [self.columns])}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.linear(x))
@@ -127,8 +128,10 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.rows, self.sizes = vocab_segments(vocab_size, tp)
         self.weight = torch.nn.Parameter(torch.empty(self.rows.local, hidden_size), requires_grad=False)
 
-    def load(self, tensor: torch.Tensor) -> None:
-        self.weight.data.copy_(self.rows.take(tensor))
+    @property
+    def splits(self) -> dict[str, tuple[int, list[Segment]]]:
+        """How the weight loader places the checkpoint weight: this rank's vocabulary rows."""
+        return {"weight": (0, [self.rows])}
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         if self.tp.size == 1:
@@ -160,8 +163,10 @@ class ParallelLMHead(torch.nn.Module):
         rows, sizes = vocab_segments(vocab_size, tp)
         return cls(_linear(rows.local, hidden_size), rows, sizes, tp)
 
-    def load(self, tensor: torch.Tensor) -> None:
-        self.linear.weight.data.copy_(self.rows.take(tensor))
+    @property
+    def splits(self) -> dict[str, tuple[int, list[Segment]]]:
+        """How the weight loader places the checkpoint weight: this rank's vocabulary rows."""
+        return {"linear.weight": (0, [self.rows])}
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.tp.gather_last_dim(self.linear(hidden), self.sizes)

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from deepinfer.recipe.gguf_header import Cursor, parse_header
+from deepinfer.formats.gguf_header import Cursor, parse_header
 
 
 @dataclass(slots=True)

@@ -14,13 +14,12 @@ from safetensors import safe_open
 
 from deepinfer.config import ConfigError, EngineConfig, ParallelConfig
 from deepinfer.kernels.gguf_blocks import PackedMatrix, gguf_kernels
-from deepinfer.model.base import CausalLM, refuse_encoders
+from deepinfer.model.base import CausalLM, refuse_encoders, refuse_truncation
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.loader.preflight import check_context
 from deepinfer.model.loader.source import converted_gguf_dir, resolve_model_path, sampled_digest
 from deepinfer.model.parallel import ModelParallel
 from deepinfer.model.registry import model_class
-from deepinfer.model.yoco import refuse_truncation
 from deepinfer.tokenizer import Tokenizer
 
 

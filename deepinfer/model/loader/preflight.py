@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from deepinfer.config.rope import check_context_length, scaled_context
+from deepinfer.formats.gguf_header import read_header
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.loader.source import resolve_model_path
-from deepinfer.recipe.gguf_header import read_header
 
 
 def check_model_source(model: str | None) -> Path:

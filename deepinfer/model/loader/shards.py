@@ -1,10 +1,11 @@
 """Where this rank's part of a whole checkpoint tensor goes in a sharded model's parameters.
 
 A module declares how its parameters are split over the tensor-parallel group in `splits`
-(parameter name -> (dimension, the segments stacked along it)); expert-parallel experts
-(ExpertParallelExperts) hold some replicas of some experts; a VocabParallelEmbedding holds its
-rows of the vocabulary. In one process every segment is whole and every expert local, so the
-map sends each tensor to its whole region.
+(parameter name -> (dimension, the segments stacked along it)): the parallel layers of
+layers/parallel_linear.py do, and so do the family modules that hold plain parameters.
+Expert-parallel experts (ExpertParallelExperts) hold some replicas of some experts; a packed GGUF
+linear (never split) declares its bias whole, one segment per packed matrix. In one process every
+segment is whole and every expert local, so the map sends each tensor to its whole region.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 
 from deepinfer.model.layers.expert_parallel import ExpertParallelExperts
-from deepinfer.model.layers.parallel_linear import Segment, VocabParallelEmbedding
+from deepinfer.model.layers.parallel_linear import Segment
 
 
 class ShardMap:
@@ -25,8 +26,6 @@ class ShardMap:
             prefix = f"{module_name}." if module_name else ""
             for param_name, split in getattr(module, "splits", {}).items():
                 self.splits[prefix + param_name] = split
-            if isinstance(module, VocabParallelEmbedding):
-                self.splits[prefix + "weight"] = (0, [module.rows])
             if isinstance(module, ExpertParallelExperts):
                 self.expert_slots[prefix + "w13"] = self.expert_slots[prefix + "w2"] = module
 

@@ -1,11 +1,13 @@
-"""API codecs: each module parses one API's request body into the Conversation IR and encodes
-canonical output events into that API's response body or stream events."""
+"""API codecs: each module parses one API's request body into the Conversation IR (Completions:
+into raw prompts and generation parameters) and encodes canonical output events into that API's
+response body or stream events."""
 
 from __future__ import annotations
 
 from deepinfer.recipe.api._output import GenerationError, new_id
 from deepinfer.recipe.api.chat_completions import chat_completion_to_conversation
 from deepinfer.recipe.api.chat_completions_encoder import ChatCompletionEncoder, build_chat_completion
+from deepinfer.recipe.api.completions import CompletionEncoder, parse_completion_request
 from deepinfer.recipe.api.error_bodies import (
     anthropic_error_body,
     anthropic_error_from,
@@ -30,6 +32,7 @@ from deepinfer.recipe.api.sse import SSE_DONE, sse_frame
 __all__ = [
     "SSE_DONE",
     "ChatCompletionEncoder",
+    "CompletionEncoder",
     "GenerationError",
     "MessagesEncoder",
     "ResponsesEncoder",
@@ -45,6 +48,7 @@ __all__ = [
     "new_id",
     "openai_error_body",
     "openai_error_from",
+    "parse_completion_request",
     "parse_responses_request",
     "request_to_conversation",
     "response_echo",

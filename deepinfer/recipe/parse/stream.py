@@ -29,8 +29,8 @@ import secrets
 import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
+from deepinfer.recipe.encodings import THINK_CLOSE, THINK_OPEN, InitialState, ToolFormat, find_encoding
 from deepinfer.recipe.errors import RecipeError
 from deepinfer.recipe.events import (
     Event,
@@ -45,12 +45,7 @@ from deepinfer.recipe.events import (
 from deepinfer.recipe.parse import tools_deepseek, tools_dsml, tools_json
 from deepinfer.recipe.parse.scan import Status, ToolBlock, find_earliest, partial_suffix, scan_until
 
-ToolFormat = Literal["dsml", "dsml_v4", "dsml_v41", "deepseek_v31", "deepseek_r1", "hermes", "llama3_json"]
-InitialState = Literal["content", "maybe_reasoning", "reasoning", "tool"]
 DSML_FORMATS = ("dsml", "dsml_v4", "dsml_v41")
-
-THINK_OPEN = "<think>"
-THINK_CLOSE = "</think>"
 
 # The markers that open a tool block in plain text, per format.
 OPEN_MARKERS: dict[str, tuple[str, ...]] = {
@@ -61,17 +56,6 @@ OPEN_MARKERS: dict[str, tuple[str, ...]] = {
     "deepseek_r1": (tools_deepseek.CALLS_BEGIN,),
     "hermes": (tools_json.HERMES_OPEN,),
     "llama3_json": (tools_json.PYTHON_TAG,),
-}
-
-# Native families speak exactly one tool syntax; this is what keeps a V3.2 prompt from ever
-# being read with a V3.1 parser.
-FAMILY_TOOL_FORMATS: dict[str, tuple[str, ...]] = {
-    "deepseek_v4": ("dsml_v4",),
-    "deepseek_v41": ("dsml_v41",),
-    "deepseek_v32": ("dsml",),
-    "deepseek_v31": ("deepseek_v31",),
-    "deepseek_r1": ("deepseek_r1",),
-    "chat_template": ("hermes", "llama3_json", "deepseek_v31", "deepseek_r1"),
 }
 
 
@@ -91,13 +75,16 @@ class ParserSpec:
     def v4_rules(self) -> bool:
         """DeepSeek V4's output rules (as its own codec parses): only newlines are trimmed at the
         reasoning and tool-block boundaries, and nothing after a tool block is part of the answer."""
-        return self.family in ("deepseek_v4", "deepseek_v41")
+        encoding = find_encoding(self.family)
+        return encoding is not None and encoding.v4_rules
 
     def __post_init__(self) -> None:
-        allowed = FAMILY_TOOL_FORMATS.get(self.family)
-        if allowed is None:
+        # The family's encoding record says which syntaxes its parser may read (a native
+        # encoding exactly one).
+        encoding = find_encoding(self.family)
+        if encoding is None:
             raise RecipeError(f"unknown recipe family {self.family!r}", param="family")
-        if self.tool_format is not None and self.tool_format not in allowed:
+        if self.tool_format is not None and self.tool_format not in encoding.tool_formats:
             raise RecipeError(
                 f"tool format {self.tool_format!r} does not belong to the {self.family} family",
                 param="tool_format",

@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# The GPU path's one prepared check, for a CUDA machine without network (an H200 with Python 3.12,
+# torch 2.11, Triton 3.6, CUDA 13). From the repository root:
+#
+#     bash deepinfer/bench/device_check.sh [OUT_JSON]        # default: build/device_check.json
+#
+# 1. the environment (python, torch, triton, the GPU);
+# 2. tests/triton compiled for the GPU (DEEPINFER_TEST_DEVICE=cuda: the kernels against their
+#    torch references, the tiny decode bench, and the engine test when its dependencies are there);
+# 3. deepinfer/bench/device_decode.py: decode steps of a Llama-3.1-8B-shaped bf16 model built from random
+#    values, batch 1, 64 and 256, eager and as a CUDA graph, against the HBM roofline.
+# Each step has its own time limit and is recorded whatever the others do; everything lands in one
+# JSON. pytest is needed for step 2: when the machine lacks it (or llguidance, which the sampler
+# test imports), put their wheels in $DEEPINFER_WHEELS (default build/wheels), e.g. here with
+#     pip download --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
+#         -d build/wheels pytest llguidance
+# and they are installed from there (--no-index). Exit status 0 when every step passed.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${1:-build/device_check.json}
+PY=${PYTHON:-python3}
+WHEELS=${DEEPINFER_WHEELS:-build/wheels}
+WORK=$(mktemp -d)
+mkdir -p "$(dirname "$OUT")"
+START=$(date +%s)
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+echo "== environment"
+timeout 120 "$PY" - >"$WORK/env.json" 2>"$WORK/env.err" <<'EOF'
+import json, platform, sys
+info = {"python": platform.python_version()}
+try:
+    import torch
+    info.update(torch=torch.__version__, cuda=torch.version.cuda, cuda_available=torch.cuda.is_available())
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+except Exception as exc:  # recorded, not fatal: the later steps record their own failures
+    info["torch_error"] = repr(exc)
+try:
+    import triton
+    info["triton"] = triton.__version__
+except Exception as exc:
+    info["triton_error"] = repr(exc)
+json.dump(info, sys.stdout)
+EOF
+echo "env rc=$?"; cat "$WORK/env.json"; echo
+
+if ! "$PY" -c "import pytest, llguidance" 2>/dev/null && [ -d "$WHEELS" ]; then
+    echo "== installing test wheels from $WHEELS"
+    timeout 180 "$PY" -m pip install -q --no-index --find-links "$WHEELS" pytest llguidance \
+        || timeout 180 "$PY" -m pip install -q --no-index --find-links "$WHEELS" pytest
+fi
+
+echo "== tests/triton on CUDA"
+# Kernels compile on first use; 420 s covers every specialization with room.
+DEEPINFER_TEST_DEVICE=cuda timeout 420 "$PY" -m pytest tests/triton -q -p no:cacheprovider \
+    --continue-on-collection-errors --junitxml="$WORK/tests.xml" >"$WORK/tests.log" 2>&1
+TESTS_RC=$?
+tail -n 40 "$WORK/tests.log"
+
+echo "== decode of a Llama-3.1-8B-shaped bf16 model"
+timeout 300 "$PY" deepinfer/bench/device_decode.py --out "$WORK/decode.json" >"$WORK/decode.log" 2>&1
+DECODE_RC=$?
+tail -n 20 "$WORK/decode.log"
+
+"$PY" - "$WORK" "$OUT" "$TESTS_RC" "$DECODE_RC" "$START" <<'EOF'
+import json, os, sys, time
+import xml.etree.ElementTree as ET
+
+work, out, tests_rc, decode_rc, start = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+
+
+def read(name):
+    try:
+        with open(os.path.join(work, name)) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def tests_summary():
+    summary = {"rc": tests_rc, "log_tail": read("tests.log")[-4000:]}
+    try:
+        root = ET.parse(os.path.join(work, "tests.xml")).getroot()
+    except (OSError, ET.ParseError) as exc:
+        summary["junit_error"] = repr(exc)
+        return summary
+    cases = []
+    for case in root.iter("testcase"):
+        outcome = "passed"
+        for kind in ("failure", "error", "skipped"):
+            if case.find(kind) is not None:
+                outcome = kind
+        cases.append({"name": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
+                      "seconds": float(case.get("time") or 0)})
+    summary["counts"] = {k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failure", "error", "skipped")}
+    summary["not_passed"] = [c for c in cases if c["outcome"] != "passed"]
+    return summary
+
+
+decode = {"rc": decode_rc, "log_tail": read("decode.log")[-4000:]}
+try:
+    decode["report"] = json.loads(read("decode.json"))
+except ValueError:
+    pass
+try:
+    env = json.loads(read("env.json"))
+except ValueError:
+    env = {"error": read("env.err")[-2000:]}
+report = {"env": env, "tests": tests_summary(), "decode": decode, "elapsed_s": round(time.time() - start, 1)}
+report["ok"] = tests_rc == 0 and decode_rc == 0
+with open(out, "w") as f:
+    json.dump(report, f, indent=2)
+print(f"wrote {out}: ok={report['ok']} in {report['elapsed_s']} s")
+EOF
+rm -rf "$WORK"
+[ "$TESTS_RC" -eq 0 ] && [ "$DECODE_RC" -eq 0 ]

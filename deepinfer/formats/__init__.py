@@ -1,0 +1,1 @@
+"""File formats read without torch: the GGUF header (the model loader's tensor table starts where it ends)."""

@@ -1,0 +1,29 @@
+"""A DeepSeek-V4.1 forward's only access to the kept state of its step's sequences.
+
+The engine's store is PagedV41Step (deepinfer/model/deepseek_v4/v41_paged.py); tests hold it
+against a contiguous store (tests/deepseek_v41/oracle_cache.py).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+DEFAULT_BACKTRACK = 16  # tokens a sequence may roll back (speculative drafts per step)
+
+
+class V41StepView(Protocol):
+    """A forward's only access to the kept state of its step's sequences (`seq`: the index in
+    the step's layout): `PagedV41Step` over the engine's
+    cache groups (model/deepseek_v4/v41_paged.py)."""
+
+    def context(self, seq: int) -> list[int]: ...
+    def write_sliding(self, seq: int, layer: int, first: int, rows: torch.Tensor) -> None: ...
+    def sliding(self, seq: int, layer: int, first: int, last: int) -> torch.Tensor: ...
+    def ring(self, seq: int, layer: int) -> torch.Tensor | None: ...
+    def write_entries(self, seq: int, layer: int, first: int, rows: torch.Tensor) -> None: ...
+    def entries(self, seq: int, layer: int, index: torch.Tensor) -> torch.Tensor: ...
+    def write_index_keys(self, seq: int, layer: int, first: int, rows: torch.Tensor) -> None: ...
+    def index_keys(self, seq: int, layer: int) -> torch.Tensor: ...
+    def finish(self, input_ids: torch.Tensor) -> None: ...
