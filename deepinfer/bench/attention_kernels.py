@@ -1,6 +1,6 @@
 """Micro-benchmark of the CPU attention paths, per layer of the default model's shape.
 
-    .venv/bin/python deepinfer/bench/attention_kernels.py
+    .venv/bin/python -m deepinfer.bench.attention_kernels
 
 - decode: the C kernel over a paged cache (fp32 and fp16 K/V), batch x context, blocks scattered
   as in a long-running engine;

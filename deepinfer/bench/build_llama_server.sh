@@ -11,7 +11,7 @@
 # unless LLAMA_AMX=1. The binary is installed only once it has answered a chat completion on the
 # default model. Runs at the lowest CPU priority with 2 jobs; expect 10-20 minutes on 2 cores.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 PREFIX="${1:-.venv/bin}"

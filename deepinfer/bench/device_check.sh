@@ -16,7 +16,7 @@
 #         -d build/wheels pytest llguidance
 # and they are installed from there (--no-index). Exit status 0 when every step passed.
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${1:-build/device_check.json}
 PY=${PYTHON:-python3}
 WHEELS=${DEEPINFER_WHEELS:-build/wheels}
@@ -60,7 +60,7 @@ TESTS_RC=$?
 tail -n 40 "$WORK/tests.log"
 
 echo "== decode of a Llama-3.1-8B-shaped bf16 model"
-timeout 300 "$PY" deepinfer/bench/device_decode.py --out "$WORK/decode.json" >"$WORK/decode.log" 2>&1
+timeout 300 "$PY" -m deepinfer.bench.device_decode --out "$WORK/decode.json" >"$WORK/decode.log" 2>&1
 DECODE_RC=$?
 tail -n 20 "$WORK/decode.log"
 

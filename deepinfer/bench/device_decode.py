@@ -23,15 +23,12 @@ import argparse
 import json
 import math
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
 from deepinfer.attention.backend import TorchReferenceBackend
 from deepinfer.attention.metadata import AttentionMetadata

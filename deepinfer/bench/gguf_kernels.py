@@ -1,6 +1,6 @@
 """Micro-benchmark of the GGUF block kernels (quantization="gguf") against this machine's roofline.
 
-    .venv/bin/python deepinfer/bench/gguf_kernels.py [--threads 2] [--repeats 20]
+    .venv/bin/python -m deepinfer.bench.gguf_kernels [--threads 2] [--repeats 20]
 
 - the default model's own projections (Q4_1 layers, the Q8_0 tied head) at M = 1 (batch-1
   decode), 8, 32 (decode batches) and 128, 512 (prefill chunks), in the file's block layout and
@@ -27,12 +27,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from deepinfer.bench.roofline import measure_roofline
 from deepinfer.kernels.gguf_blocks import PACKED_TYPES, PackedGroup, PackedMatrix, gguf_kernels
 from deepinfer.model.loader.gguf_tensors import read_tensors
 from deepinfer.model.loader.source import default_model_path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's bench/
-from deepinfer.bench.roofline import measure_roofline
 
 M_VALUES = (1, 8, 32, 128, 512)
 
@@ -146,7 +144,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     print("| format, 4096×1024 | M | ms | GB/s | GOP/s |")
     print("| --- | --- | --- | --- | --- |")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, for its tests/
     from tests.kernels.gguf_testing import random_packed  # the blocks the kernel tests use
 
     for name in PACKED_TYPES:

@@ -1,6 +1,6 @@
 """How far `quantization="int8"` moves the default model's next-token distributions from fp32.
 
-    .venv/bin/python deepinfer/bench/int8_accuracy.py
+    .venv/bin/python -m deepinfer.bench.int8_accuracy
 
 Scores a few fixed texts with both engines and reports, over every position, the mean KL
 divergence KL(fp32 || int8) in nats and how often the two agree on the most likely token.

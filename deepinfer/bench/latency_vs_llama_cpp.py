@@ -1,6 +1,6 @@
 """Batch-1 latency of our engine and llama.cpp side by side, in one run, on the same prompt ids.
 
-    .venv/bin/python deepinfer/bench/latency_vs_llama_cpp.py [--llama-server PATH] [--rounds 3]
+    .venv/bin/python -m deepinfer.bench.latency_vs_llama_cpp [--llama-server PATH] [--rounds 3]
 
 The measurement of `deepinfer bench latency` (one random prompt of --input-len tokens, then
 --output-len tokens greedy with EOS ignored; TTFT = time to the first output token, TPOT = the
@@ -15,19 +15,15 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 
 from deepinfer.bench.offline import random_prompts
 from deepinfer.bench.report import markdown_table, provenance
-from deepinfer.model.loader.source import default_model_path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's bench/
 from deepinfer.bench.server_process import running_server
+from deepinfer.model.loader.source import default_model_path
 
 OURS = {
     "deepinfer gguf (fp16 KV, the default)": {},

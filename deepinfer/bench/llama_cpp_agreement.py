@@ -1,6 +1,6 @@
 """How our greedy outputs compare with llama.cpp's on the 16 held prompts (no llama.cpp needed).
 
-    .venv/bin/python deepinfer/bench/llama_cpp_agreement.py [--quantization gguf,none] [--kv-cache-dtype float16]
+    .venv/bin/python -m deepinfer.bench.llama_cpp_agreement [--quantization gguf,none] [--kv-cache-dtype float16]
 
 Reads tests/engine/data/llama_cpp_greedy.json (deepinfer/bench/llama_cpp_greedy_reference.py writes it)
 and reports, per numeric mode: how many of our greedy continuations (up to 32 tokens, ending at
@@ -18,7 +18,7 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 
-FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "engine" / "data" / "llama_cpp_greedy.json"
+FIXTURE = Path(__file__).resolve().parents[2] / "tests" / "engine" / "data" / "llama_cpp_greedy.json"
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """llama.cpp's greedy continuations of the 16 held prompts, stored as a test fixture.
 
-    .venv/bin/python deepinfer/bench/llama_cpp_greedy_reference.py [--llama-server PATH]
+    .venv/bin/python -m deepinfer.bench.llama_cpp_greedy_reference [--llama-server PATH]
 
 Runs `llama-server` (deepinfer/bench/build_llama_server.sh builds it) on the default model's GGUF and asks
 it, one prompt at a time, for up to 32 tokens at temperature 0 (ending at an end token, which is
@@ -24,12 +24,10 @@ from pathlib import Path
 import httpx
 
 from deepinfer.bench.report import utc_now_iso
+from deepinfer.bench.server_process import running_server
 from deepinfer.model.loader.source import default_model_path, file_digest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's bench/
-from deepinfer.bench.server_process import running_server
-
-FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "engine" / "data" / "llama_cpp_greedy.json"
+FIXTURE = Path(__file__).resolve().parents[2] / "tests" / "engine" / "data" / "llama_cpp_greedy.json"
 NEW_TOKENS = 32
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 PROMPTS = [

@@ -10,7 +10,7 @@ last max_ngram_size - 1 positions that Engram reads. Layers that borrow a source
 (the sharing maps) hold nothing. Values are counted at `--element-size` bytes (2: bf16, as
 deepinfer/bench/v4_kv_memory.py counts V4), token ids at 8.
 
-    python deepinfer/bench/v41_kv_memory.py           # markdown tables for docs/benchmarks.md
+    python -m deepinfer.bench.v41_kv_memory           # markdown tables for docs/benchmarks.md
 
 No V4.1 config.json is published in our references. The configs below are V4-Flash's published
 dimensions (deepinfer/bench/v4_kv_memory.py's FLASH_CONFIG: 43 layers, head_dim 512, sliding window 128,

@@ -8,7 +8,7 @@ tokens (every block present: a timing, not a memory, benchmark), plus the LM hea
 V4 reads its 128-token window, top-k CSA entries (after scoring L / 4 indexer keys) and L / 128
 HCA entries; MLA reads all L latents. The median of `--repeats` steps is reported.
 
-    python deepinfer/bench/v4_decode_step.py --contexts 1024,4096,16384,65536
+    python -m deepinfer.bench.v4_decode_step --contexts 1024,4096,16384,65536
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ kv_lora_rank + qk_rope_head_dim values per token and layer (plus, on V3.2, the D
 of index_head_dim). Everything is counted at 2 bytes per value (bf16); the MTP module's own
 sliding window is left out (it is only held while MTP speculation runs).
 
-    python deepinfer/bench/v4_kv_memory.py            # markdown tables for docs/benchmarks.md
+    python -m deepinfer.bench.v4_kv_memory            # markdown tables for docs/benchmarks.md
 
 Config values are DeepSeek's published config.json files (deepseek-ai/DeepSeek-V4-Flash,
 deepseek-ai/DeepSeek-V4-Pro, deepseek-ai/DeepSeek-V3.2 on the Hugging Face hub), as quoted in the
