@@ -16,24 +16,11 @@ from dataclasses import dataclass
 import msgspec
 
 from deepinfer.image_input import ImageInput, image_content_hash
-from deepinfer.recipe.encodings import encoding_names, get_encoding
 from deepinfer.recipe.images.errors import ImageInputError
 from deepinfer.recipe.images.fetch import FetchPolicy, refuse_unless_fetching
 from deepinfer.recipe.images.source import prepare_image
 from deepinfer.recipe.ir import ImagePart
 from deepinfer.server.errors import ApiError
-
-
-def _image_placeholder() -> str:
-    """The image token of the chat encoding that takes images (its record's placeholder: of the
-    built-in encodings, V4.1's `<｜image｜>`)."""
-    marks = [e.image_placeholder for e in map(get_encoding, encoding_names()) if e.image_placeholder]
-    if len(set(marks)) != 1:
-        raise RuntimeError(f"the chat encodings name {len(set(marks))} image placeholders; expected one")
-    return marks[0]
-
-
-IMAGE_PLACEHOLDER = _image_placeholder()
 
 
 @dataclass(slots=True, frozen=True)
@@ -108,16 +95,21 @@ def refuse_unfetchable(parts: list[ImagePart], policy: FetchPolicy) -> None:
 
 
 def expand_placeholders(
-    token_ids: list[int], images: list[ImageInput], placeholder_id: int, param: str
+    token_ids: list[int],
+    images: list[ImageInput],
+    placeholder_id: int,
+    param: str,
+    spelling: str = "the image token",
 ) -> tuple[list[int], list[ImageInput]]:
-    """The prompt with each placeholder repeated to its image's token count, and the images
-    with their offsets in it. Placeholders and images pair up in order (RenderedPrompt.images)."""
+    """The prompt with each placeholder (token `placeholder_id`, written `spelling`) repeated to
+    its image's token count, and the images with their offsets in it. Placeholders and images
+    pair up in order (RenderedPrompt.images)."""
     where = [i for i, token in enumerate(token_ids) if token == placeholder_id]
     if len(where) != len(images):
         raise ApiError(
             400,
             f"{param}: the prompt holds {len(where)} image placeholders for {len(images)} images "
-            f"(is {IMAGE_PLACEHOLDER} written in the text?)",
+            f"(is {spelling} written in the text?)",
             param=param,
         )
     out: list[int] = []

@@ -22,6 +22,7 @@ from deepinfer.frontend.client import GenerationStream
 from deepinfer.image_input import ImageInput
 from deepinfer.recipe import Recipe, RenderedPrompt
 from deepinfer.recipe.api import new_id
+from deepinfer.recipe.encodings import get_encoding
 from deepinfer.recipe.family import PromptDefaults
 from deepinfer.recipe.ir import Conversation, GenerationParams
 from deepinfer.sampling_params import SamplingParams
@@ -33,7 +34,6 @@ from deepinfer.server.generation import ChoiceParsers
 from deepinfer.server.generation import sampling_params as engine_sampling_params
 from deepinfer.server.http_io import read_json
 from deepinfer.server.images import (
-    IMAGE_PLACEHOLDER,
     ImageLimits,
     expand_placeholders,
     prepare_images,
@@ -288,9 +288,11 @@ async def place_images(
     if not prompt.images:
         return []
     assert prompt.token_ids is not None and state.image_pool is not None  # render checked both
-    placeholder = state.tokenizer.token_to_id(IMAGE_PLACEHOLDER)
+    # The token the prompt's own encoding gives each image (V4.1's `<｜image｜>`).
+    spelling = get_encoding(prompt.family).image_placeholder
+    placeholder = state.tokenizer.token_to_id(spelling) if spelling is not None else None
     if placeholder is None:
-        raise ApiError(400, f"{param}: the tokenizer has no {IMAGE_PLACEHOLDER} token", param=param)
+        raise ApiError(400, f"{param}: the tokenizer has no {spelling or 'image'} token", param=param)
     config = state.config
     limits = ImageLimits(config.max_images_per_request, config.image_max_pixels)
     if for_engine and state.encoders is not None:
@@ -299,7 +301,7 @@ async def place_images(
         images = await state.encoders.encode(prompt.images, api_key)
     else:
         images = await prepare_images(state.image_pool, prompt.images, config.image_fetch_policy(), limits)
-    prompt.token_ids, placed = expand_placeholders(prompt.token_ids, images, placeholder, param)
+    prompt.token_ids, placed = expand_placeholders(prompt.token_ids, images, placeholder, param, spelling)
     check_context(len(prompt.token_ids), state.max_model_len, param)
     return placed
 
