@@ -67,9 +67,12 @@ def attend_sequence(
 
 class OwnAttention:
     """For a model that attends through its own cache reader (DeepSeek-V4's PagedV4Cache): the
-    step's metadata needs no backend precomputation, and no layer calls the backend."""
+    step's metadata needs no backend precomputation, and no layer calls the backend. Its name
+    says which kernels the model's own attention and MoE run: "model" (its torch code) or
+    "triton" (kernels/triton)."""
 
-    name = "model"
+    def __init__(self, name: str = "model") -> None:
+        self.name = name
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Nothing to precompute."""

@@ -53,7 +53,13 @@ class TritonBackend:
             chunks.append((i, token, meta.query_lens[i], meta.seq_lens_list[i]))
             token += meta.query_lens[i]
         device = meta.block_tables.device
-        meta.extra["triton_tiles"] = self._kernels.prefill_tiles(chunks, BLOCK_M, device)
+        # A decode-only step makes its empty tiles on the device: no host copy, so the step can be
+        # captured in a CUDA graph (runner/graphs.py).
+        meta.extra["triton_tiles"] = (
+            self._kernels.prefill_tiles(chunks, BLOCK_M, device)
+            if chunks
+            else torch.empty((4, 0), dtype=torch.int64, device=device)
+        )
 
     def forward(
         self,

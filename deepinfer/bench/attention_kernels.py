@@ -4,6 +4,9 @@
 
 - decode: the C kernel over a paged cache (fp32 and fp16 K/V), batch x context, blocks scattered
   as in a long-running engine;
+- bandwidth: one decode step of the 32-stream peers workload (32 rows x ~400 tokens, fp16 K/V)
+  through 30 layers' caches in turn (as the engine reads them: 300 MB, past the last-level cache),
+  as GB/s of K/V read; the thread CPU time per layer is also given (a figure on a loaded machine);
 - prefill: one causal chunk, PyTorch's SDPA (the reference backend) vs the tiled GEMMs the CPU
   backend uses.
 Times are the mean of repeated calls after a warm-up; 2 threads unless DEEPINFER_BENCH_THREADS.
@@ -71,6 +74,32 @@ def decode(backend: CpuPagedBackend) -> None:
         )
 
 
+def bandwidth(backend: CpuPagedBackend, batch: int = 32, context: int = 400, layers: int = 30) -> None:
+    print(f"decode step, fp16 K/V: {batch} rows x {context} tokens x {layers} layers")
+    meta, num_blocks = _decode_step(batch, context)
+    backend.prepare(meta)
+    q = torch.randn(batch, HEADS, HEAD_DIM)
+    out = torch.empty_like(q)
+    caches = [torch.randn(num_blocks * BLOCK, 2, KV_HEADS, HEAD_DIM).half() for _ in range(layers)]
+    tables, lens = meta.extra["kernel_tables"], meta.extra["kernel_lens"]
+
+    def step() -> None:
+        for cache in caches:
+            backend.attend_rows(q, cache, out, tables, lens, BLOCK, HEAD_DIM**-0.5)
+
+    step()
+    repeats = 10
+    wall, cpu = time.perf_counter(), time.process_time()  # process time: every thread's
+    for _ in range(repeats):
+        step()
+    wall, cpu = (time.perf_counter() - wall) / repeats, (time.process_time() - cpu) / repeats
+    read = 2 * batch * context * KV_HEADS * HEAD_DIM * 2 * layers  # K and V, bytes
+    print(
+        f"  {wall * 1e3 / layers:.3f} ms per layer, {read / wall / 1e9:.1f} GB/s; "
+        f"CPU time {cpu * 1e3 / layers:.3f} ms per layer"
+    )
+
+
 def prefill() -> None:
     print("prefill chunk, causal: ms per layer")
     for chunk, context in ((512, 512), (2048, 2048), (1952, 4000)):
@@ -83,5 +112,7 @@ def prefill() -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(int(os.environ.get("DEEPINFER_BENCH_THREADS", "2")))
-    decode(CpuPagedBackend())
+    backend = CpuPagedBackend()
+    decode(backend)
+    bandwidth(backend)
     prefill()

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from deepinfer.config.fields import ConfigError, check_choice, check_positive, normalize_sizes, option
 from deepinfer.config.rope import parse_rope_scaling
+from deepinfer.config.units import parse_int_list
 from deepinfer.security.loopback import require_loopback
 from deepinfer.store.config import KVStoreConfig, StoreLocation, parse_store_url
 from deepinfer.store.retention import RetentionPolicy, parse_retention
@@ -60,6 +61,13 @@ class SchedulerConfig:
     max_num_seqs: int = option(128, help="most sequences running at once")
     max_num_batched_tokens: int = option(2048, help="token budget of one step")
     prefill_chunk_size: int | None = option(None, help="most prompt tokens of one sequence per step")
+    max_prefill_attention: int | None = option(
+        524288,
+        help="most attended positions (each new prompt token counts the positions it attends) of "
+        "the prefills sharing a step beside its first: a short suffix after a long cached prefix is "
+        "costly for its context, and batched with others it delays every one of them (None in "
+        "Python: no cap)",
+    )
     max_model_len: int | None = option(
         None,
         help="context length (default: the model's); past its trained context only with --rope-scaling",
@@ -78,6 +86,7 @@ class SchedulerConfig:
         check_positive("max_num_seqs", self.max_num_seqs, allow_none=False)
         check_positive("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=False)
         check_positive("prefill_chunk_size", self.prefill_chunk_size)
+        check_positive("max_prefill_attention", self.max_prefill_attention)
         check_positive("max_model_len", self.max_model_len)
         check_choice("scheduling_policy", self.scheduling_policy, ("fcfs", "priority"))
 
@@ -475,6 +484,13 @@ class EngineConfig:
         help="gguf: compute on a GGUF's packed blocks with native kernels; int8: W8A8 linears; none: "
         "dense weights in --dtype (default: gguf for a GGUF file on the CPU in float32, none otherwise)",
     )
+    # keep: FP8 block-scaled checkpoint weights (DeepSeek-V3) stay FP8 in memory and run through the
+    # Triton FP8 linear (layers/fp8_linear.py); on the CPU only under TRITON_INTERPRET=1 (tests).
+    fp8_weights: Literal["auto", "dequantize", "keep"] = option(
+        "auto",
+        help="FP8 block-scaled checkpoint weights: keep them in FP8 (Triton backend, CUDA compute capability "
+        ">= 8.9) or dequantize them at load (auto: keep where that holds)",
+    )
     grammar_compile_timeout: float = option(
         10.0,
         help="seconds a structured-output grammar (JSON schema, forced tool call) may take to compile; "
@@ -498,6 +514,16 @@ class EngineConfig:
         help="prompt tokens --yoco-prefill-truncation compact keeps: at least the sliding window plus "
         "the tokens a sequence may roll back (the model checks it)",
     )
+    enforce_eager: bool = option(
+        False, help="never replay CUDA graphs: every step launches its kernels one by one (CUDA only)"
+    )
+    cuda_graph_sizes: str | None = option(
+        None,
+        metavar="SIZES",
+        help="batch sizes a pure-decode step is captured as a CUDA graph for, e.g. 1,2,4,8,16 (a "
+        "smaller batch pads to the next one up, a larger one runs eagerly; default: 1,2,4,8, then "
+        "every 8 up to --max-num-seqs). Llama-family models on the Triton backend",
+    )
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
@@ -511,9 +537,15 @@ class EngineConfig:
             raise ConfigError("device", f"expected auto, cpu or cuda[:N], got {self.device!r}")
         check_choice("attention_backend", self.attention_backend, ("auto", "torch", "cpu_paged", "triton"))
         check_positive("num_threads", self.num_threads)
+        check_choice("fp8_weights", self.fp8_weights, ("auto", "dequantize", "keep"))
         if self.quantization is not None:
             check_choice("quantization", self.quantization, ("none", "int8", "gguf"))
         check_positive("grammar_compile_timeout", self.grammar_compile_timeout, allow_none=False)
+        if self.cuda_graph_sizes is not None:
+            try:
+                parse_int_list(self.cuda_graph_sizes)
+            except (ValueError, AttributeError) as exc:
+                raise ConfigError("cuda_graph_sizes", str(exc)) from None
         if self.rope_scaling is not None:
             object.__setattr__(self, "rope_scaling", parse_rope_scaling(self.rope_scaling))
         if self.cache.kv_cache_dtype == "float32" and self.dtype in ("bfloat16", "float16"):

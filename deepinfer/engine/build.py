@@ -9,7 +9,7 @@ import logging
 import torch
 
 from deepinfer.cache_layout import CacheGroup, CacheLayout, plan_cache_layout
-from deepinfer.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from deepinfer.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, parse_int_list
 from deepinfer.config.rope import check_context_length
 from deepinfer.engine.connectors.connector import ConnectorChain, KVConnector
 from deepinfer.engine.connectors.offload import KVOffloader, TierEvents
@@ -24,11 +24,13 @@ from deepinfer.image_input import embeddings_layout
 from deepinfer.kernels import isa
 from deepinfer.model.base import CausalLM
 from deepinfer.model.layers.expert_parallel import ExpertBalancer
+from deepinfer.model.layers.fp8_linear import keeps_fp8_weights
 from deepinfer.model.loader.dtype import engine_dtype, model_dtype
 from deepinfer.model.loader.load import LoadedModel, check_model_engine, load_model
+from deepinfer.runner import graphs
 from deepinfer.runner.device import torch_device
 from deepinfer.runner.kv_caches import KVCaches
-from deepinfer.runner.model_runner import ModelRunner
+from deepinfer.runner.model_runner import ModelRunner, triton_chosen
 from deepinfer.security.cluster_key import cluster_key_of
 from deepinfer.speculative.build import (
     build_speculative_decoder,
@@ -187,6 +189,9 @@ def build_engine_core(
         config.quantization,
         parallel.model_parallel() if parallel else None,
         config.rope_scaling,
+        keep_fp8=keeps_fp8_weights(
+            config.fp8_weights, triton_chosen(config.attention_backend, device), device
+        ),
     )
     check_model_options(config, loaded)
     loaded.model.configure(config)
@@ -206,7 +211,8 @@ def build_engine_core(
     # KV events are logged only when someone publishes them (a router reads them).
     kv_events = KVEventLog() if config.disaggregation.kv_events_endpoint else None
     kv = KVCacheManager(layout, config.cache.enable_prefix_caching, kv_events)
-    caches = KVCaches(layout, declared, device)
+    capture = graphs.decode_graph_capture(device, config.enforce_eager)
+    caches = KVCaches(layout, declared, device, scratch_block=capture is not None)
     # On the CPU the model has every core: masks are computed inline rather than by a pool.
     grammars = GrammarManager(
         loaded.tokenizer,
@@ -224,6 +230,13 @@ def build_engine_core(
         experts=build_expert_balancer(config, model, parallel),
         feature_layers=feature_layers(config, model),
     )
+    if capture is not None:
+        sizes = config.cuda_graph_sizes
+        runner.use_decode_graphs(
+            capture,
+            parse_int_list(sizes) if sizes else graphs.default_sizes(config.scheduler.max_num_seqs),
+            min(max_model_len, graphs.DEFAULT_MAX_CONTEXT),
+        )
     spec = build_speculative_decoder(config, runner, caches, draft) if config.speculative.enabled else None
     connection = build_kv_connection(config, kv, caches, kv_events)
     pd = config.disaggregation
@@ -254,13 +267,14 @@ def build_engine_core(
     )
     log.info(
         "engine ready: %s in %s, %d KV blocks in %d cache group(s) (%.0f bytes/token), "
-        "attention=%s, C kernels for %s",
+        "attention=%s, CUDA graphs %s, C kernels for %s",
         loaded.name,
         str(dtype).removeprefix("torch."),
         kv.num_blocks,
         len(layout.groups),
         layout.bytes_per_token,
         runner.backend.name,
+        "on" if runner.graphs is not None else "off",
         isa.describe(),
     )
     return core

@@ -4,8 +4,12 @@ The scheduler's one verb: "sequence S gets N new tokens this step". A prefill ch
 prefix-cache hit (which simply advances S's computed tokens) and speculative tokens are all that.
 Running sequences are served first (decodes and unfinished prefills, in priority/arrival order),
 then waiting sequences are admitted while the token budget, `max_num_seqs` and the KV pool allow,
-which gives mixed steps. When blocks run out, the lowest-priority, latest-arrived running sequence
-is preempted: its blocks are freed and it later recomputes its tokens (often from prefix hits).
+which gives mixed steps. Prefills beside a step's first also share a budget of attended positions
+(`max_prefill_attention`): a new turn's short suffix after a long cached prefix costs as much as
+its context, and several of them in one step would each wait for all; one per step answers the
+first sooner and leaves the sessions' turns staggered, so the next ones arrive apart. When blocks
+run out, the lowest-priority, latest-arrived running sequence is preempted: its blocks are freed
+and it later recomputes its tokens (often from prefix hits).
 
 With async scheduling, step N+1 is planned before step N's tokens are known: each token a step
 will sample counts as a placeholder (`Sequence.num_placeholders`) until `update` lands it, so a
@@ -32,6 +36,28 @@ from deepinfer.sequence import (
     stop_after,
 )
 from deepinfer.step import ScheduledSequence, SchedulerOutput
+
+
+@dataclass(slots=True)
+class PrefillAttention:
+    """The attended positions of one step's prefill chunks, within `cap` beside the first chunk
+    (which always fits, so a step always moves some prefill on)."""
+
+    cap: int | None
+    used: int = 0
+    count: int = 0
+
+    @staticmethod
+    def cost(start: int, num_new: int) -> int:
+        """Positions attended by prompt tokens start .. start + num_new - 1 (causal)."""
+        return num_new * start + num_new * (num_new + 1) // 2
+
+    def fits(self, start: int, num_new: int) -> bool:
+        return not self.count or self.cap is None or self.used + self.cost(start, num_new) <= self.cap
+
+    def add(self, start: int, num_new: int) -> None:
+        self.used += self.cost(start, num_new)
+        self.count += 1
 
 
 @dataclass(slots=True)
@@ -210,6 +236,7 @@ class Scheduler:
         scheduled: list[ScheduledSequence] = []
         preempted: list[Sequence] = []
         forks: list[Sequence] = []
+        prefill = PrefillAttention(self.config.max_prefill_attention)
 
         # Decodes before unfinished prefills, so a long prompt never stalls running generations.
         order = sorted(self.running, key=lambda s: (self._uncomputed(s) > 1, self._key(s)))
@@ -220,6 +247,9 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING or self._ends_in_flight(seq):
                 continue  # preempted earlier in this step, or finishing with the step in flight
             num_new = self._chunk(seq, budget)
+            is_prefill = self._uncomputed(seq) > 1
+            if is_prefill and not prefill.fits(seq.num_computed_tokens, num_new):
+                continue  # a later step's first prefill
             while not self.kv.can_allocate(seq, num_new):
                 victim = max((s for s in self.running if s.seq_id not in done), key=self._key)
                 self._preempt(victim)
@@ -232,6 +262,8 @@ class Scheduler:
             if draft_lengths and seq.seq_id in draft_lengths:
                 later = [s for s in order[position + 1 :] if s.status == SequenceStatus.RUNNING]
                 num_draft = self._draft_slots(seq, draft_lengths[seq.seq_id], budget, later)
+            if is_prefill:
+                prefill.add(seq.num_computed_tokens, num_new)
             self.kv.allocate(seq, num_new + num_draft)
             scheduled.append(self._scheduled(seq, num_new + num_draft, forks, num_draft))
             done.add(seq.seq_id)
@@ -248,8 +280,9 @@ class Scheduler:
             if seq.num_computed_tokens < seq.num_prompt_tokens and self.config.prefill_chunk_size:
                 remaining = min(remaining, self.config.prefill_chunk_size)
             num_new = min(remaining, budget)
-            if not self.kv.can_allocate(seq, num_new, hits):
+            if not prefill.fits(num_hit_tokens, num_new) or not self.kv.can_allocate(seq, num_new, hits):
                 break
+            prefill.add(num_hit_tokens, num_new)
             self.waiting.remove(seq)
             self.kv.allocate(seq, num_new, hits)
             if seq.num_cached_tokens < 0:

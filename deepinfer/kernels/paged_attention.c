@@ -203,6 +203,24 @@ static inline __attribute__((always_inline)) void tile_values(const int64_t D, c
     default: call(4); break;       \
     }
 
+/* Ask for the K and V rows of one kv head in slots first_slot .. first_slot+n-1 (row_bytes each, at
+ * byte `column` of slots slot_bytes apart): the hardware prefetchers do not follow a block table
+ * to the next block, nor reliably pick out these lines of each slot. Into L2 (locality 2), not
+ * L1: a block's 64 lines at once overflow L1's miss buffers, and with prefetches into L1 fp16
+ * decode attention took ~1.5x as long (bench attention_kernels, bandwidth). Always inlined: out
+ * of line, GCC 12 finds the function free of effects and drops its calls. */
+static inline __attribute__((always_inline)) void prefetch_rows(const void *k_cache, const void *v_cache,
+                                                                int64_t first_slot, int64_t n, int64_t slot_bytes,
+                                                                int64_t column, int64_t row_bytes) {
+    for (int64_t j = 0; j < n; ++j) {
+        const int64_t at = (first_slot + j) * slot_bytes + column;
+        for (int64_t b = 0; b < row_bytes; b += 64) { /* one per 64-byte line */
+            __builtin_prefetch((const char *)k_cache + at + b, 0, 2);
+            __builtin_prefetch((const char *)v_cache + at + b, 0, 2);
+        }
+    }
+}
+
 /* Rows of one sequence's chunk attended together (a row tile): each block's keys and values are
  * loaded (and an fp16 block converted) once for all of them, while every row runs the arithmetic
  * it runs alone, so its bits do not depend on the tile. Without the tile, each row of a long
@@ -226,23 +244,19 @@ static inline __attribute__((always_inline)) void attend_span(
     const int64_t last = lasts[R - 1];
     float scores[MAX_GROUP][MAX_BLOCK];
     float k_buffer[MAX_HALF_ROWS], v_buffer[MAX_HALF_ROWS]; /* fp16 rows as fp32 */
+    /* the first block's rows too: its values are not loaded before its scores are done */
+    const int64_t first_rows = block_size - first % block_size < last - first ? block_size - first % block_size
+                                                                              : last - first;
+    prefetch_rows(k_cache, v_cache, table[first / block_size] * block_size + first % block_size, first_rows,
+                  slot_stride * element, column * element, D * element);
     for (int64_t start = first; start < last;) {
         const int64_t offset = start % block_size;
         const int64_t room = block_size - offset;
         const int64_t n = (last - start < room) ? last - start : room;
         const int64_t base = table[start / block_size] * block_size + offset;
-        if (start + n < last) {
-            /* The next block's rows are scattered (one per slot, slot_stride apart): ask for
-             * them now so the loads overlap this block's arithmetic. */
-            const int64_t next = table[start / block_size + 1] * block_size;
-            for (int64_t j = 0; j < block_size; ++j) {
-                const int64_t at = ((next + j) * slot_stride + column) * element;
-                for (int64_t b = 0; b < D * element; b += 64) { /* one per 64-byte line */
-                    __builtin_prefetch((const char *)k_cache + at + b);
-                    __builtin_prefetch((const char *)v_cache + at + b);
-                }
-            }
-        }
+        if (start + n < last) /* the next block's rows, to overlap this block's arithmetic */
+            prefetch_rows(k_cache, v_cache, table[start / block_size + 1] * block_size, block_size,
+                          slot_stride * element, column * element, D * element);
         /* fp32 key rows: the cache's own, or an fp16 block's converted once for every row and head.
          * The value rows of an fp16 block are converted once for a tile of rows (and for the scalar
          * loops); a single row converts them as it loads them, which saves a buffer's stores and

@@ -46,6 +46,10 @@ class CausalLM(torch.nn.Module):
     # Whether the model has a vision tower: it then has `embed_images` and its forward takes
     # `image_embeds` / `image_mask` (the runner passes them only in a step that has images).
     accepts_images = False
+    # Whether a pure-decode step's forward can be recorded as a CUDA graph (runner/graphs.py): every
+    # kernel it launches reads only the static step buffers, with no host sync or shape-dependent
+    # host logic (the Llama family on the Triton backend so far).
+    captures_decode_graphs = False
     # Whether the rotary embedding follows ModelConfig.rope_scaling, so `--rope-scaling` can
     # replace it (the Llama family); other models place positions their own way.
     takes_rope_scaling = False
@@ -137,6 +141,12 @@ class CausalLM(torch.nn.Module):
         return the names taken (the loader dequantizes the others and passes them to
         load_weights)."""
         raise ValueError(f"quantization: {type(self).__name__} does not support 'gguf'")
+
+    def keep_fp8_weights(self) -> list[str]:
+        """Before load_weights: make the layers that can compute on the checkpoint's block-scaled
+        FP8 weights keep them in FP8 (layers/fp8_linear.py); return the parameters kept. None by
+        default: FP8 checkpoints are dequantized at load."""
+        return []
 
     def quantize(self, method: str) -> None:
         """Convert the weights in place (after loading) to a quantized `method`."""

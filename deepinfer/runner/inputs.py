@@ -15,6 +15,7 @@ import torch
 from deepinfer.attention.metadata import AttentionMetadata, ForwardMetadata
 from deepinfer.cache_layout import GroupLayout
 from deepinfer.image_input import ImageInput
+from deepinfer.runner.staging import Upload, direct_upload
 
 
 @dataclass(slots=True)
@@ -66,15 +67,10 @@ class ForwardInputs:
         return torch.tensor(rows, dtype=torch.long, device=self.input_ids.device)
 
 
-def _group_metadata(
-    spans: list[RowSpan],
-    group: int,
-    layout: GroupLayout,
-    positions: np.ndarray,
-    query_lens: list[int],
-    seq_lens: list[int],
-    device: torch.device,
-) -> AttentionMetadata:
+def _group_arrays(
+    spans: list[RowSpan], group: int, layout: GroupLayout, positions: np.ndarray, query_lens: list[int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """(slot mapping [T], block tables [B, W]) of one cache group, on the host."""
     per_block, rate = layout.entries_per_block, layout.group.tokens_per_entry
     tables_list = [np.maximum(np.asarray(s.block_tables[group], dtype=np.int64), 0) for s in spans]
     width = max((len(t) for t in tables_list), default=0)
@@ -87,21 +83,15 @@ def _group_metadata(
         first += count
         entry = pos // rate  # the entry (the token itself, or its compressed entry) a position writes
         slots.append(table[entry // per_block] * per_block + entry % per_block)
-    return AttentionMetadata(
-        slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device),
-        block_tables=torch.from_numpy(tables).to(device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
-        query_lens=query_lens,
-        seq_lens_list=seq_lens,
-        num_decodes=sum(1 for q in query_lens if q == 1),
-        block_size=per_block,
-        window=layout.group.window,
-    )
+    return np.concatenate(slots), tables
 
 
-def build_inputs(spans: list[RowSpan], groups: list[GroupLayout], device: torch.device) -> ForwardInputs:
+def build_inputs(
+    spans: list[RowSpan], groups: list[GroupLayout], device: torch.device, upload: Upload | None = None
+) -> ForwardInputs:
     """Tensors for a forward over `spans`, with one AttentionMetadata per group in `groups`
-    (no spans: the empty forward of a rank without work that steps with the others)."""
+    (no spans: the empty forward of a rank without work that steps with the others). `upload`:
+    how the host arrays reach the device (staging.py; default: one copy each)."""
     offsets, order = span_offsets(spans)
     ordered = [spans[i] for i in order]
     token_ids = [t for span in ordered for t in span.token_ids]
@@ -111,16 +101,25 @@ def build_inputs(spans: list[RowSpan], groups: list[GroupLayout], device: torch.
         [np.zeros(0, dtype=np.int64)]
         + [np.arange(s.start, s.start + len(s.token_ids), dtype=np.int64) for s in ordered]
     )
+    arrays = [np.asarray(token_ids, dtype=np.int64), positions]
+    for g, layout in enumerate(groups):
+        # each group its own lengths tensor, as a backend may keep per-group views of it
+        arrays += [*_group_arrays(ordered, g, layout, positions, query_lens), np.asarray(seq_lens, np.int64)]
+    tensors = (upload or direct_upload(device))(arrays)
     meta = ForwardMetadata(
         [
-            _group_metadata(ordered, g, layout, positions, query_lens, seq_lens, device)
+            AttentionMetadata(
+                slot_mapping=tensors[2 + 3 * g],
+                block_tables=tensors[3 + 3 * g],
+                seq_lens=tensors[4 + 3 * g],
+                query_lens=query_lens,
+                seq_lens_list=seq_lens,
+                num_decodes=sum(1 for q in query_lens if q == 1),
+                block_size=layout.entries_per_block,
+                window=layout.group.window,
+            )
             for g, layout in enumerate(groups)
         ],
         [s.prompt_len for s in ordered],
     )
-    return ForwardInputs(
-        torch.tensor(token_ids, dtype=torch.long, device=device),
-        torch.from_numpy(positions).to(device),
-        meta,
-        offsets,
-    )
+    return ForwardInputs(tensors[0], tensors[1], meta, offsets)

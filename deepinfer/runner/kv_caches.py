@@ -14,6 +14,7 @@ import torch
 
 from deepinfer.cache_layout import CacheGroup, CacheLayout, GroupLayout
 from deepinfer.runner.inputs import ForwardInputs, RowSpan, build_inputs
+from deepinfer.runner.staging import Upload, upload_for
 from deepinfer.sequence import Sequence
 
 
@@ -25,6 +26,7 @@ class CacheView:
     group_indices: list[int]  # engine (KV manager) group of each of the model's groups
     groups: list[GroupLayout]
     device: torch.device
+    upload: Upload | None = None  # how each step's host arrays reach the device (staging.py)
 
     def tables(self, seq: Sequence) -> list[list[int]]:
         """The sequence's block tables of this model's groups, in the model's order."""
@@ -32,27 +34,37 @@ class CacheView:
 
     def inputs(self, spans: list[RowSpan]) -> ForwardInputs:
         """Inputs (tensors and metadata) for a forward of this model over `spans`."""
-        return build_inputs(spans, self.groups, self.device)
+        return build_inputs(spans, self.groups, self.device, self.upload)
 
 
 class KVCaches:
     def __init__(
-        self, layout: CacheLayout, declared: dict[str, list[CacheGroup]], device: torch.device
+        self,
+        layout: CacheLayout,
+        declared: dict[str, list[CacheGroup]],
+        device: torch.device,
+        scratch_block: bool = False,
     ) -> None:
         """`declared`: each owner's cache groups in its own order (their tensors are in `layout`,
-        merged into compatible groups)."""
+        merged into compatible groups). `scratch_block`: each group gets one block past the
+        layout's, block id `num_blocks`, which the KV manager never hands out: the padding rows
+        of a CUDA-graph decode step write there (runner/graphs.py)."""
         self.layout = layout
         self.device = device
+        self.scratch_block = scratch_block
+        extra = [g.entries_per_block if scratch_block else 0 for g in layout.groups]
         # Zeroed, not empty: masked attention weights multiply unused slots, and NaN * 0 is NaN.
         self.tensors: list[list[torch.Tensor]] = [
             [
-                torch.zeros((g.num_slots, *t.slot_shape), dtype=getattr(torch, t.dtype), device=device)
+                torch.zeros((g.num_slots + pad, *t.slot_shape), dtype=getattr(torch, t.dtype), device=device)
                 for t in g.group.tensors
             ]
-            for g in layout.groups
+            for g, pad in zip(layout.groups, extra)
         ]
         self.owner_groups: dict[str, list[int]] = {}
         self._owned: dict[str, list[torch.Tensor]] = {}
+        # One stager per model: its buffer is refilled only after its last copy was read.
+        self._uploads: dict[str, Upload] = {}
         for owner, groups in declared.items():
             indices = [self._index_of(group) for group in groups]
             self.owner_groups[owner] = indices
@@ -73,7 +85,11 @@ class KVCaches:
         """What a model's forward needs of the caches: its tensors (in the order of its declared
         groups' tensors) and its groups."""
         indices = self.owner_groups[owner]
-        return CacheView(self._owned[owner], indices, [self.layout.groups[g] for g in indices], self.device)
+        upload = self._uploads.get(owner)
+        if upload is None:
+            upload = self._uploads[owner] = upload_for(self.device)
+        groups = [self.layout.groups[g] for g in indices]
+        return CacheView(self._owned[owner], indices, groups, self.device, upload)
 
     def copy_blocks(self, copies: list[tuple[int, int, int]]) -> None:
         """Apply (group, src block, dst block) copies to every tensor of the group."""

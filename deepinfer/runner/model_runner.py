@@ -16,8 +16,10 @@ from deepinfer.attention.metadata import ForwardMetadata
 from deepinfer.image_input import images_in
 from deepinfer.kernels.triton import triton_installed
 from deepinfer.model.base import CausalLM
+from deepinfer.model.layers.device_kernels import use_triton_kernels
 from deepinfer.model.layers.expert_parallel import ExpertBalancer
 from deepinfer.model.loader.dtype import model_dtype
+from deepinfer.runner.graphs import DecodeGraphs, GraphCapture
 from deepinfer.runner.image_embeds import ImageEmbeddings
 from deepinfer.runner.inputs import ForwardInputs, ForwardWork, RowSpan, span_offsets
 from deepinfer.runner.kv_caches import KVCaches
@@ -33,6 +35,12 @@ log = logging.getLogger(__name__)
 GrammarMasks = Callable[[list[GrammarMatcher]], tuple[torch.Tensor, list[int]]]
 
 
+def triton_chosen(name: str, device: torch.device) -> bool:
+    """Whether the attention backend named `name` on `device` is Triton's (`auto`: on CUDA when
+    Triton is installed); the loader asks it too, before the runner exists (FP8 weights kept)."""
+    return name == "triton" or (name == "auto" and device.type == "cuda" and triton_installed())
+
+
 def make_attention_backend(
     name: str,
     model: CausalLM,
@@ -46,9 +54,10 @@ def make_attention_backend(
     For a model that rounds its activations, every prompt row goes through the per-row kernel:
     the tiled prefill's GEMMs sum in an order that depends on the chunk's shape (differences of
     ~1e-6), which the rounding can turn into another token once a prompt is chunked or cached."""
+    triton = triton_chosen(name, device)
     if not model.uses_attention_backend:
-        return OwnAttention()
-    if name == "triton" or (name == "auto" and device.type == "cuda" and triton_installed()):
+        return OwnAttention("triton" if triton else "model")
+    if triton:
         from deepinfer.attention.triton_backend import TritonBackend
 
         return TritonBackend(device)
@@ -160,12 +169,49 @@ class ModelRunner:
         self.backend = make_attention_backend(
             attention_backend, model, self.view.groups[0].entries_per_block, device, kv_dtype
         )
-        self.sampler = Sampler()
+        on_triton = self.backend.name == "triton"
+        if on_triton:
+            use_triton_kernels(model)  # norms and rotary on the device kernels, like attention
+        self.sampler = Sampler(on_triton=on_triton)
         self.grammar_masks = grammar_masks
         self._generators: dict[int, torch.Generator] = {}
         self.feature_layers = feature_layers
         # The vision tower's outputs by image (a model with one), spliced in at image positions.
         self.images = ImageEmbeddings(model.embed_images) if model.accepts_images else None
+        self.graphs: DecodeGraphs | None = None  # pure-decode steps as CUDA graphs (graphs.py)
+
+    def graphs_unsupported(self) -> str | None:
+        """Why this runner's decode steps cannot be captured as graphs (None: they can). This
+        runner captures a model that declares it can be (`captures_decode_graphs`) on the Triton
+        backend on one rank."""
+        if self.backend.name != "triton":
+            return f"the {self.backend.name} attention backend"
+        if not self.model.captures_decode_graphs or self.model.accepts_images:
+            return type(self.model).__name__
+        if self._collective:
+            return "a forward over several ranks"
+        if self.feature_layers:
+            return "a step that keeps the target's features"
+        return None
+
+    def use_decode_graphs(self, capture: GraphCapture, sizes: list[int], max_context: int) -> bool:
+        """Replay pure-decode steps of up to max(sizes) rows and `max_context` positions as graphs
+        captured by `capture`, when the model and backend allow (the caches need their scratch
+        block); whether they will be."""
+        why = self.graphs_unsupported()
+        if why is not None:
+            log.info("CUDA graphs off: not captured for %s", why)
+            return False
+        if not self.caches.scratch_block:
+            raise ValueError("decode graphs need the KV caches' scratch block (KVCaches(scratch_block=True))")
+        self.graphs = DecodeGraphs(self.view, self._graph_step, capture, sizes, max_context)
+        return True
+
+    def _graph_step(self, inputs: ForwardInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a decode graph records: the forward ([B, hidden]) and the logits ([B, V])."""
+        prepare_backend(self.backend, inputs.meta)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend)
+        return hidden, self.compute_logits(hidden)
 
     def release(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
@@ -290,16 +336,11 @@ class ModelRunner:
             if self.peers is not None:
                 self.peers.submit(work)
             self.caches.copy_blocks(work.block_copies)
-            inputs = self.view.inputs(work.spans)
-            hidden = self.forward(inputs, work.spans, features)  # [T, hidden]
-            logits = None
-            if work.logit_rows:
-                first, count = work.logit_rows[0], len(work.logit_rows)
-                if work.logit_rows == list(range(first, first + count)):
-                    selected = hidden[first : first + count]  # a view: no gather (decode steps)
-                else:
-                    selected = hidden[torch.tensor(work.logit_rows, dtype=torch.long, device=self.device)]
-                logits = self.compute_logits(selected)
+            replayed = self.graphs.run(work) if self.graphs is not None and features is None else None
+            if replayed is not None:
+                inputs, hidden, logits = replayed
+            else:
+                inputs, hidden, logits = self._run_eager(work, features)
             if self.experts is not None:
                 self.experts.step_done()
         except Exception as error:
@@ -308,6 +349,22 @@ class ModelRunner:
             if self._collective:
                 self.failed = f"{type(error).__name__}: {error}"
             raise
+        return inputs, hidden, logits
+
+    def _run_eager(
+        self, work: ForwardWork, features: dict[int, torch.Tensor] | None
+    ) -> tuple[ForwardInputs, torch.Tensor, torch.Tensor | None]:
+        """The forward launched kernel by kernel, and the logits of `work.logit_rows`."""
+        inputs = self.view.inputs(work.spans)
+        hidden = self.forward(inputs, work.spans, features)  # [T, hidden]
+        logits = None
+        if work.logit_rows:
+            first, count = work.logit_rows[0], len(work.logit_rows)
+            if work.logit_rows == list(range(first, first + count)):
+                selected = hidden[first : first + count]  # a view: no gather (decode steps)
+            else:
+                selected = hidden[torch.tensor(work.logit_rows, dtype=torch.long, device=self.device)]
+            logits = self.compute_logits(selected)
         return inputs, hidden, logits
 
     def run_empty(self) -> None:

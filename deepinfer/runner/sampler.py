@@ -70,11 +70,18 @@ def process_logits(
     rows: list[SamplingRow],
     bitmask: torch.Tensor | None = None,
     bitmask_rows: list[int] | None = None,
+    on_triton: bool = False,
 ) -> torch.Tensor:
     """Steps 1-4: a new float32 tensor [N, V]. `bitmask` [M, V/32] packs the allowed tokens of
-    the constrained rows `bitmask_rows` (structured output)."""
+    the constrained rows `bitmask_rows` (structured output); `on_triton` applies it with the
+    Triton kernel, on the logits' device."""
     logits = logits.float().clone()
-    if bitmask is not None:
+    if bitmask is not None and on_triton:
+        from deepinfer.kernels.triton.bitmask import apply_bitmask_ as apply_on_device
+
+        constrained = torch.tensor(bitmask_rows, dtype=torch.int64, device=logits.device)
+        apply_on_device(logits, bitmask.to(logits.device, non_blocking=True), constrained)
+    elif bitmask is not None:
         apply_bitmask_(logits, bitmask, bitmask_rows)
     for i, row in enumerate(rows):
         if row.params.logit_bias:
@@ -146,9 +153,14 @@ def truncated_probs_batch(logits: torch.Tensor, params: list[SamplingParams]) ->
     return probs / probs.sum(-1, keepdim=True)
 
 
+def uniforms_for(generators: list[torch.Generator | None]) -> list[float]:
+    """One uniform number per row, from the row's own generator when it has a seed."""
+    return [torch.rand(1, generator=g, dtype=torch.float64).item() for g in generators]
+
+
 def sample_rows(probs: torch.Tensor, generators: list[torch.Generator | None]) -> list[int]:
     """Inverse-CDF draws for every row of probs [M, V] (as sample_from, batched)."""
-    uniforms = [torch.rand(1, generator=g, dtype=torch.float64).item() for g in generators]
+    uniforms = uniforms_for(generators)
     cdf = probs.double().cumsum(-1)
     targets = torch.tensor(uniforms, dtype=torch.float64)[:, None] * cdf[:, -1:]
     picks = torch.searchsorted(cdf, targets).squeeze(1).clamp_(max=probs.shape[-1] - 1).tolist()
@@ -159,7 +171,34 @@ def sample_rows(probs: torch.Tensor, generators: list[torch.Generator | None]) -
     return picks
 
 
+def sample_rows_on_triton(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+    """Step 6 for non-greedy rows with the Triton kernels, on the logits' device: the truncation
+    (temperature, top-k, top-p, min-p) and the inverse-CDF draw, one program per row. The
+    uniforms come from the same generators as on the CPU path; the draw compares them in float32,
+    so a seeded row may pick a neighbouring token where the CPU path's float64 CDF splits a tie."""
+    from deepinfer.kernels.triton.sampling import draw, truncated_probs
+
+    device = logits.device
+    params = [row.params for row in rows]
+    f32 = dict(dtype=torch.float32, device=device)
+    probs = truncated_probs(
+        logits,
+        torch.tensor([p.temperature for p in params], **f32),
+        torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.int32, device=device),
+        torch.tensor([p.top_p for p in params], **f32),
+        torch.tensor([p.min_p for p in params], **f32),
+    )
+    uniforms = torch.tensor(uniforms_for([row.generator for row in rows]), **f32)
+    return draw(probs, uniforms).tolist()
+
+
 class Sampler:
+    """`on_triton`: the grammar bitmask and step 6 run through kernels/triton (the engine on the
+    Triton backend); penalties, biases and logprobs stay in torch on the logits' device."""
+
+    def __init__(self, on_triton: bool = False) -> None:
+        self.on_triton = on_triton
+
     def __call__(
         self,
         logits: torch.Tensor,
@@ -168,7 +207,7 @@ class Sampler:
         bitmask_rows: list[int] | None = None,
     ) -> list[SampledToken]:
         """logits: [N, V] for N rows -> one token per row."""
-        processed = process_logits(logits, rows, bitmask, bitmask_rows)
+        processed = process_logits(logits, rows, bitmask, bitmask_rows, self.on_triton)
         want_logprobs = [row.params.logprobs is not None for row in rows]
         logprobs = None
         if any(want_logprobs):
@@ -179,7 +218,10 @@ class Sampler:
             logprobs = torch.log_softmax(processed / temps[:, None], dim=-1)
         tokens = processed.argmax(dim=-1).tolist()
         drawn = [i for i, row in enumerate(rows) if not row.params.greedy]
-        if drawn:
+        if drawn and self.on_triton:
+            for i, token in zip(drawn, sample_rows_on_triton(processed[drawn], [rows[i] for i in drawn])):
+                tokens[i] = token
+        elif drawn:
             probs = truncated_probs_batch(processed[drawn], [rows[i].params for i in drawn])
             for i, token in zip(drawn, sample_rows(probs, [rows[i].generator for i in drawn])):
                 tokens[i] = token

@@ -69,3 +69,39 @@ def test_unpaired_halves_are_errors():
                 [("m.w.weight_scale_inv", torch.ones(1, 1)), ("m.w.weight", torch.ones(4, 4))]
             )
         )
+
+
+def test_kept_weights_pass_with_their_scales():
+    """A weight a layer keeps in FP8 passes as stored, then its scale; the others dequantize."""
+    a, a_scale = quantize_block_fp8(torch.randn(130, 20))
+    b, b_scale = quantize_block_fp8(torch.randn(40, 200))
+    stream = [
+        ("x.a.weight_scale_inv", a_scale),
+        ("x.b.weight", b),
+        ("x.a.weight", a),
+        ("x.b.weight_scale_inv", b_scale),
+    ]
+    out = list(dequantize_checkpoint(iter(stream), keep=lambda name: name == "x.a.weight"))
+    assert [name for name, _ in out] == ["x.a.weight", "x.a.weight_scale_inv", "x.b.weight"]
+    assert out[0][1] is a and out[1][1] is a_scale
+    assert torch.equal(out[2][1], dequantize_reference(b, b_scale))
+
+
+def test_a_layer_kept_in_fp8_refuses_an_unquantized_weight(tmp_path):
+    """A checkpoint that says it is FP8 but stores its weights in float32: the first kept layer
+    (an o_proj or down_proj) refuses its weight rather than cast it to FP8."""
+    import json
+
+    from deepinfer.model.loader.load import load_model
+    from tests.deepseek.conftest import VARIANTS
+    from tests.deepseek.tiny_checkpoint import build_checkpoint
+
+    overrides, _, seed = VARIANTS["v3"]
+    checkpoint = build_checkpoint(tmp_path / "v3", overrides, fp8=False, seed=seed)
+    config = json.loads((checkpoint.path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (checkpoint.path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ValueError, match=r"(o_proj|down_proj).weight' is stored as torch.float32, but its layer keeps FP8"
+    ):
+        load_model(checkpoint.path, torch.float32, torch.device("cpu"), keep_fp8=True)

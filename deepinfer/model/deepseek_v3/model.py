@@ -5,7 +5,11 @@ model/deepseek_v3/mla.py); DeepSeekMoE routes each token to a few experts (layer
 optional MTP modules draft the token after next for speculative decoding.
 
 Checkpoints load from HF safetensors with the official tensor names, BF16/FP32 or FP8 with
-128x128 block scales (dequantized at load). At load time:
+128x128 block scales, dequantized at load, or, where `keep_fp8_weights` ran (the Triton path),
+kept in FP8 for o_proj and the dense and shared-expert MLPs (layers/fp8_linear.py): the q and kv_a
+projections (their rope rows reordered, their fused segments not tile-aligned in general), kv_b
+(absorbed into MLA's attention) and the routed experts (the fused MoE kernel) stay dequantized.
+At load time:
 - q_a_proj and kv_a_proj_with_mqa become one matmul (both read the same hidden state);
 - gate/up projections are fused, and routed experts are stacked into [E, ...] tensors;
 - the rope rows of q and of the shared rope key are de-interleaved when the checkpoint uses
@@ -35,7 +39,8 @@ from deepinfer.cache_layout import CacheGroup
 from deepinfer.model.base import CausalLM, cache_tensor
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.deepseek_v3.mla import MLAStepMetadata, mla_attention
-from deepinfer.model.layers.fp8 import weight_block_size
+from deepinfer.model.layers.fp8 import FP8_DTYPES, SCALE_SUFFIX, weight_block_size
+from deepinfer.model.layers.fp8_linear import Fp8BlockLinear, keep_block_fp8, linear
 from deepinfer.model.layers.mlp import GatedMLP
 from deepinfer.model.layers.moe import DeepseekMoE, RouterConfig
 from deepinfer.model.layers.norm import RMSNorm
@@ -263,7 +268,7 @@ class MLAttention(torch.nn.Module):
             step,
             self.scale,
         )  # [T, H, v]
-        return self.tp.all_reduce(F.linear(out.flatten(1), self.o_proj))
+        return self.tp.all_reduce(linear(out.flatten(1), self.o_proj))  # o_proj may be kept in FP8
 
 
 class DeepseekDecoderLayer(torch.nn.Module):
@@ -307,6 +312,8 @@ class DeepseekDecoderLayer(torch.nn.Module):
             h, residual = self.input_layernorm.add_forward(x, residual)
         h = self.self_attn(h, positions, cache, meta, step)
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        if isinstance(self.mlp, DeepseekMoE):
+            return self.mlp(h, fused=step.triton), residual
         return self.mlp(h), residual
 
 
@@ -451,10 +458,30 @@ class DeepseekV3ForCausalLM(CausalLM):
 
     # -- weights -------------------------------------------------------------------------------
 
+    def keep_fp8_weights(self) -> list[str]:
+        """For an FP8 checkpoint on one rank, make o_proj and the dense and shared-expert MLP
+        projections Fp8BlockLinears (those whose tiles fit, see keep_block_fp8), so that their
+        weights load and stay FP8; returns the parameters kept. Call before load_weights."""
+        if not self.config.raw.get("quantization_config") or self.tp.size > 1:
+            return []
+        kept = []
+        for name, module in list(self.named_modules()):  # replaced while walked: a copy
+            for kind, params in _KEPT_FP8:
+                if isinstance(module, kind):
+                    kept += [f"{name}.{p}" for p in params if keep_block_fp8(module, p, self.arch.fp8_block)]
+        return kept
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load official HF names (FP8 block-quantized weights are dequantized on the way)."""
-        loader = WeightLoader(self, _DeepseekNames(self.arch))
-        loader.load_all(dequantize_checkpoint(weights, self.arch.fp8_block))
+        """Load official HF names (FP8 block-quantized weights are dequantized on the way, but
+        those of layers kept in FP8)."""
+        names = _DeepseekNames(self.arch)
+        loader = WeightLoader(self, names)
+
+        def kept(name: str) -> bool:
+            target = names.route(loader, name, names.key(name))
+            return target is not None and loader.params[target.param].dtype in FP8_DTYPES
+
+        loader.load_all(dequantize_checkpoint(weights, self.arch.fp8_block, kept))
         loader.drop_if_unloaded("mtp", "no MTP weights in the checkpoint: multi-token prediction disabled")
         for depth, layer in enumerate(self.mtp):
             if not loader.filled[f"mtp.{depth}.shared_head.head"]:
@@ -462,6 +489,11 @@ class DeepseekV3ForCausalLM(CausalLM):
         loader.finish()
 
 
+# The plain weights of V3 that may be kept in FP8, by module (see DeepseekV3ForCausalLM.keep_fp8_weights).
+_KEPT_FP8: tuple[tuple[type[torch.nn.Module], tuple[str, ...]], ...] = (
+    (MLAttention, ("o_proj",)),
+    (GatedMLP, ("gate_up_proj", "down_proj")),
+)
 _LAYER_NAME = re.compile(r"layers\.(\d+)\.(.+)")
 _EXPERT_NAME = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 _FUSED_HALVES = {"gate_proj": 0, "up_proj": 1}
@@ -482,6 +514,15 @@ class _DeepseekNames(NameMap):
         return param.endswith(("mlp.gate.weight", "mlp.gate.e_score_correction_bias"))  # routing decisions
 
     def route(self, loader: WeightLoader, name: str, key: str) -> Target | None:
+        if name.endswith(SCALE_SUFFIX):  # passed through only for a weight kept in FP8
+            owner = name.removesuffix(SCALE_SUFFIX)
+            return _scale_target(loader, name, self._route(loader, owner, self.key(owner)))
+        target = self._route(loader, name, key)
+        if target is not None and loader.params[target.param].dtype in FP8_DTYPES:
+            return dataclasses.replace(target, transform=_stored_fp8(name))
+        return target
+
+    def _route(self, loader: WeightLoader, name: str, key: str) -> Target | None:
         arch = self.arch
         if "rotary_emb." in name:
             return None
@@ -540,6 +581,7 @@ class _DeepseekNames(NameMap):
         module, _, proj = module.rpartition(".")
         if kind == "weight" and proj in _FUSED_HALVES and module in ("mlp", "mlp.shared_experts"):
             fused = f"{prefix}{module}.gate_up_proj"
+            fused += ".weight" if f"{fused}.weight" in loader.params else ""  # kept in FP8
             if fused not in loader.params:
                 raise KeyError(f"unexpected weight {name!r}")
             return Target(fused, loader.segment_rows(fused, _FUSED_HALVES[proj]))
@@ -559,6 +601,31 @@ class _DeepseekNames(NameMap):
             return torch.cat([nope, rope_rows[:, order]], dim=1).reshape(weight.shape)
 
         return reorder
+
+
+def _stored_fp8(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A weight bound for a layer kept in FP8 must be stored in FP8 (not cast into it)."""
+
+    def check(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dtype not in FP8_DTYPES:
+            raise ValueError(f"weight {name!r} is stored as {tensor.dtype}, but its layer keeps FP8 weights")
+        return tensor
+
+    return check
+
+
+def _scale_target(loader: WeightLoader, name: str, weight: Target | None) -> Target:
+    """The scale of a weight kept in FP8 goes to its Fp8BlockLinear's `scale`, at the scale rows
+    of the weight's rows (fused segments start on a tile: keep_block_fp8)."""
+    module_name = "" if weight is None else weight.param.removesuffix(".weight")
+    module = loader.model.get_submodule(module_name) if module_name else None
+    if weight is None or not isinstance(module, Fp8BlockLinear):
+        raise KeyError(f"unexpected scale {name!r}: its weight is not kept in FP8")
+    rows = weight.index
+    if isinstance(rows, slice):
+        block = module.block[0]
+        rows = slice(rows.start // block, -(-rows.stop // block))
+    return Target(f"{module_name}.scale", rows)
 
 
 def _generic(loader: WeightLoader, name: str, target: str) -> Target:

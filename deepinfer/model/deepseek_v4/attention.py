@@ -37,6 +37,7 @@ from deepinfer.model.deepseek_v4.config import CSA, SLIDING, DeepseekV4Arch
 from deepinfer.model.deepseek_v4.norm import Fp32RMSNorm, unweighted_rms_norm
 from deepinfer.model.deepseek_v4.rotary import TrailingRope
 from deepinfer.model.deepseek_v4.sparse import attend_with_sink, indexer_scores, pool_windows, select_entries
+from deepinfer.model.deepseek_v4.sparse_triton import attend_with_sink_triton
 from deepinfer.model.layers.parallel_linear import Segment
 from deepinfer.model.parallel import SINGLE, TensorParallel
 
@@ -164,8 +165,10 @@ class V4Attention(torch.nn.Module):
         positions: torch.Tensor,  # [T]
         layout: StepLayout,
         cache: V4Cache,
+        triton: bool = False,  # attend through the Triton kernel (the engine's triton backend)
     ) -> torch.Tensor:  # [T, hidden]
         arch = self.arch
+        attend = attend_with_sink_triton if triton else attend_with_sink
         tokens = x.shape[0]
         q_latent = self.q_norm(F.linear(x, self.wq_a))  # [T, q_lora]
         q = F.linear(q_latent, self.wq_b).view(tokens, self.num_heads, arch.head_dim)
@@ -207,7 +210,7 @@ class V4Attention(torch.nn.Module):
                 elif self.compressor is not None:
                     entries, entry_mask = self._all_entries(cache, seq, pos)
                     keys, mask = torch.cat((keys, entries)), torch.cat((mask, entry_mask), dim=1)
-                out[sub] = attend_with_sink(q[sub], keys, mask, self.attn_sink, self.scale)
+                out[sub] = attend(q[sub], keys, mask, self.attn_sink, self.scale)
         out = self.rope(out, positions, inverse=True)
         return self.tp.all_reduce(F.linear(self._grouped_down(out), self.wo_b))
 

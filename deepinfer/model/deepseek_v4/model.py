@@ -13,7 +13,8 @@ lists them (layer, kind, row width, rows per token, how far back a step reads). 
 become cache groups (`cache_groups`, `group_declarations`): one sliding group per distinct
 lookback (window = lookback + 1) and one compressed group per compress rate, read and written
 through model/deepseek_v4/paged.py's PagedV4Cache. `forward_cached` runs a step over any V4Cache;
-`forward` is it over the engine's groups.
+`forward` is it over the engine's groups (on the `triton` backend with the sparse attention and
+the routed experts on kernels/triton; the torch code otherwise).
 
 Over several ranks (ModelParallel): attention splits its query heads by output group
 (layers/v4_attention.py, which says what stays replicated), the MoE block splits or shards its
@@ -175,12 +176,13 @@ class V4Block(torch.nn.Module):
         positions: torch.Tensor,
         layout: StepLayout,
         cache: V4Cache,
+        triton: bool = False,  # sparse attention and routed experts through kernels/triton
     ) -> torch.Tensor:
         collapsed, post, comb = self.hc_attn(streams)
-        out = self.attn(self.attn_norm(collapsed), positions, layout, cache)
+        out = self.attn(self.attn_norm(collapsed), positions, layout, cache, triton)
         streams = HyperConnection.expand(streams, out, post, comb)
         collapsed, post, comb = self.hc_ffn(streams)
-        out = self.ffn(self.ffn_norm(collapsed), token_ids)
+        out = self.ffn(self.ffn_norm(collapsed), token_ids, fused=triton)
         return HyperConnection.expand(streams, out, post, comb)
 
 
@@ -263,11 +265,13 @@ class DeepseekV4ForCausalLM(CausalLM):
         positions: torch.Tensor,  # [T]
         kv_caches: list[torch.Tensor],  # the tensors of cache_groups(), in order
         meta: ForwardMetadata,  # one AttentionMetadata per cache group
-        backend: AttentionBackend,  # unused: the model reads its groups itself (OwnAttention)
+        backend: AttentionBackend,  # OwnAttention: its name says which kernels ("triton" or torch)
     ) -> torch.Tensor:  # final streams [T, hc_mult, hidden]
         layout = step_layout(meta)
         cache = PagedV4Cache(paged_tensors(self.main_declarations(), kv_caches), meta, layout)
-        return self.forward_cached(input_ids, positions, layout, cache)
+        return self.forward_cached(
+            input_ids, positions, layout, cache, triton=backend is not None and backend.name == "triton"
+        )
 
     # -- main model ----------------------------------------------------------------------------
 
@@ -277,6 +281,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         positions: torch.Tensor,  # [T], consecutive within each sequence of the layout
         layout: StepLayout,
         cache: V4Cache,
+        triton: bool = False,  # sparse attention and routed experts through kernels/triton
     ) -> torch.Tensor:  # final streams [T, hc_mult, hidden]
         runs = [
             torch.arange(s, s + n, device=positions.device) for s, n in zip(layout.starts, layout.query_lens)
@@ -289,7 +294,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         h = self.embed(input_ids)
         streams = h.unsqueeze(1).expand(-1, self.arch.hc_mult, -1).contiguous()
         for layer in self.layers:
-            streams = layer(streams, input_ids, positions, layout, cache)
+            streams = layer(streams, input_ids, positions, layout, cache, triton)
         return streams
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -131,12 +131,17 @@ class V4MoE(torch.nn.Module):
             self.shared_experts = GatedMLP(hidden_size, intermediate_size, swiglu_limit=swiglu_limit)
 
     def forward(
-        self, x: torch.Tensor, token_ids: torch.Tensor, image_mask: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        token_ids: torch.Tensor,
+        image_mask: torch.Tensor | None = None,
+        fused: bool = False,
     ) -> torch.Tensor:
-        """x [T, hidden], token_ids [T], image_mask [T] bool (None: all text) -> [T, hidden]."""
+        """x [T, hidden], token_ids [T], image_mask [T] bool (None: all text) -> [T, hidden];
+        `fused`: the routed experts run the Triton fused MoE (without expert parallelism)."""
         if self.ep is None:
             weights, ids = self.gate(x, token_ids, image_mask)
-            return self.tp.all_reduce(self.experts(x, weights, ids) + self.shared_experts(x))
+            return self.tp.all_reduce(self.experts(x, weights, ids, fused=fused) + self.shared_experts(x))
         counts = [
             hi - lo for lo, hi in (split_evenly(x.shape[0], self.tp.size, r) for r in range(self.tp.size))
         ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from deepinfer.model.layers.fp8_linear import linear
 from deepinfer.model.layers.parallel_linear import Segment
 from deepinfer.model.parallel import SINGLE, TensorParallel
 
@@ -37,8 +38,9 @@ class GatedMLP(torch.nn.Module):
         self.splits = {"gate_up_proj": (0, [self.columns, self.columns]), "down_proj": (1, [self.columns])}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj).split(self.intermediate_size, dim=-1)
-        return self.tp.all_reduce(F.linear(swiglu(gate, up, self.swiglu_limit), self.down_proj))
+        # either projection may be kept in FP8 (layers/fp8_linear.py)
+        gate, up = linear(x, self.gate_up_proj).split(self.intermediate_size, dim=-1)
+        return self.tp.all_reduce(linear(swiglu(gate, up, self.swiglu_limit), self.down_proj))
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:

@@ -114,12 +114,26 @@ class RoutedExperts(torch.nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, first_expert: int = 0
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        first_expert: int = 0,
+        fused: bool = False,
     ) -> torch.Tensor:
         """Sum over each token's chosen experts in [first_expert, first_expert + E_local) of
-        weight * expert(x): x [T, hidden], topk_* [T, k] -> [T, hidden]."""
+        weight * expert(x): x [T, hidden], topk_* [T, k] -> [T, hidden]. `fused`: every expert
+        local (first_expert 0), the experts run as the Triton fused MoE's grouped GEMMs."""
         num_local = self.w13.shape[0]
         top_k = topk_ids.shape[1]
+        if fused:
+            if first_expert != 0:
+                raise ValueError("the fused MoE runs every expert of the layer (first_expert 0)")
+            # Imported on use: Triton is an optional dependency, needed only on this path.
+            from deepinfer.kernels.triton import fused_moe
+
+            order, pair_out = fused_moe.expert_pairs(x, topk_ids, self.w13, self.w2, self.swiglu_limit)
+            return combine_pairs(x, pair_out, topk_weights, order, top_k)
         flat_ids = topk_ids.flatten() - first_expert  # [T * k], pair p belongs to token p // k
         local = (flat_ids >= 0) & (flat_ids < num_local)
         pairs = local.nonzero().squeeze(1)
@@ -160,10 +174,12 @@ class DeepseekMoE(torch.nn.Module):
             self.experts = ExpertParallelExperts(router.num_experts, hidden_size, moe_intermediate_size, ep)
             self.shared_experts = GatedMLP(hidden_size, shared) if shared else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; `fused`: the routed experts run the Triton fused MoE
+        (the router is the same: the kernel only takes its top-k ids and weights)."""
         if self.ep is None:
             weights, ids = self.gate(x)
-            out = self.experts(x, weights, ids)
+            out = self.experts(x, weights, ids, fused=fused)
             if self.shared_experts is not None:
                 out = out + self.shared_experts(x)
             return self.tp.all_reduce(out)

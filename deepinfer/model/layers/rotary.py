@@ -64,6 +64,9 @@ class RotaryEmbedding(torch.nn.Module):
         super().__init__()
         self.dim, self.max_positions, self.base, self.scaling = dim, max_positions, base, scaling
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Set by model/layers/device_kernels.py when the engine runs on the Triton backend; the
+        # kernels are imported on use because Triton is an optional dependency.
+        self.on_triton = False
 
     def tables(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self._tables is None or self._tables[0].device != device or self._tables[0].dtype != dtype:
@@ -85,6 +88,11 @@ class RotaryEmbedding(torch.nn.Module):
 
     def apply_(self, positions: torch.Tensor, x: torch.Tensor) -> None:
         """Rotate x [T, heads, dim] in place (q and k heads can be passed as one view)."""
+        if self.on_triton and x.shape[-1] == self.dim and x.stride(2) == 1:
+            from deepinfer.kernels.triton.rotary import rotary_
+
+            rotary_(x, positions, *self.tables(x.device, x.dtype))
+            return
         kernels = rowwise_kernels()
         if kernels is not None and x.dtype is torch.bfloat16 and x.is_cpu:
             # bf16 rows rotate in fp32 through the kernel, rounded once on the way back: fewer

@@ -133,6 +133,7 @@ class LlamaForCausalLM(CausalLM):
     supports_kv_cache_dtype = True
     takes_rope_scaling = True
     cpu_bfloat16 = True
+    captures_decode_graphs = True
 
     def __init__(self, cfg: ModelConfig, parallel: ModelParallel | None = None) -> None:
         super().__init__()

@@ -145,10 +145,12 @@ def load_model(
     quantization: str | None = None,
     parallel: ModelParallel | None = None,
     rope_scaling: Mapping[str, Any] | None = None,
+    keep_fp8: bool = False,
 ) -> LoadedModel:
     """The model and its tokenizer; with `parallel`, only this rank's shard of the weights (the
     fingerprint stays the checkpoint's: every rank's prefix hashes agree); with `rope_scaling`
-    (checked by EngineConfig), that scaling in place of the checkpoint's."""
+    (checked by EngineConfig), that scaling in place of the checkpoint's; with `keep_fp8`, the
+    FP8 weights of the layers the model can keep in FP8 (`keep_fp8_weights`) not dequantized."""
     if quantization is not None and device.type != "cpu":
         raise ValueError(f"quantization={quantization!r} runs on the CPU only (device {device.type})")
     path = resolve_model_path(model)
@@ -182,6 +184,7 @@ def load_model(
             )
         config.scale_rope(rope_scaling)
     net = cls.from_checkpoint(directory, config, device, dtype) if path.is_dir() and not split else None
+    kept_fp8: list[str] = []
     if net is None:
         with torch.device("meta"):
             net = cls.from_config(config) if parallel is None else cls.from_config(config, parallel)
@@ -190,11 +193,14 @@ def load_model(
             adopt_packed_gguf(net, path, hf_config) if resolved == "gguf" else iter_safetensors(directory)
         )
         allocate_weights(net, device, dtype)
+        kept_fp8 = net.keep_fp8_weights() if keep_fp8 else []
         net.load_weights(weights)
     net.eval()
     identity = f"{weights_id}:{config.model_type}"
     if rope_scaling is not None:  # other positions, other keys: never a prefix hit across them
         identity += ":rope=" + json.dumps(config.rope_scaling, sort_keys=True)
+    if kept_fp8:  # summed in another order than dequantized weights: never a prefix hit across them
+        identity += ":fp8"
     if dtype != torch.float32:  # a bf16 run of a checkpoint writes other KV than its fp32 run
         identity += f":{str(dtype).removeprefix('torch.')}"
     if resolved is not None:

@@ -32,16 +32,29 @@ class ScaledFormat:
 
 
 def dequantized(
-    weights: Iterable[tuple[str, torch.Tensor]], fmt: ScaledFormat
+    weights: Iterable[tuple[str, torch.Tensor]],
+    fmt: ScaledFormat,
+    keep: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Pass unquantized tensors through; pair each quantized weight with its scale (in either
-    order) and yield the float32 weight under the weight's name.
+    order) and yield the float32 weight under the weight's name, or, for a weight `keep` names
+    (a layer computing on it quantized), the weight and then its scale as stored.
 
     Only unpaired halves are held back, and a checkpoint stores a weight and its scale close
     together, so this buffers little. Anything left unpaired at the end is an error.
     """
     pending_weights: dict[str, torch.Tensor] = {}
     pending_scales: dict[str, tuple[str, torch.Tensor]] = {}  # owner -> (scale name, scale)
+
+    def paired(
+        name: str, weight: torch.Tensor, scale_name: str, scale: torch.Tensor
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        if keep is not None and keep(name):
+            yield name, weight
+            yield scale_name, scale
+        else:
+            yield name, fmt.dequantize(name, weight, scale)
+
     for name, tensor in weights:
         owner = fmt.scale_owner(name)
         if owner is not None:
@@ -49,13 +62,13 @@ def dequantized(
             if weight is None:
                 pending_scales[owner] = (name, tensor)
             else:
-                yield owner, fmt.dequantize(owner, weight, tensor)
+                yield from paired(owner, weight, name, tensor)
         elif tensor.dtype in fmt.quantized:
             pending = pending_scales.pop(name, None)
             if pending is None:
                 pending_weights[name] = tensor
             else:
-                yield name, fmt.dequantize(name, tensor, pending[1])
+                yield from paired(name, tensor, *pending)
         else:
             if name in pending_scales:
                 raise ValueError(fmt.scale_on_unquantized.format(name=repr(name), dtype=tensor.dtype))
@@ -87,7 +100,10 @@ def block_fp8(block: tuple[int, int] = (128, 128)) -> ScaledFormat:
 
 
 def dequantize_checkpoint(
-    weights: Iterable[tuple[str, torch.Tensor]], block: tuple[int, int] = (128, 128)
+    weights: Iterable[tuple[str, torch.Tensor]],
+    block: tuple[int, int] = (128, 128),
+    keep: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """`weights` with DeepSeek-V3's block FP8 weights dequantized (see `block_fp8`)."""
-    return dequantized(weights, block_fp8(block))
+    """`weights` with DeepSeek-V3's block FP8 weights dequantized (see `block_fp8`), but those
+    `keep` names, which pass with their scales."""
+    return dequantized(weights, block_fp8(block), keep)
