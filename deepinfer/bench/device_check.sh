@@ -10,7 +10,9 @@
 # 3. deepinfer/bench/device_decode.py: decode steps of a Llama-3.1-8B-shaped bf16 model built from random
 #    values, batch 1, 64 and 256, eager and as a CUDA graph, against the HBM roofline;
 # 4. deepinfer/bench/engine_decode.py: the engine's own decode step (ModelRunner.run) of a
-#    Llama-3.2-1B-shaped model, batch 1 and 16, with its decode CUDA graphs and --enforce-eager.
+#    Llama-3.2-1B-shaped model, batch 1 and 16, with its decode CUDA graphs and --enforce-eager;
+# 5. deepinfer/bench/v4_decode_step.py on the Triton backend: a small DeepSeek-V4-shaped model's
+#    decode step (sparse attention, fused MoE) against a V3 MLA model's, from 1k to 64k context.
 # Each step has its own time limit and is recorded whatever the others do; everything lands in one
 # JSON. pytest is needed for step 2: when the machine lacks it (or llguidance, which the sampler
 # test imports), put their wheels in $DEEPINFER_WHEELS (default build/wheels), e.g. here with
@@ -60,14 +62,14 @@ if ! "$PY" -c "import pytest, llguidance" 2>/dev/null && [ -d "$WHEELS" ]; then
 fi
 
 echo "== tests/triton on CUDA"
-# Kernels compile on first use: up to 300 s, keeping 270 s for the two decode steps.
-DEEPINFER_TEST_DEVICE=cuda timeout "$(limit 300 270)" "$PY" -m pytest tests/triton -q -p no:cacheprovider \
+# Kernels compile on first use: up to 270 s, keeping 300 s for the three decode steps.
+DEEPINFER_TEST_DEVICE=cuda timeout "$(limit 270 300)" "$PY" -m pytest tests/triton -q -p no:cacheprovider \
     --continue-on-collection-errors --junitxml="$WORK/tests.xml" >"$WORK/tests.log" 2>&1
 TESTS_RC=$?
 tail -n 40 "$WORK/tests.log"
 
 echo "== decode of a Llama-3.1-8B-shaped bf16 model"
-timeout "$(limit 180 120)" "$PY" -m deepinfer.bench.device_decode --out "$WORK/decode.json" >"$WORK/decode.log" 2>&1
+timeout "$(limit 150 150)" "$PY" -m deepinfer.bench.device_decode --out "$WORK/decode.json" >"$WORK/decode.log" 2>&1
 DECODE_RC=$?
 tail -n 20 "$WORK/decode.log"
 
@@ -75,7 +77,7 @@ echo "== the engine's decode, CUDA graphs on and off"
 # The engine imports more than torch and triton (numpy, cryptography, ...): without them this
 # step is skipped, said in its log, rather than failed.
 if "$PY" -c "import deepinfer.runner.model_runner" 2>"$WORK/engine.log"; then
-    timeout "$(limit 150)" "$PY" -m deepinfer.bench.engine_decode --out "$WORK/engine.json" >"$WORK/engine.log" 2>&1
+    timeout "$(limit 90 60)" "$PY" -m deepinfer.bench.engine_decode --out "$WORK/engine.json" >"$WORK/engine.log" 2>&1
     ENGINE_RC=$?
 else
     echo "skipped: the engine's dependencies are missing" >>"$WORK/engine.log"
@@ -83,12 +85,18 @@ else
 fi
 tail -n 20 "$WORK/engine.log"
 
-"$PY" - "$WORK" "$OUT" "$TESTS_RC" "$DECODE_RC" "$START" "$ENGINE_RC" <<'EOF'
+echo "== DeepSeek-V4 and V3 decode steps against context, Triton backend"
+timeout "$(limit 60)" "$PY" -m deepinfer.bench.v4_decode_step --device cuda --attention-backend triton \
+    --contexts 1024,4096,16384,65536 --repeats 3 --out "$WORK/v4.json" >"$WORK/v4.log" 2>&1
+V4_RC=$?
+tail -n 12 "$WORK/v4.log"
+
+"$PY" - "$WORK" "$OUT" "$TESTS_RC" "$DECODE_RC" "$START" "$ENGINE_RC" "$V4_RC" <<'EOF'
 import json, os, sys, time
 import xml.etree.ElementTree as ET
 
 work, out, tests_rc, decode_rc, start = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-engine_rc = int(sys.argv[6])
+engine_rc, v4_rc = int(sys.argv[6]), int(sys.argv[7])
 
 
 def read(name):
@@ -133,12 +141,17 @@ try:
     engine["report"] = json.loads(read("engine.json"))
 except ValueError:
     pass
+v4 = {"rc": v4_rc, "log_tail": read("v4.log")[-4000:]}
+try:
+    v4["report"] = json.loads(read("v4.json"))
+except ValueError:
+    pass
 report = {"env": env, "tests": tests_summary(), "decode": decode, "engine_decode": engine,
-          "elapsed_s": round(time.time() - start, 1)}
-report["ok"] = tests_rc == 0 and decode_rc == 0 and engine_rc == 0
+          "v4_decode_step": v4, "elapsed_s": round(time.time() - start, 1)}
+report["ok"] = tests_rc == 0 and decode_rc == 0 and engine_rc == 0 and v4_rc == 0
 with open(out, "w") as f:
     json.dump(report, f, indent=2)
 print(f"wrote {out}: ok={report['ok']} in {report['elapsed_s']} s")
 EOF
 rm -rf "$WORK"
-[ "$TESTS_RC" -eq 0 ] && [ "$DECODE_RC" -eq 0 ] && [ "$ENGINE_RC" -eq 0 ]
+[ "$TESTS_RC" -eq 0 ] && [ "$DECODE_RC" -eq 0 ] && [ "$ENGINE_RC" -eq 0 ] && [ "$V4_RC" -eq 0 ]

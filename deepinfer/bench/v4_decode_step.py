@@ -9,11 +9,16 @@ V4 reads its 128-token window, top-k CSA entries (after scoring L / 4 indexer ke
 HCA entries; MLA reads all L latents. The median of `--repeats` steps is reported.
 
     python -m deepinfer.bench.v4_decode_step --contexts 1024,4096,16384,65536
+
+On a GPU (`--device cuda --attention-backend triton`, run by device_check.sh) the same steps run
+on the Triton kernels: V4's sparse attention and fused MoE, V3's MLA decode; `--out` writes the
+rows as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
@@ -107,7 +112,7 @@ V3_CONFIG = {
 }
 
 
-def random_model(raw: dict) -> torch.nn.Module:
+def random_model(raw: dict, device: torch.device) -> torch.nn.Module:
     model = model_class(raw["model_type"]).from_config(ModelConfig.from_hf(raw))
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -119,12 +124,13 @@ def random_model(raw: dict) -> torch.nn.Module:
         for buffer in model.buffers():
             if buffer.is_floating_point():
                 buffer.zero_()
-    return model.eval()
+    return model.eval().to(device)
 
 
 @torch.inference_mode()
-def decode_step_ms(model: torch.nn.Module, context: int, repeats: int) -> float:
-    device = torch.device("cpu")
+def decode_step_ms(
+    model: torch.nn.Module, context: int, repeats: int, device: torch.device, backend_name: str
+) -> float:
     groups = model.cache_groups(torch.float32)
     # Enough blocks in every group for the whole context (sliding groups included: no release).
     num_blocks = cdiv(context + 1, BLOCK)
@@ -138,7 +144,7 @@ def decode_step_ms(model: torch.nn.Module, context: int, repeats: int) -> float:
             tensor.copy_(0.1 * torch.randn(tensor.shape, generator=generator))
     view = caches.view("target")
     tables = [list(range(cdiv(context + 1, g.block_tokens))) for g in view.groups]
-    backend = make_attention_backend("auto", model, BLOCK, device)
+    backend = make_attention_backend(backend_name, model, BLOCK, device)
     times = []
     for _ in range(repeats + 1):  # the first step warms up (allocations, lazy init) and is dropped
         inputs = view.inputs([RowSpan(tables, context, [7])])
@@ -146,6 +152,8 @@ def decode_step_ms(model: torch.nn.Module, context: int, repeats: int) -> float:
         prepare_backend(backend, inputs.meta)
         hidden = model(inputs.input_ids, inputs.positions, view.tensors, inputs.meta, backend)
         model.compute_logits(hidden[-1:])
+        if device.type == "cuda":  # the step's kernels have run, not only been launched
+            torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
     return 1000 * statistics.median(times[1:])
 
@@ -155,11 +163,35 @@ def main() -> None:
     parser.add_argument("--contexts", default="1024,4096,16384,65536")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--attention-backend", default="auto", choices=("auto", "triton", "torch", "cpu_paged")
+    )
+    parser.add_argument("--out", help="also write the rows to this JSON file")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
     contexts = [int(c) for c in args.contexts.split(",")]
-    v4, v3 = random_model(V4_CONFIG), random_model(V3_CONFIG)
-    rows = [(c, decode_step_ms(v4, c, args.repeats), decode_step_ms(v3, c, args.repeats)) for c in contexts]
+    v4, v3 = random_model(V4_CONFIG, device), random_model(V3_CONFIG, device)
+    rows = [
+        (
+            c,
+            decode_step_ms(v4, c, args.repeats, device, args.attention_backend),
+            decode_step_ms(v3, c, args.repeats, device, args.attention_backend),
+        )
+        for c in contexts
+    ]
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(
+                {
+                    "device": str(device),
+                    "attention_backend": args.attention_backend,
+                    "rows": [{"context": c, "v4_ms": a, "v3_ms": b} for c, a, b in rows],
+                },
+                f,
+                indent=2,
+            )
     print("| context | V4-shaped decode step | V3 MLA decode step | V3 / V4 |")
     print("|---|---|---|---|")
     for context, ms_v4, ms_v3 in rows:

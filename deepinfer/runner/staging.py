@@ -60,5 +60,5 @@ class PackedUpload:
 
 
 def upload_for(device: torch.device) -> Upload:
-    """Pinned, packed and non-blocking on CUDA; as today elsewhere."""
+    """Pinned, packed and non-blocking on CUDA; each array wrapped as it is elsewhere."""
     return PackedUpload(device, pin=True) if device.type == "cuda" else direct_upload(device)
