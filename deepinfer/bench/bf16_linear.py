@@ -1,10 +1,12 @@
-"""torch's linear layers in bf16 (oneDNN; AVX512-BF16 or AMX where the CPU has them) against fp32,
-at SmolLM2-135M's shapes, alternating the two in one run so a busy machine's noise hits both.
+"""Linear layers at SmolLM2-135M's shapes: torch in fp32, torch in bf16 (oneDNN; AVX512-BF16 or AMX
+where the CPU has them) and our bf16 kernel (kernels/bf16_matmul.c, built for this CPU's level),
+alternating in one run so a busy machine's noise hits all three.
 
     .venv/bin/python -m deepinfer.bench.bf16_linear [--threads 1] [--rounds 5] [--rows 1 32 512]
 
-Prints, per projection and row count, the median time of each dtype and bf16's time over fp32's
-(below 1: bf16 is faster). `dtype=auto` (model/loader/dtype.py) rests on these figures.
+Prints, per projection and row count, the median time of each and two ratios: torch bf16 over
+fp32 (below 1: bf16 is faster; `dtype=auto`, model/loader/dtype.py, rests on it) and ours over
+torch bf16. Our kernel runs on torch's OpenMP threads (the same libgomp), so `--threads` sets both.
 """
 
 from __future__ import annotations
@@ -12,9 +14,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from deepinfer.kernels.bf16_matmul import bf16_kernels, pack
 
 # SmolLM2-135M: hidden 576, MLP 1536, 9 query + 2 x 3 KV heads of 64, vocabulary 49152
 SHAPES = {
@@ -26,11 +31,13 @@ SHAPES = {
 }
 
 
-def seconds(x: torch.Tensor, w: torch.Tensor, reps: int) -> float:
-    F.linear(x, w)  # oneDNN builds its kernel for the shape on the first call
+def seconds(
+    linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor, w: torch.Tensor, reps: int
+) -> float:
+    linear(x, w)  # oneDNN builds its kernel for the shape on the first call
     start = time.perf_counter()
     for _ in range(reps):
-        F.linear(x, w)
+        linear(x, w)
     return (time.perf_counter() - start) / reps
 
 
@@ -42,21 +49,27 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    kernels = bf16_kernels()
+    if kernels is None:
+        raise SystemExit("no C compiler: our kernel cannot be built")
     print(f"torch {torch.__version__}, {args.threads} thread(s)")
     for name, (n, k) in SHAPES.items():
         w32 = torch.randn(n, k) / k**0.5
         w16 = w32.bfloat16()
+        packed = pack(w16)
         for m in args.rows:
             x32 = torch.randn(m, k)
             x16 = x32.bfloat16()
             reps = max(2, min(1000, int(4e8 / (m * n * k))))  # ~0.1-1 s per measurement
-            fp32, bf16 = [], []
+            fp32, bf16, ours = [], [], []
             for _ in range(args.rounds):
-                fp32.append(seconds(x32, w32, reps))
-                bf16.append(seconds(x16, w16, reps))
-            a, b = statistics.median(fp32), statistics.median(bf16)
+                fp32.append(seconds(F.linear, x32, w32, reps))
+                bf16.append(seconds(F.linear, x16, w16, reps))
+                ours.append(seconds(lambda x, w, n=n: kernels.linear(x, w, n), x16, packed, reps))
+            a, b, c = (statistics.median(t) for t in (fp32, bf16, ours))
             print(
-                f"{name:20s} M={m:<4d} fp32 {a * 1e6:9.1f} us  bf16 {b * 1e6:9.1f} us  bf16/fp32 {b / a:.2f}",
+                f"{name:20s} M={m:<4d} fp32 {a * 1e6:9.1f} us  bf16 {b * 1e6:9.1f} us  ours {c * 1e6:9.1f} us"
+                f"  bf16/fp32 {b / a:.2f}  ours/bf16 {c / b:.2f}",
                 flush=True,
             )
 

@@ -11,6 +11,7 @@ from deepinfer.attention.backend import AttentionBackend
 from deepinfer.attention.metadata import ForwardMetadata
 from deepinfer.cache_layout import CacheGroup, CacheTensor
 from deepinfer.config import ConfigError, EngineConfig, ParallelConfig
+from deepinfer.kernels.bf16_matmul import Bf16Kernels
 from deepinfer.kernels.gguf_blocks import PackedMatrix
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.parallel import ModelParallel
@@ -151,3 +152,8 @@ class CausalLM(torch.nn.Module):
     def quantize(self, method: str) -> None:
         """Convert the weights in place (after loading) to a quantized `method`."""
         raise ValueError(f"quantization: {type(self).__name__} does not support {method!r}")
+
+    def use_bf16_kernels(self, kernels: Bf16Kernels) -> bool:
+        """Compute the bf16 projections (after loading, on the CPU) through `kernels`, replacing
+        the layers that run them; whether the model did. False by default: torch's GEMMs stay."""
+        return False

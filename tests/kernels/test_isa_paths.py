@@ -115,7 +115,8 @@ def test_the_row_kernels_at_every_level_have_the_portable_bits(level: str) -> No
     assert torch.equal(rotated[0], rotated[1])
 
 
-# Levels whose flags change what the C sources compile (bf16 and AMX add no kernel code yet).
+# Levels whose flags change what these tests' C sources compile (bf16's own kernel,
+# bf16_matmul.c, is checked level by level in test_bf16_matmul.py; AMX adds no kernel code yet).
 CODE_PATH_LEVELS = [name for name in LEVELS if name in ("portable", "avx2", "avx512", "avx512_vnni")]
 PROMPTS = ["The capital of France is", "One, two, three,"]
 

@@ -19,10 +19,12 @@ from deepinfer.attention.backend import AttentionBackend
 from deepinfer.attention.cpu_paged import CpuPagedBackend
 from deepinfer.attention.metadata import AttentionMetadata, ForwardMetadata
 from deepinfer.cache_layout import CacheGroup
+from deepinfer.kernels.bf16_matmul import Bf16Kernels, fits
 from deepinfer.kernels.decode_layers import DecodeStack
 from deepinfer.kernels.gguf_blocks import PackedMatrix
 from deepinfer.model.base import CausalLM, cache_tensor
 from deepinfer.model.config import ModelConfig
+from deepinfer.model.layers.bf16_linear import Bf16Linear, use_bf16_kernels_
 from deepinfer.model.layers.gguf_linear import (
     GGUFEmbedding,
     GGUFLinear,
@@ -236,6 +238,20 @@ class LlamaForCausalLM(CausalLM):
             self.lm_head = ParallelLMHead(Int8Linear(embed.weight), embed.rows, embed.sizes, self.tp)
         else:
             self.lm_head.linear = Int8Linear(self.lm_head.linear.weight)
+
+    def use_bf16_kernels(self, kernels: Bf16Kernels) -> bool:
+        """Every bf16 projection and the LM head (a tied head gets its own packed copy; the
+        embedding stays for the lookups)."""
+        replaced = use_bf16_kernels_(self.layers, kernels)
+        embed = self.embed_tokens
+        if self.lm_head is None and fits(embed.weight):
+            self.lm_head = ParallelLMHead(
+                Bf16Linear(embed.weight, None, kernels), embed.rows, embed.sizes, self.tp
+            )
+            replaced += 1
+        elif self.lm_head is not None:
+            replaced += use_bf16_kernels_(self.lm_head, kernels)
+        return replaced > 0
 
     def use_packed_weights(self, packed: Mapping[str, PackedMatrix]) -> set[str]:
         """Every projection whose parts are all packed (q/k/v and gate/up as one group each), the

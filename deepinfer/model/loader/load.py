@@ -13,6 +13,8 @@ import torch
 from safetensors import safe_open
 
 from deepinfer.config import ConfigError, EngineConfig, ParallelConfig
+from deepinfer.kernels import isa
+from deepinfer.kernels.bf16_matmul import bf16_kernels
 from deepinfer.kernels.gguf_blocks import PackedMatrix, gguf_kernels
 from deepinfer.model.base import CausalLM, refuse_encoders, refuse_truncation
 from deepinfer.model.config import ModelConfig
@@ -138,6 +140,14 @@ def allocate_weights(net: torch.nn.Module, device: torch.device, dtype: torch.dt
                 module._buffers[name] = empty(buffer)
 
 
+def bf16_kernels_used(net: CausalLM) -> bool:
+    """Whether `net` (bf16, on the CPU) now runs its projections on the C kernel: only where the
+    selected instruction-set level has bf16 arithmetic (the portable build is a reference, slower
+    than torch) and a C compiler built it."""
+    kernels = bf16_kernels() if isa.runs_bfloat16() else None
+    return kernels is not None and net.use_bf16_kernels(kernels)
+
+
 def load_model(
     model: str | Path | None,
     dtype: torch.dtype,
@@ -203,6 +213,8 @@ def load_model(
         identity += ":fp8"
     if dtype != torch.float32:  # a bf16 run of a checkpoint writes other KV than its fp32 run
         identity += f":{str(dtype).removeprefix('torch.')}"
+    if dtype is torch.bfloat16 and device.type == "cpu" and resolved is None and bf16_kernels_used(net):
+        identity += ":bf16-kernel"  # other sums than torch's GEMM: other KV
     if resolved is not None:
         if resolved != "gguf":
             net.quantize(resolved)
