@@ -222,9 +222,19 @@ static inline __attribute__((always_inline)) v8 row8(const void *rows, const int
     return HALF ? load8_half((const _Float16 *)rows + index) : load8((const float *)rows + index);
 }
 
-/* sum16 of the 16 lanes (lo, hi). */
-static inline float sum16_halves(v8 lo, v8 hi) {
-    const v8 a = lo + hi;
+/* A dot product's 16 lanes (query halves qlo/qhi against key row k), as sum16's first step
+ * leaves them: lane j holds lanes j + j+8. */
+static inline __attribute__((always_inline)) v8 dot_halves(const v8 *qlo, const v8 *qhi, const float *k, int64_t D) {
+    v8 lo = qlo[0] * load8(k), hi = qhi[0] * load8(k + 8);
+    for (int64_t c = 1; c < D / 16; ++c) {
+        lo += qlo[c] * load8(k + 16 * c);
+        hi += qhi[c] * load8(k + 16 * c + 8);
+    }
+    return lo + hi;
+}
+
+/* The rest of sum16's additions on dot_halves' result. */
+static inline float sum16_rest(v8 a) {
     const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
@@ -259,26 +269,10 @@ static inline __attribute__((always_inline)) void tile_scores(const int64_t D, c
         }
         for (int64_t j0 = 0; j0 < whole; j0 += 16) {
             v8 a[16];
-            for (int i = 0; i < 16; ++i) {
-                const float *k = k_rows + (j0 + i) * k_stride;
-                v8 lo = qlo[0] * load8(k), hi = qhi[0] * load8(k + 8);
-                for (int64_t c = 1; c < D / 16; ++c) {
-                    lo += qlo[c] * load8(k + 16 * c);
-                    hi += qhi[c] * load8(k + 16 * c + 8);
-                }
-                a[i] = lo + hi;
-            }
+            for (int i = 0; i < 16; ++i) a[i] = dot_halves(qlo, qhi, k_rows + (j0 + i) * k_stride, D);
             sum16_x16_halves(a, scores[t] + j0);
         }
-        for (int64_t j = whole; j < n; ++j) {
-            const float *k = k_rows + j * k_stride;
-            v8 lo = qlo[0] * load8(k), hi = qhi[0] * load8(k + 8);
-            for (int64_t c = 1; c < D / 16; ++c) {
-                lo += qlo[c] * load8(k + 16 * c);
-                hi += qhi[c] * load8(k + 16 * c + 8);
-            }
-            scores[t][j] = sum16_halves(lo, hi);
-        }
+        for (int64_t j = whole; j < n; ++j) scores[t][j] = sum16_rest(dot_halves(qlo, qhi, k_rows + j * k_stride, D));
     }
 }
 
