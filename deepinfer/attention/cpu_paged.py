@@ -19,7 +19,7 @@ from deepinfer.attention.metadata import AttentionMetadata
 from deepinfer.attention.prefill_tiled import attend_chunk_tiled
 from deepinfer.kernels.build import load_kernel_library
 
-_MAX_GROUP, _MAX_HEAD_DIM, _MAX_BLOCK, _MAX_HALF_ROWS = 32, 512, 256, 8192
+_MAX_GROUP, _MAX_HEAD_DIM = 32, 512
 # Chunks up to this many tokens run as kernel rows: below it, reading the context once per token
 # (from cache) costs less than gathering it and a per-sequence attention call.
 KERNEL_CHUNK_TOKENS = 16
@@ -51,20 +51,17 @@ class CpuPagedBackend:
         self._write.argtypes += [ctypes.c_int64] * 4
         # For a caller that runs whole layers in C (kernels/decode_layers.py): the same functions.
         self.write_kv_address = ctypes.cast(self._write, ctypes.c_void_p).value
-        self.decode_part_address = ctypes.cast(lib.paged_decode_attention_part, ctypes.c_void_p).value
+        self.decode_item_address = ctypes.cast(lib.paged_attention_item, ctypes.c_void_p).value
         self.decode_merge_address = ctypes.cast(lib.paged_decode_attention_merge, ctypes.c_void_p).value
-        self.decode_parts_address = ctypes.cast(lib.paged_decode_attention_parts, ctypes.c_void_p).value
+        self.decode_plan_address = ctypes.cast(lib.paged_attention_plan, ctypes.c_void_p).value
 
     @staticmethod
     def supports(
         num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, kv_dtype: torch.dtype
     ) -> bool:
-        fits = (
-            num_heads // num_kv_heads <= _MAX_GROUP and head_dim <= _MAX_HEAD_DIM and block_size <= _MAX_BLOCK
-        )
-        if kv_dtype == torch.float16:  # a block's rows are converted into a fixed-size buffer
-            return fits and block_size * head_dim <= _MAX_HALF_ROWS
-        return fits and kv_dtype == torch.float32
+        # Any block size: the kernel walks spans of positions, whatever blocks hold them.
+        fits = num_heads // num_kv_heads <= _MAX_GROUP and head_dim <= _MAX_HEAD_DIM
+        return fits and kv_dtype in (torch.float16, torch.float32)
 
     def prepare(self, meta: AttentionMetadata) -> None:
         d = meta.num_decodes

@@ -11,23 +11,28 @@
  * with the same flags), and rotary, the K/V write and attention are the functions of rowwise.c
  * and paged_attention.c, called through pointers the caller takes from those libraries.
  */
+#include <omp.h>
+
 #include "gguf_matmul.c"
+#include "paged_attention.h"
 
 typedef int (*rotary_fn)(float *x, const int64_t *positions, const float *cos_table, const float *sin_table,
                          int64_t table_rows, int64_t tokens, int64_t heads, int64_t head_dim, int64_t token_stride);
 typedef void (*write_kv_fn)(const float *k, const float *v, int64_t k_stride, int64_t v_stride, void *k_cache,
                             void *v_cache, const int64_t *slots, int64_t tokens, int64_t row, int64_t slot_stride,
                             int64_t kv_half);
-typedef void (*attend_part_fn)(const float *q, const void *k_cache, const void *v_cache, float *out,
+typedef void (*attend_plan_fn)(const int64_t *seq_lens, const int64_t *seq_starts, int64_t num_seqs,
+                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t tiles_allowed,
+                               attention_plan *plan);
+typedef void (*attend_item_fn)(const float *q, const void *k_cache, const void *v_cache, float *out,
                                const int64_t *block_tables, const int64_t *seq_lens, const int64_t *seq_starts,
                                int64_t num_rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                int64_t slot_stride, int64_t block_size, int64_t max_blocks, float scale,
-                               int64_t kv_half, int64_t parts, float *partial, int64_t work);
+                               int64_t kv_half, const attention_plan *plan, float *partial, float *states,
+                               int64_t work);
 typedef void (*attend_merge_fn)(float *out, const int64_t *seq_lens, const int64_t *seq_starts, int64_t num_heads,
                                 int64_t num_kv_heads, int64_t head_dim, int64_t parts, const float *partial,
                                 int64_t pair);
-typedef int64_t (*attend_parts_fn)(const int64_t *seq_lens, const int64_t *seq_starts, int64_t num_seqs,
-                                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t *scratch_floats);
 
 /* Packed matrices multiplied as one (a PackedGroup): count segments, all of `cols` columns. */
 typedef struct {
@@ -51,9 +56,9 @@ typedef struct {
     float scale; /* softmax scale */
     rotary_fn rotary;
     write_kv_fn write_kv;
-    attend_part_fn attend_part;   /* paged_decode_attention_part */
+    attend_item_fn attend_item;   /* paged_attention_item */
     attend_merge_fn attend_merge; /* paged_decode_attention_merge */
-    attend_parts_fn attend_parts; /* paged_decode_attention_parts */
+    attend_plan_fn attend_plan;   /* paged_attention_plan */
 } decode_model;
 
 /* One step: `rows` tokens, each a kernel row of the paged attention (the backend's prepare). */
@@ -94,15 +99,20 @@ int decode_layers(const decode_model *model, const decode_step *step, float *h, 
     float *attn = malloc(M * H * D * sizeof(float)), *o = malloc(M * hidden * sizeof(float));
     float *gate_up = malloc(M * 2 * inter * sizeof(float));
     void *scratch = malloc(scratch_bytes);
-    /* the attention's work items: (row, kv head, part of the row's context), as paged_attention.c */
-    int64_t partial_floats;
-    const int64_t parts = model->attend_parts(step->seq_lens, step->starts, M, H, KVH, D, &partial_floats);
-    float *partial = partial_floats ? malloc(partial_floats * sizeof(float)) : NULL;
-    int status = qkv && q && attn && o && gate_up && scratch && (parts == 1 || partial) ? 0 : -2;
+    /* the attention's work items and their scratch, as paged_decode_attention plans them */
+    attention_plan plan;
+    model->attend_plan(step->seq_lens, step->starts, M, H, KVH, D, 1, &plan);
+    const int threads = omp_get_max_threads();
+    float *states = plan.tile_items ? malloc(plan.thread_floats * threads * sizeof(float)) : NULL;
+    float *partial = plan.scratch_floats ? malloc(plan.scratch_floats * sizeof(float)) : NULL;
+    int status = qkv && q && attn && o && gate_up && scratch && (!plan.tile_items || states) &&
+                         (!plan.scratch_floats || partial)
+                     ? 0
+                     : -2;
     /* One parallel region for the whole step: its threads share out each product's rows and the
-     * attention's (row, kv head, part) items, and do the small steps in between on one thread (the
+     * attention's items, and do the small steps in between on one thread (the
      * seven thread starts per layer of separate calls cost more than the barriers). */
-#pragma omp parallel if (status == 0)
+#pragma omp parallel if (status == 0) num_threads(threads)
     for (int64_t l = 0; l < model->num_layers && status == 0; ++l) {
         const decode_layer *layer = model->layers + l;
         char *k_cache = step->kv[l];
@@ -122,20 +132,21 @@ int decode_layers(const decode_model *model, const decode_step *step, float *h, 
         } /* implicit barrier: every thread sees status */
         if (status) break;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t work = 0; work < M * KVH * parts; ++work)
-            model->attend_part(q, k_cache, k_cache + step->v_offset, attn, step->block_tables, step->seq_lens,
+        for (int64_t work = 0; work < plan.items; ++work)
+            model->attend_item(q, k_cache, k_cache + step->v_offset, attn, step->block_tables, step->seq_lens,
                                step->starts, M, H, KVH, D, step->slot_stride, step->block_size, step->max_blocks,
-                               model->scale, step->kv_half, parts, partial, work);
-        if (parts > 1) {
+                               model->scale, step->kv_half, &plan, partial,
+                               states ? states + omp_get_thread_num() * plan.thread_floats : NULL, work);
+        if (!plan.tile_items && plan.parts > 1) {
 #pragma omp for schedule(static)
             for (int64_t pair = 0; pair < M * KVH; ++pair)
-                model->attend_merge(attn, step->seq_lens, step->starts, H, KVH, D, parts, partial, pair);
+                model->attend_merge(attn, step->seq_lens, step->starts, H, KVH, D, plan.parts, partial, pair);
         }
         group_matmul(&layer->o, attn, M, H * D, H * D, scratch, o, PROLOGUE_NONE, NULL, NULL, NULL, 0.0f);
         group_matmul(&layer->gate_up, o, M, hidden, hidden, scratch, gate_up, PROLOGUE_RMS_NORM, residual, residual,
                      layer->ffn_norm, layer->ffn_eps);
         group_matmul(&layer->down, gate_up, M, inter, 2 * inter, scratch, h, PROLOGUE_SWIGLU, NULL, NULL, NULL, 0.0f);
     }
-    free(qkv), free(q), free(attn), free(o), free(gate_up), free(scratch), free(partial);
+    free(qkv), free(q), free(attn), free(o), free(gate_up), free(scratch), free(states), free(partial);
     return status;
 }

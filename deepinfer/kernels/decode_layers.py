@@ -46,7 +46,7 @@ class _Model(ctypes.Structure):
         ("table_rows", i64),
     ]
     _fields_ += [("scale", ctypes.c_float), ("rotary", ptr), ("write_kv", ptr)]
-    _fields_ += [("attend_part", ptr), ("attend_merge", ptr), ("attend_parts", ptr)]
+    _fields_ += [("attend_item", ptr), ("attend_merge", ptr), ("attend_plan", ptr)]
 
 
 class _Step(ctypes.Structure):
@@ -98,8 +98,8 @@ class DecodeStack:
         functions: tuple[int, int, int, int, int],
     ) -> None:
         """heads: (query heads, kv heads, head dim); tables: rotary cos/sin, fp32 [P, head dim];
-        functions: addresses of rotary_rows, paged_write_kv and paged_decode_attention's
-        _part, _merge and _parts."""
+        functions: addresses of rotary_rows, paged_write_kv, paged_attention_item,
+        paged_decode_attention_merge and paged_attention_plan."""
         self._run = lib.decode_layers
         self._run.argtypes = [ptr, ptr, ptr, ptr]
         self._run.restype = ctypes.c_int

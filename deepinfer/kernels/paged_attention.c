@@ -3,10 +3,11 @@
  * One query token per sequence. Work is split over (sequence, kv head, part of the context): the
  * G query heads that share a kv head (GQA) are processed together, several per pass (a tile), so
  * each key and value row is read from memory once, and the parts' softmax states are merged
- * afterwards. Keys are visited block by block with an online softmax (running max and sum), so
- * nothing is gathered or padded: the cost is one pass over the sequence's KV. Within a block,
- * scores, exponentials and the value sum are separate loops over vectors of 16; exp is a
- * polynomial (relative error ~2e-7) so no vector math library is needed. An fp16 cache halves the
+ * afterwards. Keys are visited in spans of aligned positions with an online softmax (running max
+ * and sum), each span's blocks read where the block table puts them, so nothing is gathered or
+ * padded: the cost is one pass over the sequence's KV. Within a span, scores, exponentials and
+ * the value sum are separate loops over vectors of 16; exp is a polynomial (relative error ~2e-7)
+ * so no vector math library is needed. An fp16 cache halves the
  * bytes read (batched decode attention is bound by them): its rows are converted as they are
  * loaded (F16C), and the same arithmetic runs on them.
  *
@@ -19,6 +20,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <omp.h>
+
+#include "paged_attention.h"
 #include "rowops.h"
 #ifdef __F16C__
 #include <immintrin.h>
@@ -26,14 +30,14 @@
 
 #define MAX_GROUP 32
 #define MAX_HEAD_DIM 512
-#define MAX_BLOCK 256
-#define MAX_HALF_ROWS 8192 /* block_size * head_dim of an fp16 cache (the caller checks) */
+#define MAX_HALF_ROWS 8192 /* floats of a span's fp16 K or V rows converted (span_tokens keeps to it) */
 
 /* GCC vector types: AVX-512 registers where the machine has them, pairs of AVX2 ones otherwise. */
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
 typedef int32_t vi16 __attribute__((vector_size(64)));
+typedef int32_t vi8 __attribute__((vector_size(32)));
 
 /* rowops.h's exp_clamped on 16 lanes for x <= 0 (scores minus their running max), the same
  * operations lane by lane (so the same bits): the compiler does not vectorize the scalar form's
@@ -79,6 +83,25 @@ static inline const float *block_rows(const void *cache, int64_t kv_half, int64_
  * one row with a few kv heads then keeps both threads busy. The split depends only on the row's
  * own start and length, never on the batch, so a row's result is the same in every batch. */
 #define PART_TOKENS 128
+
+/* A row's online softmax takes one step per span: the keys of span_tokens(D) aligned positions
+ * (a power of two dividing PART_TOKENS, however many blocks hold them), scored block by block,
+ * then one maximum, one rescaling of the running sums and one pass over the values. A step per
+ * block of 16 spent as much on that bookkeeping as on the keys. Spans depend on positions only,
+ * so a row's steps are the same in any chunk, tile or batch. */
+#define SPAN_MAX 64
+static inline int64_t span_tokens(int64_t head_dim) {
+    int64_t span = SPAN_MAX;
+    while (span > 1 && span * head_dim > MAX_HALF_ROWS) span /= 2; /* a span's fp16 values fit v_buffer */
+    return span;
+}
+
+/* Consecutive value rows of a span in one block: n rows `stride` elements apart (fp32, or fp16
+ * converted as loaded). */
+typedef struct {
+    const void *rows;
+    int64_t stride, n;
+} segment;
 
 static inline v16 load16(const float *p) {
     v16 x;
@@ -153,7 +176,7 @@ static inline __attribute__((always_inline)) v16 sum16_x16(const v16 *x) {
  * reduced together (sum16_x16), the keys past the last 16 one at a time. */
 static inline __attribute__((always_inline)) void tile_scores(const int64_t D, const int T, const float *qs,
                                                               const float *k_rows, int64_t k_stride, int64_t n,
-                                                              float (*scores)[MAX_BLOCK]) {
+                                                              float (*scores)[SPAN_MAX], int64_t at) {
     const int64_t whole = n - n % 16;
     for (int t = 0; t < T; ++t) {
         v16 qv[MAX_HEAD_DIM / 16];
@@ -167,32 +190,53 @@ static inline __attribute__((always_inline)) void tile_scores(const int64_t D, c
                 dots[i] = dot;
             }
             const v16 s = sum16_x16(dots);
-            memcpy(scores[t] + j0, &s, sizeof s);
+            memcpy(scores[t] + at + j0, &s, sizeof s);
         }
         for (int64_t j = whole; j < n; ++j) {
             const float *k = k_rows + j * k_stride;
             v16 dot = qv[0] * load16(k);
             for (int64_t c = 1; c < D / 16; ++c) dot += qv[c] * load16(k + 16 * c);
-            scores[t][j] = sum16(dot);
+            scores[t][at + j] = sum16(dot);
         }
     }
 }
 
-/* acc[t * D ..] = acc * correction[t] + sum_j weights[t][j] * value row j, for t < T, keys in order. */
+/* acc[t * D ..] = acc * correction[t] + sum_j weights[t][j] * value row j, for t < T and the
+ * first n value rows of the span's segments, in order. */
 static inline __attribute__((always_inline)) void tile_values(const int64_t D, const int HALF, const int T,
                                                               float *acc, const float *correction,
-                                                              const void *v_rows, int64_t v_stride, int64_t n,
-                                                              float (*weights)[MAX_BLOCK]) {
+                                                              const segment *values, int64_t n,
+                                                              float (*weights)[SPAN_MAX]) {
     v16 av[4][MAX_HEAD_DIM / 16];
     for (int t = 0; t < T; ++t)
         for (int64_t c = 0; c < D / 16; ++c) av[t][c] = load16(acc + t * D + 16 * c) * correction[t];
-    for (int64_t j = 0; j < n; ++j) {
-        v16 vv[MAX_HEAD_DIM / 16];
-        for (int64_t c = 0; c < D / 16; ++c) vv[c] = row16(v_rows, HALF, j * v_stride + 16 * c);
-        for (int t = 0; t < T; ++t)
-            for (int64_t c = 0; c < D / 16; ++c) av[t][c] += weights[t][j] * vv[c];
+    for (int64_t s = 0, j = 0; j < n; ++s) {
+        const int64_t rows = values[s].n < n - j ? values[s].n : n - j;
+        for (int64_t i = 0; i < rows; ++i, ++j) {
+            v16 vv[MAX_HEAD_DIM / 16];
+            for (int64_t c = 0; c < D / 16; ++c) vv[c] = row16(values[s].rows, HALF, i * values[s].stride + 16 * c);
+            for (int t = 0; t < T; ++t)
+                for (int64_t c = 0; c < D / 16; ++c) av[t][c] += weights[t][j] * vv[c];
+        }
     }
     for (int t = 0; t < T; ++t) memcpy(acc + t * D, av[t], D * sizeof(float));
+}
+
+/* e^(s_j - max) in place for j < n, returning their sum: 16 at a time (each 16 summed by
+ * sum16), the rest one by one, in order. */
+static inline float exponentiate(float *s, int64_t n, float max) {
+    float sum = 0.0f;
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        const v16 e = exp16_nonpositive(load16(s + j) - max);
+        memcpy(s + j, &e, sizeof e);
+        sum += sum16(e);
+    }
+    for (; j < n; ++j) {
+        s[j] = exp_clamped(s[j] - max);
+        sum += s[j];
+    }
+    return sum;
 }
 
 #else
@@ -259,7 +303,7 @@ static inline __attribute__((always_inline)) void sum16_x16_halves(const v8 *a, 
 
 static inline __attribute__((always_inline)) void tile_scores(const int64_t D, const int T, const float *qs,
                                                               const float *k_rows, int64_t k_stride, int64_t n,
-                                                              float (*scores)[MAX_BLOCK]) {
+                                                              float (*scores)[SPAN_MAX], int64_t at) {
     const int64_t whole = n - n % 16;
     for (int t = 0; t < T; ++t) {
         v8 qlo[MAX_HEAD_DIM / 16], qhi[MAX_HEAD_DIM / 16];
@@ -270,30 +314,82 @@ static inline __attribute__((always_inline)) void tile_scores(const int64_t D, c
         for (int64_t j0 = 0; j0 < whole; j0 += 16) {
             v8 a[16];
             for (int i = 0; i < 16; ++i) a[i] = dot_halves(qlo, qhi, k_rows + (j0 + i) * k_stride, D);
-            sum16_x16_halves(a, scores[t] + j0);
+            sum16_x16_halves(a, scores[t] + at + j0);
         }
-        for (int64_t j = whole; j < n; ++j) scores[t][j] = sum16_rest(dot_halves(qlo, qhi, k_rows + j * k_stride, D));
+        for (int64_t j = whole; j < n; ++j)
+            scores[t][at + j] = sum16_rest(dot_halves(qlo, qhi, k_rows + j * k_stride, D));
     }
 }
 
 static inline __attribute__((always_inline)) void tile_values(const int64_t D, const int HALF, const int T,
                                                               float *acc, const float *correction,
-                                                              const void *v_rows, int64_t v_stride, int64_t n,
-                                                              float (*weights)[MAX_BLOCK]) {
+                                                              const segment *values, int64_t n,
+                                                              float (*weights)[SPAN_MAX]) {
     v8 av[4][MAX_HEAD_DIM / 8];
     for (int t = 0; t < T; ++t)
         for (int64_t c = 0; c < D / 8; ++c) av[t][c] = load8(acc + t * D + 8 * c) * correction[t];
-    for (int64_t j = 0; j < n; ++j) {
-        v8 vv[MAX_HEAD_DIM / 8];
-        for (int64_t c = 0; c < D / 8; ++c) vv[c] = row8(v_rows, HALF, j * v_stride + 8 * c);
-        for (int t = 0; t < T; ++t) {
-            const float w = weights[t][j];
-            for (int64_t c = 0; c < D / 8; ++c) av[t][c] += w * vv[c];
+    for (int64_t s = 0, j = 0; j < n; ++s) {
+        const int64_t rows = values[s].n < n - j ? values[s].n : n - j;
+        for (int64_t i = 0; i < rows; ++i, ++j) {
+            v8 vv[MAX_HEAD_DIM / 8];
+            for (int64_t c = 0; c < D / 8; ++c) vv[c] = row8(values[s].rows, HALF, i * values[s].stride + 8 * c);
+            for (int t = 0; t < T; ++t) {
+                const float w = weights[t][j];
+                for (int64_t c = 0; c < D / 8; ++c) av[t][c] += w * vv[c];
+            }
         }
     }
     for (int t = 0; t < T; ++t) memcpy(acc + t * D, av[t], D * sizeof(float));
 }
+/* exp16_nonpositive on 8 lanes: the same operations per lane. */
+static inline v8 exp8_nonpositive(v8 x) {
+    const vi8 low = x < -87.0f;
+    x = (v8)(((vi8)x & ~low) | ((vi8)(x * 0.0f - 87.0f) & low));
+    const v8 t = x * 1.44269504088896341f;
+    const v8 toward_zero = __builtin_convertvector(__builtin_convertvector(t, vi8), v8);
+    const v8 n = toward_zero + __builtin_convertvector(toward_zero > t, v8);
+    const v8 f = t - n;
+    const v8 p = EXP2_OF_FRACTION(f);
+    return (v8)((vi8)p + (__builtin_convertvector(n, vi8) << 23));
+}
+
+/* exponentiate (above) on 8-lane halves: each 16's exponentials as exp16_nonpositive's lanes,
+ * their sum as sum16's (lanes i + i+8 first), so the same bits as the AVX-512 build. */
+static inline float exponentiate(float *s, int64_t n, float max) {
+    float sum = 0.0f;
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        const v8 lo = exp8_nonpositive(load8(s + j) - max), hi = exp8_nonpositive(load8(s + j + 8) - max);
+        memcpy(s + j, &lo, sizeof lo);
+        memcpy(s + j + 8, &hi, sizeof hi);
+        sum += sum16_rest(lo + hi);
+    }
+    for (; j < n; ++j) {
+        s[j] = exp_clamped(s[j] - max);
+        sum += s[j];
+    }
+    return sum;
+}
 #endif
+
+/* The largest of s_j (j < n) and `running`: exact, so the order of the comparisons is free;
+ * 8 lanes at a time (the compiler does not vectorize a running maximum by itself). */
+static inline float scores_max(const float *s, int64_t n, float running) {
+    int64_t j = 0;
+    if (n >= 8) {
+        v8 top;
+        memcpy(&top, s, sizeof top);
+        for (j = 8; j + 8 <= n; j += 8) {
+            v8 x;
+            memcpy(&x, s + j, sizeof x);
+            const vi8 above = x > top;
+            top = (v8)(((vi8)x & above) | ((vi8)top & ~above));
+        }
+        for (int i = 0; i < 8; ++i) running = top[i] > running ? top[i] : running;
+    }
+    for (; j < n; ++j) running = s[j] > running ? s[j] : running;
+    return running;
+}
 
 /* call(T) for a tile of `count` heads (at most 4), T the same number as a constant. */
 #define DISPATCH_TILE(count, call) \
@@ -343,96 +439,108 @@ static inline __attribute__((always_inline)) void attend_span(
     const int vectors = D % 16 == 0; /* every head_dim a model ships; others take scalar loops */
     const int64_t tile = TILE_FOR(D);
     const int64_t last = lasts[R - 1];
-    float scores[MAX_GROUP][MAX_BLOCK];
+    const int64_t span = span_tokens(D);
+    /* fp16 value rows are converted once for a tile of rows (and for the scalar loops); a single
+     * row converts them as it loads them, which saves a buffer's stores and loads. The values are
+     * the same either way. */
+    const int half_values = HALF && R == 1 && vectors;
+    float scores[ROW_TILE * MAX_GROUP][SPAN_MAX], correction[ROW_TILE * MAX_GROUP];
     float k_buffer[MAX_HALF_ROWS], v_buffer[MAX_HALF_ROWS]; /* fp16 rows as fp32 */
+    segment values[SPAN_MAX];
     /* the first block's rows too: its values are not loaded before its scores are done */
     const int64_t first_rows = block_size - first % block_size < last - first ? block_size - first % block_size
                                                                               : last - first;
     prefetch_rows(k_cache, v_cache, table[first / block_size] * block_size + first % block_size, first_rows,
                   slot_stride * element, column * element, D * element);
-    for (int64_t start = first; start < last;) {
-        const int64_t offset = start % block_size;
-        const int64_t room = block_size - offset;
-        const int64_t n = (last - start < room) ? last - start : room;
-        const int64_t base = table[start / block_size] * block_size + offset;
-        if (start + n < last) /* the next block's rows, to overlap this block's arithmetic */
-            prefetch_rows(k_cache, v_cache, table[start / block_size + 1] * block_size, block_size,
-                          slot_stride * element, column * element, D * element);
-        /* fp32 key rows: the cache's own, or an fp16 block's converted once for every row and head.
-         * The value rows of an fp16 block are converted once for a tile of rows (and for the scalar
-         * loops); a single row converts them as it loads them, which saves a buffer's stores and
-         * loads. The values are the same either way. */
-        int64_t k_stride, v_stride = slot_stride;
-        const float *k_rows = block_rows(k_cache, HALF, base, n, slot_stride, column, D, k_buffer, &k_stride);
-        const int half_values = HALF && R == 1 && vectors;
-        const void *v_rows = (const char *)v_cache + (base * slot_stride + column) * element;
-        if (!half_values) v_rows = block_rows(v_cache, HALF, base, n, slot_stride, column, D, v_buffer, &v_stride);
-        for (int64_t r = 0; r < R; ++r) {
-            const int64_t nr = lasts[r] - start < n ? lasts[r] - start : n; /* this row's keys of the block */
-            if (nr <= 0) continue;
-            const float *qr = qs + r * group * D;
-            float *mr = m + r * group, *lr = l + r * group, *ar = acc + r * group * D;
-            for (int64_t g = 0; g < group; g += vectors ? tile : 1) {
-                if (vectors) {
-                    const int64_t count = group - g < tile ? group - g : tile;
-#define SCORES(T) tile_scores(D, T, qr + g * D, k_rows, k_stride, nr, scores + g)
-                    DISPATCH_TILE(count, SCORES)
+    for (int64_t span_start = first; span_start < last;) {
+        const int64_t span_end = (span_start / span + 1) * span < last ? (span_start / span + 1) * span : last;
+        /* The span's blocks, each scored against every row and head of the tile while its keys are
+         * at hand (an fp16 block converted once for all of them). */
+        int64_t segments = 0;
+        for (int64_t start = span_start; start < span_end; ++segments) {
+            const int64_t offset = start % block_size;
+            const int64_t room = block_size - offset;
+            const int64_t n = span_end - start < room ? span_end - start : room;
+            const int64_t base = table[start / block_size] * block_size + offset;
+            if (start + n < last && n == room) /* the next block's rows, to overlap this block's arithmetic */
+                prefetch_rows(k_cache, v_cache, table[start / block_size + 1] * block_size, block_size,
+                              slot_stride * element, column * element, D * element);
+            int64_t k_stride;
+            const float *k_rows = block_rows(k_cache, HALF, base, n, slot_stride, column, D, k_buffer, &k_stride);
+            const int64_t at = start - span_start;
+            for (int64_t r = 0; r < R; ++r) {
+                const int64_t nr = lasts[r] - start < n ? lasts[r] - start : n; /* this row's keys of the block */
+                if (nr <= 0) continue;
+                const float *qr = qs + r * group * D;
+                float(*sr)[SPAN_MAX] = scores + r * group;
+                for (int64_t g = 0; g < group; g += vectors ? tile : 1) {
+                    if (vectors) {
+                        const int64_t count = group - g < tile ? group - g : tile;
+#define SCORES(T) tile_scores(D, T, qr + g * D, k_rows, k_stride, nr, sr + g, at)
+                        DISPATCH_TILE(count, SCORES)
 #undef SCORES
-                } else {
-                    const float *qg = qr + g * D;
-                    for (int64_t j = 0; j < nr; ++j) {
-                        const float *k = k_rows + j * k_stride;
-                        float dot = 0.0f;
+                    } else {
+                        const float *qg = qr + g * D;
+                        for (int64_t j = 0; j < nr; ++j) {
+                            const float *k = k_rows + j * k_stride;
+                            float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-                        for (int64_t d = 0; d < D; ++d) dot += qg[d] * k[d];
-                        scores[g][j] = dot;
+                            for (int64_t d = 0; d < D; ++d) dot += qg[d] * k[d];
+                            sr[g][at + j] = dot;
+                        }
                     }
                 }
             }
-            float correction[MAX_GROUP];
+            if (half_values) {
+                values[segments] = (segment){(const char *)v_cache + (base * slot_stride + column) * element,
+                                             slot_stride, n};
+            } else {
+                int64_t v_stride;
+                const float *v_rows =
+                    block_rows(v_cache, HALF, base, n, slot_stride, column, D, v_buffer + at * D, &v_stride);
+                values[segments] = (segment){v_rows, v_stride, n};
+            }
+            start += n;
+        }
+        /* One step of each row's online softmax over its keys of the span, then the values. */
+        for (int64_t r = 0; r < R; ++r) {
+            const int64_t nr = (lasts[r] < span_end ? lasts[r] : span_end) - span_start;
+            if (nr <= 0) continue;
+            float *mr = m + r * group, *lr = l + r * group, *ar = acc + r * group * D, *cr = correction + r * group;
+            float(*sr)[SPAN_MAX] = scores + r * group;
             for (int64_t g = 0; g < group; ++g) {
-                float *sg = scores[g];
-                float block_max = mr[g];
-                for (int64_t j = 0; j < nr; ++j) block_max = sg[j] > block_max ? sg[j] : block_max;
-                float block_sum = 0.0f;
-                int64_t j = 0;
-                for (; j + 16 <= nr; j += 16) {
-                    const v16 e = exp16_nonpositive(load16(sg + j) - block_max);
-                    memcpy(sg + j, &e, sizeof e);
-                    block_sum += sum16(e);
-                }
-                for (; j < nr; ++j) {
-                    sg[j] = exp_clamped(sg[j] - block_max);
-                    block_sum += sg[j];
-                }
-                correction[g] = exp_clamped(mr[g] - block_max);
-                lr[g] = lr[g] * correction[g] + block_sum;
-                mr[g] = block_max;
+                const float span_max = scores_max(sr[g], nr, mr[g]);
+                const float span_sum = exponentiate(sr[g], nr, span_max);
+                cr[g] = exp_clamped(mr[g] - span_max);
+                lr[g] = lr[g] * cr[g] + span_sum;
+                mr[g] = span_max;
             }
             for (int64_t g = 0; g < group; g += vectors ? tile : 1) {
                 if (vectors) {
                     const int64_t count = group - g < tile ? group - g : tile;
-#define VALUES(T)                                                                                     \
-    if (half_values)                                                                                  \
-        tile_values(D, HALF, T, ar + g * D, correction + g, v_rows, v_stride, nr, scores + g);        \
-    else                                                                                              \
-        tile_values(D, 0, T, ar + g * D, correction + g, v_rows, v_stride, nr, scores + g)
+#define VALUES(T)                                                                \
+    if (half_values)                                                             \
+        tile_values(D, HALF, T, ar + g * D, cr + g, values, nr, sr + g);         \
+    else                                                                         \
+        tile_values(D, 0, T, ar + g * D, cr + g, values, nr, sr + g)
                     DISPATCH_TILE(count, VALUES)
 #undef VALUES
                 } else {
                     float *a = ar + g * D;
-                    const float *pg = scores[g];
+                    const float *pg = sr[g];
 #pragma omp simd
-                    for (int64_t d = 0; d < D; ++d) a[d] *= correction[g];
-                    for (int64_t j = 0; j < nr; ++j) {
-                        const float *v = (const float *)v_rows + j * v_stride;
+                    for (int64_t d = 0; d < D; ++d) a[d] *= cr[g];
+                    for (int64_t s = 0, j = 0; j < nr; ++s) {
+                        for (int64_t i = 0; i < values[s].n && j < nr; ++i, ++j) {
+                            const float *v = (const float *)values[s].rows + i * values[s].stride;
 #pragma omp simd
-                        for (int64_t d = 0; d < D; ++d) a[d] += pg[j] * v[d];
+                            for (int64_t d = 0; d < D; ++d) a[d] += pg[j] * v[d];
+                        }
                     }
                 }
             }
         }
-        start += n;
+        span_start = span_end;
     }
 }
 
@@ -445,21 +553,6 @@ static inline int64_t row_parts(int64_t start, int64_t len) {
 
 /* Floats of scratch per (row, kv head, part): the group's unnormalized outputs, maxima and sums. */
 static inline int64_t partial_floats(int64_t group, int64_t head_dim) { return group * (head_dim + 2); }
-
-/* Parts per row for a call: the work items are (row, kv head, part < this). *scratch_floats: the
- * floats of the `partial` scratch those items need (0 for one part: no row is merged). */
-int64_t paged_decode_attention_parts(const int64_t *seq_lens, const int64_t *seq_starts, int64_t num_seqs,
-                                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                     int64_t *scratch_floats) {
-    int64_t parts = 1;
-    for (int64_t s = 0; s < num_seqs; ++s) {
-        const int64_t p = row_parts(seq_starts ? seq_starts[s] : 0, seq_lens[s]);
-        parts = p > parts ? p : parts;
-    }
-    const int64_t per_part = partial_floats(num_heads / num_kv_heads, head_dim);
-    *scratch_floats = parts > 1 ? num_seqs * num_kv_heads * parts * per_part : 0;
-    return parts;
-}
 
 /* Whether row b (the next row of the call) joins row a's row tile for `part`: the next position of
  * the same chunk (or of a sequence sharing its blocks), with the same window start, a having this
@@ -481,33 +574,19 @@ static inline int join_tile(const int64_t *block_tables, const int64_t *seq_lens
     return 1;
 }
 
-/* Work item `work` of paged_decode_attention (below): row work / parts / num_kv_heads, kv head
- * work / parts % num_kv_heads, part work % parts. The item of the first row of a row tile (at most
- * ROW_TILE rows that join_tile links, starting at multiples of ROW_TILE or where a link breaks)
- * computes the part for every row of the tile; the others return. A row of one part writes its
- * output; otherwise the part leaves its softmax state in `partial` (at the row's own item) for
- * paged_decode_attention_merge. Exported so that a caller already running on every thread
- * (decode_layers.c) can share the items out itself; never inlined, so both callers run the same
- * instructions. */
-__attribute__((noinline)) void paged_decode_attention_part(
-    const float *q, const void *k_cache, const void *v_cache, float *out, const int64_t *block_tables,
-    const int64_t *seq_lens, const int64_t *seq_starts, int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, int64_t slot_stride, int64_t block_size, int64_t max_blocks, float scale, int64_t kv_half,
-    int64_t parts, float *partial, int64_t work) {
-    const int64_t part = work % parts, pair = work / parts;
-    const int64_t s = pair / num_kv_heads, kvh = pair % num_kv_heads;
+/* Computes part `part` of kv head kvh for rows s .. s+rows-1, a run that join_tile links (or one
+ * row). A row of one part writes its output; the others leave their softmax state at
+ * states + r * row_stride (row s + r). Never inlined, so every caller runs the same instructions. */
+static __attribute__((noinline)) void attend_run(const float *q, const void *k_cache, const void *v_cache,
+                                                 float *out, const int64_t *block_tables, const int64_t *seq_lens,
+                                                 const int64_t *seq_starts, int64_t num_heads, int64_t num_kv_heads,
+                                                 int64_t head_dim, int64_t slot_stride, int64_t block_size,
+                                                 int64_t max_blocks, float scale, int64_t kv_half, int64_t parts,
+                                                 int64_t s, int64_t rows, int64_t kvh, int64_t part, float *states,
+                                                 int64_t row_stride) {
     const int64_t group = num_heads / num_kv_heads;
-    const int64_t start = seq_starts ? seq_starts[s] : 0, len = seq_lens[s];
-    /* parts == 1: the caller has no scratch; every row is then one part, start .. len - 1 */
-    const int64_t count = parts == 1 ? 1 : row_parts(start, len);
-    if (part >= count) return;
-    int64_t tile_rows = TILE_FLOATS / (group * head_dim);
-    tile_rows = tile_rows < ROW_TILE ? (tile_rows > 1 ? tile_rows : 1) : ROW_TILE;
-#define JOINS(a, b) join_tile(block_tables, seq_lens, seq_starts, max_blocks, block_size, parts, part, a, b)
-    if (s % tile_rows && JOINS(s - 1, s)) return; /* computed by its tile's first row */
-    int64_t rows = 1;
-    while (rows < tile_rows && s + rows < num_rows && (s + rows) % tile_rows && JOINS(s + rows - 1, s + rows)) ++rows;
-#undef JOINS
+    const int64_t start = seq_starts ? seq_starts[s] : 0;
+    const int64_t count = parts == 1 ? 1 : row_parts(start, seq_lens[s]);
     const int64_t lo = (row_first_part(start) + part) * PART_TOKENS;
     const int64_t first = count == 1 || start > lo ? start : lo;
     int64_t lasts[ROW_TILE], counts[ROW_TILE];
@@ -556,10 +635,67 @@ __attribute__((noinline)) void paged_decode_attention_part(
             }
             continue;
         }
-        float *state = partial + (((s + r) * num_kv_heads + kvh) * parts + part) * partial_floats(group, head_dim);
+        float *state = states + r * row_stride;
         memcpy(state, ar, group * head_dim * sizeof(float));
         memcpy(state + group * head_dim, m + r * group, group * sizeof(float));
         memcpy(state + group * head_dim + group, l + r * group, group * sizeof(float));
+    }
+}
+
+/* Rows per row tile for this shape: ROW_TILE where a tile's queries fit TILE_FLOATS. */
+static inline int64_t tile_rows_for(int64_t group, int64_t head_dim) {
+    const int64_t rows = TILE_FLOATS / (group * head_dim);
+    return rows < ROW_TILE ? (rows > 1 ? rows : 1) : ROW_TILE;
+}
+
+/* Per-part item `work`: row work / parts / num_kv_heads, kv head work / parts % num_kv_heads, part
+ * work % parts. The item of the first row of a row tile (at most ROW_TILE rows that join_tile
+ * links, starting at multiples of ROW_TILE or where a link breaks) computes the part for every row
+ * of the tile; the others return. A row of one part writes its output; otherwise the part leaves
+ * its softmax state in `partial` (at the row's own item) for paged_decode_attention_merge. */
+static void attend_part(
+    const float *q, const void *k_cache, const void *v_cache, float *out, const int64_t *block_tables,
+    const int64_t *seq_lens, const int64_t *seq_starts, int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, int64_t slot_stride, int64_t block_size, int64_t max_blocks, float scale, int64_t kv_half,
+    int64_t parts, float *partial, int64_t work) {
+    const int64_t part = work % parts, pair = work / parts;
+    const int64_t s = pair / num_kv_heads, kvh = pair % num_kv_heads;
+    const int64_t start = seq_starts ? seq_starts[s] : 0;
+    /* parts == 1: the caller has no scratch; every row is then one part, start .. len - 1 */
+    if (part >= (parts == 1 ? 1 : row_parts(start, seq_lens[s]))) return;
+    const int64_t tile_rows = tile_rows_for(num_heads / num_kv_heads, head_dim);
+#define JOINS(a, b) join_tile(block_tables, seq_lens, seq_starts, max_blocks, block_size, parts, part, a, b)
+    if (s % tile_rows && JOINS(s - 1, s)) return; /* computed by its tile's first row */
+    int64_t rows = 1;
+    while (rows < tile_rows && s + rows < num_rows && (s + rows) % tile_rows && JOINS(s + rows - 1, s + rows)) ++rows;
+#undef JOINS
+    const int64_t per_part = partial_floats(num_heads / num_kv_heads, head_dim);
+    attend_run(q, k_cache, v_cache, out, block_tables, seq_lens, seq_starts, num_heads, num_kv_heads, head_dim,
+               slot_stride, block_size, max_blocks, scale, kv_half, parts, s, rows, kvh, part,
+               partial + ((s * num_kv_heads + kvh) * parts + part) * per_part, num_kv_heads * parts * per_part);
+}
+
+/* Output o[g * head_dim ..] of a row's query heads g < group from its `count` parts' states (the
+ * first at `states`, `stride` floats apart), combined in part order. */
+static void merge_states(float *o, const float *states, int64_t stride, int64_t count, int64_t group,
+                         int64_t head_dim) {
+    for (int64_t g = 0; g < group; ++g) {
+        float top = -FLT_MAX;
+        for (int64_t p = 0; p < count; ++p) {
+            const float mp = states[p * stride + group * head_dim + g];
+            top = mp > top ? mp : top;
+        }
+        float total = 0.0f;
+        float *og = o + g * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) og[d] = 0.0f;
+        for (int64_t p = 0; p < count; ++p) {
+            const float *state = states + p * stride;
+            const float w = exp_clamped(state[group * head_dim + g] - top);
+            total += state[group * head_dim + group + g] * w;
+            for (int64_t d = 0; d < head_dim; ++d) og[d] += state[g * head_dim + d] * w;
+        }
+        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+        for (int64_t d = 0; d < head_dim; ++d) og[d] *= inv;
     }
 }
 
@@ -572,25 +708,89 @@ __attribute__((noinline)) void paged_decode_attention_merge(float *out, const in
     const int64_t group = num_heads / num_kv_heads, stride = partial_floats(group, head_dim);
     const int64_t count = parts == 1 ? 1 : row_parts(seq_starts ? seq_starts[s] : 0, seq_lens[s]);
     if (count == 1) return; /* written by its only part */
-    const float *states = partial + pair * parts * stride;
-    for (int64_t g = 0; g < group; ++g) {
-        float top = -FLT_MAX;
-        for (int64_t p = 0; p < count; ++p) {
-            const float mp = states[p * stride + group * head_dim + g];
-            top = mp > top ? mp : top;
+    merge_states(out + (s * num_heads + kvh * group) * head_dim, partial + pair * parts * stride, stride, count, group,
+                 head_dim);
+}
+
+/* Every part of kv head kvh for the row tile of rows t0 .. t0+tile_rows-1 (t0 a multiple of
+ * tile_rows; fewer at the end), then their merges: the same runs and the same arithmetic as the
+ * per-part items (attend_part), with the parts' states in `states` (tile_rows * parts
+ * * partial_floats floats) instead of a scratch for the whole call. */
+static void attend_tile_parts(const float *q, const void *k_cache, const void *v_cache, float *out,
+                              const int64_t *block_tables, const int64_t *seq_lens, const int64_t *seq_starts,
+                              int64_t num_rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                              int64_t slot_stride, int64_t block_size, int64_t max_blocks, float scale,
+                              int64_t kv_half, int64_t parts, int64_t t0, int64_t kvh, float *states) {
+    const int64_t group = num_heads / num_kv_heads, per_part = partial_floats(group, head_dim);
+    const int64_t tile_rows = tile_rows_for(group, head_dim);
+    const int64_t end = t0 + tile_rows < num_rows ? t0 + tile_rows : num_rows;
+    for (int64_t part = 0; part < parts; ++part) {
+#define JOINS(a, b) join_tile(block_tables, seq_lens, seq_starts, max_blocks, block_size, parts, part, a, b)
+        for (int64_t s = t0; s < end;) {
+            const int64_t count = row_parts(seq_starts ? seq_starts[s] : 0, seq_lens[s]);
+            int64_t rows = 1;
+            while (s + rows < end && JOINS(s + rows - 1, s + rows)) ++rows;
+            if (part < count)
+                attend_run(q, k_cache, v_cache, out, block_tables, seq_lens, seq_starts, num_heads, num_kv_heads,
+                           head_dim, slot_stride, block_size, max_blocks, scale, kv_half, parts, s, rows, kvh, part,
+                           states + ((s - t0) * parts + part) * per_part, parts * per_part);
+            s += rows;
         }
-        float total = 0.0f;
-        float *o = out + (s * num_heads + kvh * group + g) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) o[d] = 0.0f;
-        for (int64_t p = 0; p < count; ++p) {
-            const float *state = states + p * stride;
-            const float w = exp_clamped(state[group * head_dim + g] - top);
-            total += state[group * head_dim + group + g] * w;
-            for (int64_t d = 0; d < head_dim; ++d) o[d] += state[g * head_dim + d] * w;
-        }
-        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-        for (int64_t d = 0; d < head_dim; ++d) o[d] *= inv;
+#undef JOINS
     }
+    for (int64_t s = t0; s < end; ++s) {
+        const int64_t count = row_parts(seq_starts ? seq_starts[s] : 0, seq_lens[s]);
+        if (count > 1)
+            merge_states(out + (s * num_heads + kvh * group) * head_dim, states + (s - t0) * parts * per_part,
+                         per_part, count, group, head_dim);
+    }
+}
+
+/* (row tile, kv head) items from which a call runs each item's parts together: enough to share
+ * out over the threads of a 2..16-core host (a 512-row chunk of SmolLM2 has 192). */
+#define WHOLE_TILE_ITEMS 64
+
+/* The plan of a call (attention_plan, paged_attention.h). Many rows (a prefill chunk): an item is
+ * a row tile and kv head with all its parts, its parts' states in a scratch of its thread's own,
+ * merged by the item (a scratch of the whole call, 75 MB for a 512-row chunk at 8k positions, was
+ * faulted in anew at every call). Few rows (decode): an item is one part, so a short batch still
+ * keeps every thread busy; the states go to the call's scratch and paged_decode_attention_merge
+ * combines them after every item. The bits are the same either way. `tiles_allowed` 0 asks for
+ * per-part items (a caller that could not allocate the threads' scratch). */
+void paged_attention_plan(const int64_t *seq_lens, const int64_t *seq_starts, int64_t num_seqs, int64_t num_heads,
+                          int64_t num_kv_heads, int64_t head_dim, int64_t tiles_allowed, attention_plan *plan) {
+    int64_t parts = 1;
+    for (int64_t s = 0; s < num_seqs; ++s) {
+        const int64_t p = row_parts(seq_starts ? seq_starts[s] : 0, seq_lens[s]);
+        parts = p > parts ? p : parts;
+    }
+    const int64_t group = num_heads / num_kv_heads, per_part = partial_floats(group, head_dim);
+    const int64_t tile_rows = tile_rows_for(group, head_dim);
+    const int64_t tile_items = (num_seqs + tile_rows - 1) / tile_rows * num_kv_heads;
+    plan->parts = parts;
+    plan->tile_items = tiles_allowed && parts > 1 && tile_items >= WHOLE_TILE_ITEMS;
+    plan->items = plan->tile_items ? tile_items : num_seqs * num_kv_heads * parts;
+    plan->scratch_floats = !plan->tile_items && parts > 1 ? num_seqs * num_kv_heads * parts * per_part : 0;
+    plan->thread_floats = plan->tile_items ? tile_rows * parts * per_part : 0;
+}
+
+/* Work item `work` of a call planned by paged_attention_plan: `partial` is the call's scratch
+ * (plan->scratch_floats), `states` the calling thread's (plan->thread_floats). Writes the rows'
+ * outputs it completes and the states it leaves; after every item of a per-part plan with several
+ * parts, paged_decode_attention_merge completes the rest. */
+void paged_attention_item(const float *q, const void *k_cache, const void *v_cache, float *out,
+                          const int64_t *block_tables, const int64_t *seq_lens, const int64_t *seq_starts,
+                          int64_t num_rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                          int64_t slot_stride, int64_t block_size, int64_t max_blocks, float scale, int64_t kv_half,
+                          const attention_plan *plan, float *partial, float *states, int64_t work) {
+    if (plan->tile_items)
+        attend_tile_parts(q, k_cache, v_cache, out, block_tables, seq_lens, seq_starts, num_rows, num_heads,
+                          num_kv_heads, head_dim, slot_stride, block_size, max_blocks, scale, kv_half, plan->parts,
+                          work / num_kv_heads * tile_rows_for(num_heads / num_kv_heads, head_dim),
+                          work % num_kv_heads, states);
+    else
+        attend_part(q, k_cache, v_cache, out, block_tables, seq_lens, seq_starts, num_rows, num_heads, num_kv_heads,
+                    head_dim, slot_stride, block_size, max_blocks, scale, kv_half, plan->parts, partial, work);
 }
 
 void paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, float *out,
@@ -600,28 +800,36 @@ void paged_decode_attention(const float *q, const void *k_cache, const void *v_c
                             int64_t block_size, int64_t max_blocks, float scale, int64_t kv_half) {
     /* k_cache/v_cache point at slot 0's K and V; consecutive slots are slot_stride elements apart
      * (float, or _Float16 when kv_half). Row s attends to positions seq_starts[s] .. seq_lens[s]-1
-     * (seq_starts NULL: from 0; a sliding window starts later). The parts' states go to a
-     * scratch allocated here (if that fails, every row runs as one part). */
-    const int64_t pairs = num_seqs * num_kv_heads;
-    int64_t scratch_floats;
-    int64_t parts =
-        paged_decode_attention_parts(seq_lens, seq_starts, num_seqs, num_heads, num_kv_heads, head_dim, &scratch_floats);
-    float *partial = scratch_floats ? malloc(scratch_floats * sizeof(float)) : NULL;
-    if (partial == NULL) parts = 1;
-#pragma omp parallel
+     * (seq_starts NULL: from 0; a sliding window starts later). If a scratch cannot be allocated,
+     * per-part items replace tile items, and then every row runs as one part. */
+    attention_plan plan;
+    paged_attention_plan(seq_lens, seq_starts, num_seqs, num_heads, num_kv_heads, head_dim, 1, &plan);
+    const int threads = omp_get_max_threads();
+    float *states = plan.tile_items ? malloc(plan.thread_floats * threads * sizeof(float)) : NULL;
+    if (plan.tile_items && states == NULL)
+        paged_attention_plan(seq_lens, seq_starts, num_seqs, num_heads, num_kv_heads, head_dim, 0, &plan);
+    float *partial = plan.scratch_floats ? malloc(plan.scratch_floats * sizeof(float)) : NULL;
+    if (plan.scratch_floats && partial == NULL) {
+        plan.parts = 1;
+        plan.items = num_seqs * num_kv_heads;
+        plan.scratch_floats = 0;
+    }
+#pragma omp parallel num_threads(threads)
     {
+        float *mine = states ? states + omp_get_thread_num() * plan.thread_floats : NULL;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t work = 0; work < pairs * parts; ++work)
-            paged_decode_attention_part(q, k_cache, v_cache, out, block_tables, seq_lens, seq_starts, num_seqs, num_heads,
-                                        num_kv_heads, head_dim, slot_stride, block_size, max_blocks, scale, kv_half,
-                                        parts, partial, work);
-        if (parts > 1) {
+        for (int64_t work = 0; work < plan.items; ++work)
+            paged_attention_item(q, k_cache, v_cache, out, block_tables, seq_lens, seq_starts, num_seqs, num_heads,
+                                 num_kv_heads, head_dim, slot_stride, block_size, max_blocks, scale, kv_half, &plan,
+                                 partial, mine, work);
+        if (!plan.tile_items && plan.parts > 1) {
 #pragma omp for schedule(static)
-            for (int64_t pair = 0; pair < pairs; ++pair)
-                paged_decode_attention_merge(out, seq_lens, seq_starts, num_heads, num_kv_heads, head_dim, parts,
+            for (int64_t pair = 0; pair < num_seqs * num_kv_heads; ++pair)
+                paged_decode_attention_merge(out, seq_lens, seq_starts, num_heads, num_kv_heads, head_dim, plan.parts,
                                              partial, pair);
         }
     }
+    free(states);
     free(partial);
 }
 

@@ -19,7 +19,12 @@ HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 
 
 def _step(
-    query_lens: list[int], seq_lens: list[int], num_blocks: int, seed: int, window: int | None = None
+    query_lens: list[int],
+    seq_lens: list[int],
+    num_blocks: int,
+    seed: int,
+    window: int | None = None,
+    block: int = BLOCK,
 ) -> AttentionMetadata:
     """Sequences with scattered block tables; the step's new tokens are the last query_len of each.
     With a window, blocks no query of the step sees point at block 0, which holds NaNs: reading
@@ -29,12 +34,12 @@ def _step(
     rng.shuffle(free)
     tables, slots = [], []
     for num_q, length in zip(query_lens, seq_lens, strict=True):
-        table = [free.pop() for _ in range(-(-length // BLOCK))]
+        table = [free.pop() for _ in range(-(-length // block))]
         if window is not None:
             first_key = max(length - num_q - window + 1, 0)
-            table[: first_key // BLOCK] = [0] * (first_key // BLOCK)
+            table[: first_key // block] = [0] * (first_key // block)
         tables.append(table)
-        slots.extend(table[p // BLOCK] * BLOCK + p % BLOCK for p in range(length - num_q, length))
+        slots.extend(table[p // block] * block + p % block for p in range(length - num_q, length))
     width = max(len(t) for t in tables)
     return AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
@@ -43,7 +48,7 @@ def _step(
         query_lens=query_lens,
         seq_lens_list=seq_lens,
         num_decodes=sum(1 for q in query_lens if q == 1),
-        block_size=BLOCK,
+        block_size=block,
         window=window,
     )
 
@@ -108,6 +113,25 @@ def test_decode_kernel_matches_reference_for_other_head_shapes(
     outputs = []
     for backend in (CpuPagedBackend(), TorchReferenceBackend()):
         meta = _step(query_lens, seq_lens, num_blocks, seed=1)
+        backend.prepare(meta)
+        outputs.append(backend.forward(q, k, v, cache.clone(), meta, head_dim**-0.5))
+    torch.testing.assert_close(outputs[0], outputs[1], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("block", [5, 48, 256])
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_any_block_size_matches_reference(block: int, head_dim: int) -> None:
+    """The kernel steps through spans of aligned positions (64 of them for head_dim 64, 32 for
+    256), whatever blocks hold them: blocks smaller than a span, not dividing it, and larger."""
+    query_lens, seq_lens = [1, 1, 40], [9, 700, 300]  # decodes first, as the scheduler orders a step
+    torch.manual_seed(0)
+    num_blocks = sum(-(-n // block) for n in seq_lens) + 2
+    cache = torch.randn(num_blocks * block, 2, KV_HEADS, head_dim).half()
+    q = torch.randn(sum(query_lens), HEADS, head_dim)
+    k, v = torch.randn(sum(query_lens), KV_HEADS, head_dim), torch.randn(sum(query_lens), KV_HEADS, head_dim)
+    outputs = []
+    for backend in (CpuPagedBackend(row_kernel_only=True), TorchReferenceBackend()):
+        meta = _step(query_lens, seq_lens, num_blocks, seed=1, block=block)
         backend.prepare(meta)
         outputs.append(backend.forward(q, k, v, cache.clone(), meta, head_dim**-0.5))
     torch.testing.assert_close(outputs[0], outputs[1], atol=2e-5, rtol=1e-4)
@@ -194,15 +218,17 @@ def test_a_prompt_row_in_a_row_tile_is_the_same_bits_as_alone(
 ) -> None:
     """Consecutive rows of a chunk share each block's loads (a row tile of the kernel); every row
     is bit-identical to the same row attended alone, as a decode row. The second sequence's rows
-    continue the first's lengths (130.. after ..129) but read other blocks: no tile spans them."""
+    continue the first's lengths (260.. after ..259) but read other blocks: no tile spans them.
+    220 rows make 84 (row tile, kv head) items: the chunk runs each tile's parts together, the
+    row alone runs one part per item (paged_attention.c's WHOLE_TILE_ITEMS)."""
     monkeypatch.setenv(isa.ENV, level)
     backend = CpuPagedBackend(row_kernel_only=True)
     generator = torch.Generator().manual_seed(0)
-    blocks_per_seq = 12
+    blocks_per_seq = 20
     cache = torch.randn(2 * blocks_per_seq * BLOCK, 2, KV_HEADS, HEAD_DIM, generator=generator).to(kv_dtype)
     tables = torch.randperm(2 * blocks_per_seq, generator=generator).view(2, blocks_per_seq)
-    lens = list(range(100, 130)) + list(range(130, 150))  # 30 rows of sequence 0, 20 of sequence 1
-    row_tables = torch.cat([tables[0].repeat(30, 1), tables[1].repeat(20, 1)])
+    lens = list(range(60, 260)) + list(range(260, 280))  # 200 rows of sequence 0 (1 to 3 parts), 20 of 1
+    row_tables = torch.cat([tables[0].repeat(200, 1), tables[1].repeat(20, 1)])
     q = torch.randn(len(lens), HEADS, HEAD_DIM, generator=generator)
     starts = None if window is None else torch.tensor([max(n - window, 0) for n in lens])
     tiled = torch.empty_like(q)

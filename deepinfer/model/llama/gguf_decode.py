@@ -56,9 +56,9 @@ def build_decode_stack(layers: Sequence[torch.nn.Module], backend: CpuPagedBacke
         (
             rowwise.rotary_address,
             backend.write_kv_address,
-            backend.decode_part_address,
+            backend.decode_item_address,
             backend.decode_merge_address,
-            backend.decode_parts_address,
+            backend.decode_plan_address,
         ),
     )
 

@@ -1,0 +1,16 @@
+/* How one call of the paged attention shares its rows out over threads (paged_attention.c), for
+ * its callers: paged_decode_attention itself and decode_layers.c, which runs the items inside its
+ * own parallel region. */
+#ifndef DEEPINFER_PAGED_ATTENTION_H
+#define DEEPINFER_PAGED_ATTENTION_H
+#include <stdint.h>
+
+typedef struct {
+    int64_t parts;          /* parts of the longest row's context (1: no row is merged) */
+    int64_t tile_items;     /* nonzero: an item is a (row tile, kv head) pair with all its parts */
+    int64_t items;          /* work items of the call */
+    int64_t scratch_floats; /* the call's scratch: per-part items' states, merged after them (or 0) */
+    int64_t thread_floats;  /* each thread's scratch: a tile item's states (or 0) */
+} attention_plan;
+
+#endif
