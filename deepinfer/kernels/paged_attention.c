@@ -39,20 +39,6 @@ typedef float v4 __attribute__((vector_size(16)));
 typedef int32_t vi16 __attribute__((vector_size(64)));
 typedef int32_t vi8 __attribute__((vector_size(32)));
 
-/* rowops.h's exp_clamped on 16 lanes for x <= 0 (scores minus their running max), the same
- * operations lane by lane (so the same bits): the compiler does not vectorize the scalar form's
- * floor and exponent arithmetic. */
-static inline v16 exp16_nonpositive(v16 x) {
-    const vi16 low = x < -87.0f;
-    x = (v16)(((vi16)x & ~low) | ((vi16)(x * 0.0f - 87.0f) & low));
-    const v16 t = x * 1.44269504088896341f;
-    const v16 toward_zero = __builtin_convertvector(__builtin_convertvector(t, vi16), v16);
-    const v16 n = toward_zero + __builtin_convertvector(toward_zero > t, v16); /* floor: t <= 0 */
-    const v16 f = t - n;
-    const v16 p = EXP2_OF_FRACTION(f);
-    return (v16)((vi16)p + (__builtin_convertvector(n, vi16) << 23));
-}
-
 /* The rows j = 0..n-1 of one block for kv head kvh, as fp32 rows `*row_stride` floats apart:
  * pointers into an fp32 cache, or an fp16 cache's rows converted into `buffer`. */
 static inline const float *block_rows(const void *cache, int64_t kv_half, int64_t first_slot, int64_t n,
@@ -220,6 +206,20 @@ static inline __attribute__((always_inline)) void tile_values(const int64_t D, c
         }
     }
     for (int t = 0; t < T; ++t) memcpy(acc + t * D, av[t], D * sizeof(float));
+}
+
+/* rowops.h's exp_clamped on 16 lanes for x <= 0 (scores minus their running max), the same
+ * operations lane by lane (so the same bits): the compiler does not vectorize the scalar form's
+ * floor and exponent arithmetic. */
+static inline v16 exp16_nonpositive(v16 x) {
+    const vi16 low = x < -87.0f;
+    x = (v16)(((vi16)x & ~low) | ((vi16)(x * 0.0f - 87.0f) & low));
+    const v16 t = x * 1.44269504088896341f;
+    const v16 toward_zero = __builtin_convertvector(__builtin_convertvector(t, vi16), v16);
+    const v16 n = toward_zero + __builtin_convertvector(toward_zero > t, v16); /* floor: t <= 0 */
+    const v16 f = t - n;
+    const v16 p = EXP2_OF_FRACTION(f);
+    return (v16)((vi16)p + (__builtin_convertvector(n, vi16) << 23));
 }
 
 /* e^(s_j - max) in place for j < n, returning their sum: 16 at a time (each 16 summed by
