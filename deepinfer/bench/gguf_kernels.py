@@ -4,8 +4,9 @@
 
 - the default model's own projections (Q4_1 layers, the Q8_0 tied head) at M = 1 (batch-1
   decode), 8, 32 (decode batches) and 128, 512 (prefill chunks), in the file's block layout and
-  interleaved eight rows at a time (what the engine computes on), beside fp32 `F.linear` on the
-  same weights dequantized (what quantization="none" runs);
+  interleaved eight rows at a time (what the engine computes on), and where the CPU has AMX the
+  interleaved product kept off the tiles (the VNNI path), beside fp32 `F.linear` on the same
+  weights dequantized (what quantization="none" runs);
 - one decode pass over every projection of the model (30 layers and the head) at M = 1, the
   weight-reading part of a batch-1 step, with its tok/s ceiling, in both layouts;
 - each format on one synthetic 4096 x 1024 matrix at M = 1 and 32 (interleaved where it can be);
@@ -76,12 +77,19 @@ def model_groups() -> dict[str, list[PackedGroup]]:
 
 
 def _row(
-    label: str, m: int, group: PackedGroup, file_seconds: float, seconds: float, dense_seconds: float
+    label: str,
+    m: int,
+    group: PackedGroup,
+    file_seconds: float,
+    seconds: float,
+    vector_seconds: float,
+    dense_seconds: float,
 ) -> str:
     gbs = group.nbytes / seconds / 1e9
     gops = 2 * m * group.rows * group.cols / seconds / 1e9
     return (
-        f"| {label} | {m} | {file_seconds * 1e3:.3f} | {seconds * 1e3:.3f} | {gbs:.1f} | {gops:.1f} | "
+        f"| {label} | {m} | {file_seconds * 1e3:.3f} | {seconds * 1e3:.3f} | {vector_seconds * 1e3:.3f} | "
+        f"{gbs:.1f} | {gops:.1f} | "
         f"{dense_seconds * 1e3:.3f} | {dense_seconds / seconds:.2f}× |"
     )
 
@@ -95,7 +103,11 @@ def main() -> None:
     kernels = gguf_kernels()
     if kernels is None:
         raise SystemExit("no C compiler: the GGUF kernels cannot be built")
-    print(f"load average {os.getloadavg()[0]:.2f}, {args.threads} threads, SIMD level {kernels.simd_level}")
+    amx = {1: "in use", 0: "not built", -1: "refused by the OS", -2: "off (differed from VNNI)"}
+    print(
+        f"load average {os.getloadavg()[0]:.2f}, {args.threads} threads, SIMD level {kernels.simd_level}, "
+        f"AMX tiles {amx[kernels.amx_status]}"
+    )
     roof = measure_roofline(threads=args.threads)
     print(
         f"roofline: bandwidth {roof.peak_bytes_per_s / 1e9:.1f} GB/s (copy {roof.copy_bytes_per_s / 1e9:.1f}, "
@@ -107,10 +119,10 @@ def main() -> None:
         for name, items in file_groups.items()
     }
     print(
-        "| projection (layer 0) | M | file layout ms | interleaved ms | GB/s | GOP/s | fp32 F.linear ms "
-        "| speed-up over fp32 |"
+        "| projection (layer 0) | M | file layout ms | interleaved ms | interleaved, no tiles ms | GB/s "
+        "| GOP/s | fp32 F.linear ms | speed-up over fp32 |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, items in groups.items():
         group, file_group = items[0], file_groups[name][0]
         dense = _dense(file_group)
@@ -119,10 +131,21 @@ def main() -> None:
             x = torch.randn(m, group.cols)
             seconds = _best(lambda x=x, group=group: kernels.matmul(x, group), args.repeats)
             file_seconds = _best(lambda x=x, group=file_group: kernels.matmul(x, group), args.repeats)
+            vector_seconds = seconds
+            if kernels.amx_status == 1 and m >= 16:
+                vector_seconds = _best(
+                    lambda x=x, group=group: kernels.matmul(x, group, tiles=False), args.repeats
+                )
             dense_seconds = _best(lambda x=x, dense=dense: F.linear(x, dense), args.repeats)
             print(
                 _row(
-                    f"{name} {group.rows}×{group.cols} {fmt}", m, group, file_seconds, seconds, dense_seconds
+                    f"{name} {group.rows}×{group.cols} {fmt}",
+                    m,
+                    group,
+                    file_seconds,
+                    seconds,
+                    vector_seconds,
+                    dense_seconds,
                 )
             )
 

@@ -78,7 +78,7 @@ static int64_t group_scratch(const packed_group *g, int64_t M, int64_t K) {
 
 static void group_matmul(const packed_group *g, const float *x, int64_t M, int64_t K, int64_t ldx, void *scratch,
                          float *y, int prologue, const float *residual, float *sum, const float *norm, float eps) {
-    matmul_team(x, M, K, ldx, g->count, g->qtypes, g->weights, g->row_counts, scratch, y, g->rows, 1, prologue,
+    matmul_team(x, M, K, ldx, g->count, g->qtypes, g->weights, g->row_counts, scratch, y, g->rows, PATH_TILES, prologue,
                 residual, sum, norm, eps);
 }
 

@@ -11,6 +11,7 @@ format, in one kernel call. The numerics are described at the top of gguf_matmul
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,12 +23,15 @@ import torch
 from deepinfer.kernels import isa
 from deepinfer.kernels.build import load_kernel_library
 
+log = logging.getLogger(__name__)
+
 # ggml type ids of the formats the kernel computes on directly.
 PACKED_TYPES = {
     "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
 }  # fmt: skip
 _FLAGS = ("-ffp-contract=off",)
 _PROLOGUE_NONE, _PROLOGUE_RMS_NORM, _PROLOGUE_SWIGLU = 0, 1, 2  # as in gguf_matmul.c
+_PATH_PORTABLE, _PATH_VECTOR, _PATH_TILES = 0, 1, 2  # gguf_matmul's simd, as in gguf_matmul.c
 
 
 # Our ids of the 32-wide formats with every eight rows interleaved (gguf_matmul.c's block_q4_0x8
@@ -64,11 +68,18 @@ class GGUFKernels:
         lib.gguf_block_bytes.restype = i64
         lib.gguf_block_elems.argtypes = [ctypes.c_int]
         lib.gguf_simd_level.restype = ctypes.c_int
+        lib.gguf_amx_ready.restype = ctypes.c_int
         lib.gguf_interleaved_type.argtypes = [ctypes.c_int, i64, i64]
         lib.gguf_interleaved_type.restype = ctypes.c_int
         lib.gguf_interleave.argtypes = [ctypes.c_int, ptr, i64, i64, ptr]
         lib.gguf_interleave.restype = ctypes.c_int
         self.simd_level = lib.gguf_simd_level()  # 0 portable C, 1 AVX2, 2 VNNI dot products
+        # Products of 16+ rows on the interleaved formats run on AMX int8 tiles when this is 1:
+        # built for them, permitted by the OS and checked against the VNNI path (0: a build
+        # without tiles, -1: the OS refused them, -2: they disagreed with the VNNI path).
+        self.amx_status = lib.gguf_amx_ready()
+        if self.amx_status == -2:
+            log.warning("AMX int8 tiles gave other bits than the VNNI path: GGUF products stay on VNNI")
         self._matmul = lib.gguf_matmul
         self._local = threading.local()  # each thread's scratch buffer, grown on demand
 
@@ -93,10 +104,13 @@ class GGUFKernels:
         )
         return PackedMatrix(qtype, matrix.rows, matrix.cols, data)
 
-    def matmul(self, x: torch.Tensor, group: PackedGroup, portable: bool = False) -> torch.Tensor:
-        """x [M, K] float32 -> [M, group.rows] float32. `portable` forces the plain C path."""
+    def matmul(
+        self, x: torch.Tensor, group: PackedGroup, portable: bool = False, tiles: bool = True
+    ) -> torch.Tensor:
+        """x [M, K] float32 -> [M, group.rows] float32. `portable` forces the plain C path;
+        `tiles=False` keeps the vector path off AMX tiles (the same bits either way)."""
         x = self._input(x, group.cols)
-        return self._run(x, group, portable, _PROLOGUE_NONE)
+        return self._run(x, group, portable, _PROLOGUE_NONE, tiles=tiles)
 
     def matmul_rms_norm(
         self,
@@ -148,12 +162,14 @@ class GGUFKernels:
         summed: torch.Tensor | None = None,
         weight: torch.Tensor | None = None,
         eps: float = 0.0,
+        tiles: bool = True,
     ) -> torch.Tensor:
         m = x.shape[0]
+        path = _PATH_PORTABLE if portable else _PATH_TILES if tiles else _PATH_VECTOR
         y = torch.empty(m, group.rows, dtype=torch.float32)
         self._matmul(
             x.data_ptr(), m, group.cols, x.stride(0), group.count, group.qtypes, group.pointers, group.row_counts,
-            self._scratch(group, m), y.data_ptr(), group.rows, 0 if portable else 1, prologue,
+            self._scratch(group, m), y.data_ptr(), group.rows, path, prologue,
             None if residual is None else residual.data_ptr(), None if summed is None else summed.data_ptr(),
             None if weight is None else weight.data_ptr(), eps,
         )  # fmt: skip

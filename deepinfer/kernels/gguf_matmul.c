@@ -775,6 +775,243 @@ static void run_tile_x8(int qtype, int mr, const uint8_t *group, const acts *a, 
     }
 }
 
+/* ---------------------------------------------------------------- AMX int8 tiles */
+
+/* Where the CPU has AMX (Intel Xeon from Sapphire Rapids on), one TDPBSSD multiplies a tile of 16
+ * activation rows by a block of 16 output rows: 16 x 16 exact int32 block sums per instruction,
+ * the work of ~128 VNNI instructions. The interleaved formats' quants are already laid out as
+ * the instruction wants its second operand (four consecutive positions of each row side by
+ * side), so a block's tile is two groups' quants placed side by side (nibbles unpacked, Q4_0's 8
+ * taken out). The sums are the same integers as the VNNI path's and the float steps per (row,
+ * output, block) are tile_x8's, so the bits are too. Rows past the last whole 16 and units of
+ * fewer than 16 outputs take the VNNI path.
+ *
+ * GGUF_AMX_EMULATE builds the same code with the tile instructions done in C from their
+ * definitions (Intel SDM, AMX), which is how a machine without AMX tests it; the real build is
+ * checked against the VNNI path once per process before its first use (amx_ready). */
+#if GGUF_SIMD && ((defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)) || defined(GGUF_AMX_EMULATE))
+#define GGUF_AMX 1
+
+/* LDTILECFG's 64-byte operand (palette 1). */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* The tiles of amx_unit: 0 the weights' block (8 rows of 64 bytes: K = 32 positions, 16 outputs),
+ * 1-2 two 16-row activation tiles (32 bytes each), 3-4 their 16 x 16 int32 sums. */
+#define TILE_W 0 /* numbers, not an enum: the intrinsics paste them into the instruction's text */
+#define TILE_A0 1
+#define TILE_A1 2
+#define TILE_C0 3
+#define TILE_C1 4
+static const tile_config amx_config = {
+    .palette = 1,
+    .colsb = {[TILE_W] = 64, [TILE_A0] = 32, [TILE_A1] = 32, [TILE_C0] = 64, [TILE_C1] = 64},
+    .rows = {[TILE_W] = 8, [TILE_A0] = 16, [TILE_A1] = 16, [TILE_C0] = 16, [TILE_C1] = 16},
+};
+
+#ifdef GGUF_AMX_EMULATE
+static __thread tile_config emu_config;
+static __thread uint8_t emu_tiles[8][16][64];
+
+static void emu_tile_config(const void *config) { memcpy(&emu_config, config, sizeof emu_config); }
+
+/* A tile used beyond what its configuration allows faults on the hardware: here it aborts. */
+static void emu_require(int ok) {
+    if (!ok) abort();
+}
+
+static void emu_tile_load(int t, const void *base, int64_t stride) {
+    emu_require(emu_config.palette == 1 && emu_config.rows[t] <= 16 && emu_config.colsb[t] <= 64);
+    memset(emu_tiles[t], 0, sizeof emu_tiles[t]);
+    for (int r = 0; r < emu_config.rows[t]; ++r)
+        memcpy(emu_tiles[t][r], (const uint8_t *)base + r * stride, emu_config.colsb[t]);
+}
+
+static void emu_tile_store(int t, void *base, int64_t stride) {
+    emu_require(emu_config.palette == 1);
+    for (int r = 0; r < emu_config.rows[t]; ++r) memcpy((uint8_t *)base + r * stride, emu_tiles[t][r], emu_config.colsb[t]);
+}
+
+static void emu_tile_zero(int t) { memset(emu_tiles[t], 0, sizeof emu_tiles[t]); }
+
+/* TDPBSSD c, a, b: c[m] dword n += sum over k < colsb(a) / 4 of the signed bytes a[m][4k + i]
+ * times b[k][4n + i], i < 4. */
+static void emu_tile_dpbssd(int c, int a, int b) {
+    const tile_config *t = &emu_config;
+    emu_require(t->palette == 1 && t->rows[c] == t->rows[a] && t->colsb[a] / 4 == t->rows[b] &&
+                t->colsb[b] == t->colsb[c] && t->colsb[a] % 4 == 0 && t->colsb[c] % 4 == 0);
+    for (int m = 0; m < t->rows[c]; ++m)
+        for (int n = 0; n < t->colsb[c] / 4; ++n) {
+            int32_t sum;
+            memcpy(&sum, &emu_tiles[c][m][4 * n], sizeof sum);
+            for (int k = 0; k < t->colsb[a] / 4; ++k)
+                for (int i = 0; i < 4; ++i)
+                    sum += (int32_t)(int8_t)emu_tiles[a][m][4 * k + i] * (int32_t)(int8_t)emu_tiles[b][k][4 * n + i];
+            memcpy(&emu_tiles[c][m][4 * n], &sum, sizeof sum);
+        }
+}
+
+#define TILE_CONFIG(config) emu_tile_config(config)
+#define TILE_LOAD(t, base, stride) emu_tile_load(t, base, stride)
+#define TILE_STORE(t, base, stride) emu_tile_store(t, base, stride)
+#define TILE_ZERO(t) emu_tile_zero(t)
+#define TILE_DPBSSD(c, a, b) emu_tile_dpbssd(c, a, b)
+#define TILE_RELEASE() ((void)0)
+static int amx_permitted(void) { return 1; }
+#else
+#include <sys/syscall.h>
+#include <unistd.h>
+#define TILE_CONFIG(config) _tile_loadconfig(config)
+#define TILE_LOAD(t, base, stride) _tile_loadd(t, base, stride)
+#define TILE_STORE(t, base, stride) _tile_stored(t, base, stride)
+#define TILE_ZERO(t) _tile_zero(t)
+#define TILE_DPBSSD(c, a, b) _tile_dpbssd(c, a, b)
+#define TILE_RELEASE() _tile_release()
+
+/* Linux hands out the tile registers' state (XTILEDATA, 8 KB per thread) only to a process that
+ * asks (arch_prctl ARCH_REQ_XCOMP_PERM, Linux 5.16+); a VM or kernel may refuse. */
+static int amx_permitted(void) { return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0; }
+#endif
+
+/* Block b of output rows n0 .. n0+15 (groups `lo` and `hi`, 8 rows each) as tile TILE_W wants
+ * it: row r holds positions 4r .. 4r+3 of the 16 outputs, the quants as signed bytes. */
+static void amx_weight_tile(int base, const uint8_t *lo, const uint8_t *hi, int8_t tile[8][64]) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int half = 0; half < 2; ++half) {
+        const uint8_t *blk = half ? hi : lo;
+        if (base == Q8_0) {
+            for (int r = 0; r < 8; ++r) memcpy(tile[r] + 32 * half, ((const block_q8_0x8 *)blk)->qs + 32 * r, 32);
+            continue;
+        }
+        const uint8_t *qs = base == Q4_0 ? ((const block_q4_0x8 *)blk)->qs : ((const block_q4_1x8 *)blk)->qs;
+        const __m256i shift = _mm256_set1_epi8(base == Q4_0 ? 8 : 0);
+        for (int p = 0; p < 4; ++p) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
+            _mm256_storeu_si256((__m256i *)(tile[2 * p] + 32 * half), _mm256_sub_epi8(_mm256_and_si256(x, low), shift));
+            _mm256_storeu_si256((__m256i *)(tile[2 * p + 1] + 32 * half),
+                                _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(x, 4), low), shift));
+        }
+    }
+}
+
+/* tile_x8's float steps for 16 activation rows [m, m + 16) and 16 outputs of block b, from the
+ * block's integer sums c: acc[r] = fma(sum, d_w * d_a, acc[r]) (and Q4_1's min into off). */
+AI void amx_scale(const int base, const int32_t c[16][16], const uint8_t *lo, const uint8_t *hi, const acts *a,
+                  int64_t b, int64_t m, __m256 acc[16][2], __m256 off[16][2]) {
+    const __m256 dw[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)lo)),
+                          _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)hi))}; /* d[8] leads each struct */
+    __m256 mw[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    if (base == Q4_1) {
+        mw[0] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const block_q4_1x8 *)lo)->m));
+        mw[1] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const block_q4_1x8 *)hi)->m));
+    }
+    for (int r = 0; r < 16; ++r) {
+        const __m256 da = _mm256_set1_ps(a->d[b * a->M + m + r]);
+        for (int h = 0; h < 2; ++h) {
+            const __m256 sum = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(c[r] + 8 * h)));
+            acc[r][h] = _mm256_fmadd_ps(sum, _mm256_mul_ps(dw[h], da), acc[r][h]);
+            if (base == Q4_1) off[r][h] = _mm256_fmadd_ps(mw[h], _mm256_set1_ps(a->s[b * a->M + m + r]), off[r][h]);
+        }
+    }
+}
+
+/* Output rows n0 .. n0+15 (the groups at `group` and `group + group_bytes`) for activation rows
+ * [m_begin, m_end), a multiple of 16 rows: y[(m - m_begin) * ldy + j] for output n0 + j. `tiles`
+ * holds the unit's weight tiles, nb * 512 bytes. */
+static void amx_unit(int base, const uint8_t *group, int64_t group_bytes, const acts *a, int64_t m_begin,
+                     int64_t m_end, float *y, int64_t ldy, int8_t (*tiles)[8][64]) {
+    const int64_t gbytes = 8 * block_bytes(base), nb = a->nb;
+    for (int64_t b = 0; b < nb; ++b)
+        amx_weight_tile(base, group + b * gbytes, group + group_bytes + b * gbytes, tiles[b]);
+    TILE_CONFIG(&amx_config);
+    int32_t c[2][16][16] __attribute__((aligned(64)));
+    __m256 acc[2][16][2], off[2][16][2];
+    for (int64_t m = m_begin; m < m_end;) {
+        const int pair = m + 32 <= m_end; /* two activation tiles share each weight tile */
+        for (int t = 0; t < 2; ++t)
+            for (int r = 0; r < 16; ++r) acc[t][r][0] = acc[t][r][1] = off[t][r][0] = off[t][r][1] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t *lo = group + b * gbytes, *hi = lo + group_bytes;
+            TILE_LOAD(TILE_W, tiles[b], 64);
+            TILE_LOAD(TILE_A0, a->q + m * a->K + 32 * b, a->K);
+            TILE_ZERO(TILE_C0);
+            TILE_DPBSSD(TILE_C0, TILE_A0, TILE_W);
+            if (pair) {
+                TILE_LOAD(TILE_A1, a->q + (m + 16) * a->K + 32 * b, a->K);
+                TILE_ZERO(TILE_C1);
+                TILE_DPBSSD(TILE_C1, TILE_A1, TILE_W);
+            }
+            TILE_STORE(TILE_C0, c[0], 64);
+            if (base == Q4_1) amx_scale(Q4_1, c[0], lo, hi, a, b, m, acc[0], off[0]);
+            else amx_scale(Q8_0, c[0], lo, hi, a, b, m, acc[0], off[0]); /* Q4_0 and Q8_0: no min */
+            if (pair) {
+                TILE_STORE(TILE_C1, c[1], 64);
+                if (base == Q4_1) amx_scale(Q4_1, c[1], lo, hi, a, b, m + 16, acc[1], off[1]);
+                else amx_scale(Q8_0, c[1], lo, hi, a, b, m + 16, acc[1], off[1]);
+            }
+        }
+        for (int t = 0; t < 1 + pair; ++t)
+            for (int r = 0; r < 16; ++r)
+                for (int h = 0; h < 2; ++h)
+                    _mm256_storeu_ps(y + (m - m_begin + 16 * t + r) * ldy + 8 * h, _mm256_add_ps(acc[t][r][h], off[t][r][h]));
+        m += pair ? 32 : 16;
+    }
+    TILE_RELEASE();
+}
+
+/* Whether this process may use the tiles: permission, then the tiles' products of a fixed
+ * pseudo-random case against the VNNI path's, bit for bit (once per process; a build whose tiles
+ * disagree falls back, which the tests would show). */
+static int amx_self_check(void) {
+    enum { K = 64, NB = K / 32, M = 48 };
+    static const int bases[3] = {Q4_0, Q4_1, Q8_0};
+    uint32_t seed = 12345u;
+#define NEXT() (seed = seed * 1664525u + 1013904223u, seed >> 8)
+    int8_t q[M * K];
+    float d[NB * M], s[NB * M];
+    for (int i = 0; i < M * K; ++i) q[i] = (int8_t)((int)(NEXT() % 255) - 127);
+    for (int i = 0; i < NB * M; ++i) d[i] = (float)(NEXT() % 1000 + 1) / 8192.0f, s[i] = (float)((int)(NEXT() % 2001) - 1000) / 64.0f;
+    const acts a = {.q = q, .d = d, .s = s, .bsum = NULL, .M = M, .K = K, .nb = NB};
+    uint8_t weights[2 * NB * sizeof(block_q8_0x8)];
+    int8_t tiles[NB][8][64];
+    float tiled[M * 16], vnni[M * 16];
+    for (int i = 0; i < 3; ++i) {
+        const int64_t gbytes = 8 * block_bytes(bases[i]);
+        for (int64_t j = 0; j < 2 * NB * gbytes; ++j) weights[j] = (uint8_t)NEXT();
+        for (int g = 0; g < 2 * NB; ++g) /* finite fp16 scales (and Q4_1's mins): 0.0039 .. 1 */
+            for (int j = 0; j < (bases[i] == Q4_1 ? 16 : 8); ++j) {
+                const uint16_t h = (uint16_t)(0x1C00 + NEXT() % 0x1C00);
+                memcpy(weights + g * gbytes + 2 * j, &h, sizeof h);
+            }
+        amx_unit(bases[i], weights, NB * gbytes, &a, 0, M, tiled, 16, tiles);
+        for (int h = 0; h < 2; ++h)
+            for (int64_t m = 0; m < M; ++m)
+                run_tile_x8(X8 + bases[i], 1, weights + h * NB * gbytes, &a, m, vnni + m * 16 + 8 * h, 16);
+        if (memcmp(tiled, vnni, sizeof tiled) != 0) return 0;
+    }
+#undef NEXT
+    return 1;
+}
+
+static int amx_state; /* 0: not yet known, else gguf_amx_ready's answer */
+
+static int amx_status(void) {
+    int state = __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE);
+    if (state == 0) {
+        state = !amx_permitted() ? -1 : amx_self_check() ? 1 : -2;
+        __atomic_store_n(&amx_state, state, __ATOMIC_RELEASE);
+    }
+    return state;
+}
+
+static int amx_ready(void) { return amx_status() == 1; }
+#else
+#define GGUF_AMX 0
+#endif
+
 /* One tile through the SIMD path; (nr, mr) is one of the shapes the caller picks. */
 static void run_tile(int qtype, int nr, int mr, const uint8_t *w, int64_t w_stride, const acts *a, int64_t m,
                      float *y, int64_t ldy) {
@@ -820,6 +1057,17 @@ int gguf_simd_level(void) {
     return 2;
 #elif GGUF_SIMD
     return 1;
+#else
+    return 0;
+#endif
+}
+
+/* 1 when products of 16 or more rows on the interleaved formats run on AMX tiles (built for them,
+ * permitted by the OS, and checked against the VNNI path); 0 a build without tiles, -1 the OS
+ * refused them, -2 the tiles' products differed from the VNNI path's (a defect: tiles stay off). */
+int gguf_amx_ready(void) {
+#if GGUF_AMX
+    return amx_status();
 #else
     return 0;
 #endif
@@ -887,6 +1135,7 @@ int64_t gguf_scratch_bytes(int64_t M, int64_t K, int64_t nseg, const int32_t *qt
 }
 
 enum { PROLOGUE_NONE = 0, PROLOGUE_RMS_NORM = 1, PROLOGUE_SWIGLU = 2 };
+enum { PATH_PORTABLE = 0, PATH_VECTOR = 1, PATH_TILES = 2 }; /* gguf_matmul's simd */
 
 /* y[M, sum(rows)] (row stride ldy) = a[M, K] times the concatenation of nseg packed matrices
  * (segment s: qtypes[s], rows[s] x K, weights[s] row-major blocks) transposed, where a is
@@ -895,7 +1144,8 @@ enum { PROLOGUE_NONE = 0, PROLOGUE_RMS_NORM = 1, PROLOGUE_SWIGLU = 2 };
  *   PROLOGUE_RMS_NORM  v = x + residual (or x when residual is NULL), sum = v (when not NULL),
  *                      a = rms_norm(v) * norm_weight, eps; residual and sum rows are K apart;
  *   PROLOGUE_SWIGLU    x rows hold 2K values [gate | up]: a = silu(gate) * up.
- * Writes only y, sum and scratch (gguf_scratch_bytes). simd = 0 forces the portable path. */
+ * Writes only y, sum and scratch (gguf_scratch_bytes). simd: 0 the portable path, 1 the vector
+ * path, 2 the vector path with AMX tiles where gguf_amx_ready (the same bits on all three). */
 static void matmul_team(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t nseg, const int32_t *qtypes,
                         const void *const *weights, const int64_t *rows, void *scratch, float *y, int64_t ldy,
                         int simd, int prologue, const float *residual, float *sum, const float *norm_weight,
@@ -961,6 +1211,13 @@ static void matmul_team(const float *x, int64_t M, int64_t K, int64_t ldx, int64
     free(row);
     /* the portable path's copy of an interleaved row in the file's blocks (at most Q8_0's size) */
     uint8_t *unpacked = use_simd ? NULL : malloc((K / 32 + 1) * sizeof(block_q8_0));
+#if GGUF_AMX
+    /* tiles for a whole 16 activation rows at least; a unit's weight tiles, 512 bytes a block */
+    const int use_amx = simd == PATH_TILES && need32 && M >= 16 && amx_ready();
+    int8_t(*tiles)[8][64] = use_amx ? aligned_alloc(64, (K / 32) * sizeof *tiles) : NULL;
+#else
+    enum { use_amx = 0 }; /* a build without tiles */
+#endif
     /* implicit barrier: every activation row is quantized before any product */
 #pragma omp for schedule(static)
     for (int64_t u = 0; u < units; ++u) {
@@ -993,8 +1250,19 @@ static void matmul_team(const float *x, int64_t M, int64_t K, int64_t ldx, int64
             if (base) { /* rows come in 8-row groups (their count is a multiple of 8) */
                 for (int64_t n = n0; n < n1;) {
                     /* two groups per 512-bit tile; one row streams the weights faster a group at a time */
-                    const int pair = GGUF_X8_PAIRS && M > 1 && n + 16 <= n1;
-                    for (int64_t m = m0; m < m1;) {
+                    const int wide = n + 16 <= n1;
+                    const int pair = GGUF_X8_PAIRS && M > 1 && wide;
+                    const int64_t width = wide && (pair || use_amx) ? 16 : 8;
+                    int64_t m = m0;
+#if GGUF_AMX
+                    if (use_amx && wide && m1 - m0 >= 16) { /* whole 16-row tiles; the rest below */
+                        const int64_t whole = m0 + (m1 - m0) / 16 * 16;
+                        amx_unit(base, wseg + n * w_stride, 8 * w_stride, a, m0, whole, y + m0 * ldy + col0 + n, ldy,
+                                 tiles);
+                        m = whole;
+                    }
+#endif
+                    for (; m < m1;) {
                         const int tile_cols = m + 4 <= m1 ? 4 : 1;
                         const uint8_t *group = wseg + n * w_stride;
                         float *out = y + m * ldy + col0 + n;
@@ -1002,10 +1270,11 @@ static void matmul_team(const float *x, int64_t M, int64_t K, int64_t ldx, int64
                         if (pair) run_tile_x8_pair(qtype, tile_cols, group, 8 * w_stride, a, m, out, ldy);
                         else
 #endif
-                            run_tile_x8(qtype, tile_cols, group, a, m, out, ldy);
+                            for (int64_t g = 0; g < width; g += 8)
+                                run_tile_x8(qtype, tile_cols, group + g * w_stride, a, m, out + g, ldy);
                         m += tile_cols;
                     }
-                    n += pair ? 16 : 8;
+                    n += width;
                 }
                 continue;
             }
@@ -1023,6 +1292,9 @@ static void matmul_team(const float *x, int64_t M, int64_t K, int64_t ldx, int64
         }
     }
     free(unpacked);
+#if GGUF_AMX
+    free(tiles);
+#endif
 }
 
 /* out[i, :] = dequantized row ids[i] of a packed [*, K] matrix (embedding lookups, tests).

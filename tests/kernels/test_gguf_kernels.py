@@ -147,8 +147,8 @@ def test_interleaved_rows_give_the_same_bits(kernels, name):
 
 def _other_targets() -> dict[str, tuple[tuple[str, ...], int]]:
     """Every instruction-set level this CPU runs (kernels/isa.py): its flags and the simd level the
-    library reports. AVX-512 without VNNI keeps the AVX2 dot products; bf16 and AMX add nothing to
-    these kernels yet."""
+    library reports. AVX-512 without VNNI keeps the AVX2 dot products; bf16 adds nothing to these
+    kernels, AMX its tiles (test_amx_tiles_give_the_vector_paths_bits)."""
     simd = {"portable": 0, "avx2": 1, "avx512": 1}
     return {level.name: (level.compiler_flags, simd.get(level.name, 2)) for level in isa.machine_levels()}
 
@@ -165,6 +165,42 @@ def test_every_instruction_set_gives_the_same_bits(kernels, target):
             for batch in (1, 6):
                 x = rng.standard_normal((batch, COLS)).astype(np.float32)
                 assert np.array_equal(_matmul(other, x, layout), _matmul(kernels, x, matrix)), (name, batch)
+
+
+def _tile_builds(kernels: GGUFKernels) -> list[GGUFKernels]:
+    """The builds that put products on AMX tiles here: this CPU's own where it has AMX, and one
+    with the tile instructions done in C from their definitions (GGUF_AMX_EMULATE), which runs the
+    tile code on any machine with the vector path."""
+    if kernels.simd_level == 0:
+        pytest.skip("no vector path on this CPU, so no tile path either")
+    vector = next(level for level in isa.machine_levels() if level.name == "avx2").compiler_flags
+    emulated = gguf_kernels((*vector, "-DGGUF_AMX_EMULATE"))
+    assert emulated is not None and emulated.amx_status == 1, "the emulated tiles failed their self-check"
+    if {"amx_tile", "amx_int8"} <= isa.cpu_flags() and isa.selected_level() == isa.NATIVE:
+        assert kernels.amx_status in (1, -1), "AMX tiles disagreed with the VNNI path"
+        return [emulated, kernels] if kernels.amx_status == 1 else [emulated]
+    assert kernels.amx_status == 0
+    return [emulated]
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_amx_tiles_give_the_vector_paths_bits(kernels, name):
+    """16-row tiles (pairs of them, a remainder on the vector path, an 8-row last unit) and the
+    fused RMSNorm prologue: every bit as the vector and portable paths."""
+    rng = _rng("amx", name)
+    matrix = kernels.interleave(random_packed(name, 40, COLS, rng))  # units of 16, 16 and 8 rows
+    q8 = random_packed("Q8_0", 8, COLS, rng)  # a segment in the file's layout beside it
+    group = PackedGroup([matrix, q8])
+    norm = torch.from_numpy(rng.standard_normal(COLS).astype(np.float32))
+    for built in _tile_builds(kernels):
+        for batch in (15, 16, 37, 48, 70):
+            x = torch.from_numpy(rng.standard_normal((batch, COLS)).astype(np.float32))
+            vector = kernels.matmul(x, group, tiles=False)
+            assert torch.equal(built.matmul(x, group), vector), (batch, built.amx_status)
+            assert torch.equal(built.matmul(x, group, portable=True), vector), batch
+            assert torch.equal(built.matmul(x[5:6], group), vector[5:6]), batch
+            fused, _ = built.matmul_rms_norm(x, None, norm, 1e-5, group)
+            assert torch.equal(fused, kernels.matmul_rms_norm(x, None, norm, 1e-5, group, portable=True)[0])
 
 
 def test_the_real_model_tensors(kernels, default_model_path):
