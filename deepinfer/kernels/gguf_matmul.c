@@ -630,6 +630,25 @@ AI void tile_q6k(const int MR, const uint8_t *w, const acts *a, int64_t m, float
         else tile32(QT, 1, 1, w, w_stride, a, m, y, ldy);                                                     \
         break;
 
+/* An interleaved block's quants as bytes, w[k] holding positions 4k .. 4k+3 of its eight rows
+ * (lane 4j + i: row j, position 4k + i): Q8_0's as stored, the nibble formats' unpacked, Q4_0's
+ * less its 8 (signed), Q4_1's as they are (0 .. 15). */
+AI void x8_quants(const int base, const uint8_t *blk, __m256i w[8]) {
+    if (base == Q8_0) {
+        for (int k = 0; k < 8; ++k) w[k] = _mm256_loadu_si256((const __m256i *)(((const block_q8_0x8 *)blk)->qs + 32 * k));
+        return;
+    }
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const uint8_t *qs = base == Q4_0 ? ((const block_q4_0x8 *)blk)->qs : ((const block_q4_1x8 *)blk)->qs;
+    for (int p = 0; p < 4; ++p) {
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
+        w[2 * p] = _mm256_and_si256(x, low);
+        w[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(x, 4), low);
+    }
+    if (base == Q4_0)
+        for (int k = 0; k < 8; ++k) w[k] = _mm256_sub_epi8(w[k], _mm256_set1_epi8(8));
+}
+
 /* The eight rows of an interleaved group x activation rows [m, m + MR): y[r * ldy + j] for row j.
  * Per block, lane j of the integer sums is row j's exact block dot product, then the same float
  * steps as tile32 (so the same bits). Unsigned quants (Q4_1) multiply the activations directly;
@@ -639,22 +658,10 @@ AI void tile_x8(const int base, const int MR, const uint8_t *group, const acts *
     const int64_t gbytes = 8 * block_bytes(base);
     __m256 acc[4], off[4];
     for (int r = 0; r < MR; ++r) acc[r] = off[r] = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi8(0x0F);
     for (int64_t b = 0; b < a->nb; ++b) {
         const uint8_t *blk = group + b * gbytes;
         __m256i w[8];
-        if (base == Q8_0) {
-            for (int k = 0; k < 8; ++k) w[k] = _mm256_loadu_si256((const __m256i *)(((const block_q8_0x8 *)blk)->qs + 32 * k));
-        } else {
-            const uint8_t *qs = base == Q4_0 ? ((const block_q4_0x8 *)blk)->qs : ((const block_q4_1x8 *)blk)->qs;
-            for (int p = 0; p < 4; ++p) {
-                const __m256i x = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
-                w[2 * p] = _mm256_and_si256(x, low);
-                w[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(x, 4), low);
-            }
-            if (base == Q4_0)
-                for (int k = 0; k < 8; ++k) w[k] = _mm256_sub_epi8(w[k], _mm256_set1_epi8(8));
-        }
+        x8_quants(base, blk, w);
         __m256i u[8];
         for (int k = 0; k < 8; ++k) u[k] = base == Q4_1 ? w[k] : _mm256_sign_epi8(w[k], w[k]);
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk)); /* d[8] leads each struct */
@@ -879,35 +886,18 @@ static int amx_permitted(void) { return syscall(SYS_arch_prctl, 0x1023 /* ARCH_R
 /* Block b of output rows n0 .. n0+15 (groups `lo` and `hi`, 8 rows each) as tile TILE_W wants
  * it: row r holds positions 4r .. 4r+3 of the 16 outputs, the quants as signed bytes. */
 static void amx_weight_tile(int base, const uint8_t *lo, const uint8_t *hi, int8_t tile[8][64]) {
-    const __m256i low = _mm256_set1_epi8(0x0F);
     for (int half = 0; half < 2; ++half) {
-        const uint8_t *blk = half ? hi : lo;
-        if (base == Q8_0) {
-            for (int r = 0; r < 8; ++r) memcpy(tile[r] + 32 * half, ((const block_q8_0x8 *)blk)->qs + 32 * r, 32);
-            continue;
-        }
-        const uint8_t *qs = base == Q4_0 ? ((const block_q4_0x8 *)blk)->qs : ((const block_q4_1x8 *)blk)->qs;
-        const __m256i shift = _mm256_set1_epi8(base == Q4_0 ? 8 : 0);
-        for (int p = 0; p < 4; ++p) {
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
-            _mm256_storeu_si256((__m256i *)(tile[2 * p] + 32 * half), _mm256_sub_epi8(_mm256_and_si256(x, low), shift));
-            _mm256_storeu_si256((__m256i *)(tile[2 * p + 1] + 32 * half),
-                                _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(x, 4), low), shift));
-        }
+        __m256i w[8];
+        x8_quants(base, half ? hi : lo, w);
+        for (int r = 0; r < 8; ++r) _mm256_storeu_si256((__m256i *)(tile[r] + 32 * half), w[r]);
     }
 }
 
 /* tile_x8's float steps for 16 activation rows [m, m + 16) and 16 outputs of block b, from the
- * block's integer sums c: acc[r] = fma(sum, d_w * d_a, acc[r]) (and Q4_1's min into off). */
-AI void amx_scale(const int base, const int32_t c[16][16], const uint8_t *lo, const uint8_t *hi, const acts *a,
+ * block's integer sums c and the outputs' scales dw (and Q4_1's mins mw), 8 per half:
+ * acc[r] = fma(sum, d_w * d_a, acc[r]) (and Q4_1's min into off). */
+AI void amx_scale(const int base, const int32_t c[16][16], const __m256 dw[2], const __m256 mw[2], const acts *a,
                   int64_t b, int64_t m, __m256 acc[16][2], __m256 off[16][2]) {
-    const __m256 dw[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)lo)),
-                          _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)hi))}; /* d[8] leads each struct */
-    __m256 mw[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    if (base == Q4_1) {
-        mw[0] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const block_q4_1x8 *)lo)->m));
-        mw[1] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const block_q4_1x8 *)hi)->m));
-    }
     for (int r = 0; r < 16; ++r) {
         const __m256 da = _mm256_set1_ps(a->d[b * a->M + m + r]);
         for (int h = 0; h < 2; ++h) {
@@ -935,6 +925,13 @@ static void amx_unit(int base, const uint8_t *group, int64_t group_bytes, const 
             for (int r = 0; r < 16; ++r) acc[t][r][0] = acc[t][r][1] = off[t][r][0] = off[t][r][1] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; ++b) {
             const uint8_t *lo = group + b * gbytes, *hi = lo + group_bytes;
+            const __m256 dw[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)lo)),
+                                  _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)hi))}; /* d[8] leads */
+            __m256 mw[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+            if (base == Q4_1) {
+                mw[0] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const block_q4_1x8 *)lo)->m));
+                mw[1] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const block_q4_1x8 *)hi)->m));
+            }
             TILE_LOAD(TILE_W, tiles[b], 64);
             TILE_LOAD(TILE_A0, a->q + m * a->K + 32 * b, a->K);
             TILE_ZERO(TILE_C0);
@@ -945,12 +942,12 @@ static void amx_unit(int base, const uint8_t *group, int64_t group_bytes, const 
                 TILE_DPBSSD(TILE_C1, TILE_A1, TILE_W);
             }
             TILE_STORE(TILE_C0, c[0], 64);
-            if (base == Q4_1) amx_scale(Q4_1, c[0], lo, hi, a, b, m, acc[0], off[0]);
-            else amx_scale(Q8_0, c[0], lo, hi, a, b, m, acc[0], off[0]); /* Q4_0 and Q8_0: no min */
+            if (base == Q4_1) amx_scale(Q4_1, c[0], dw, mw, a, b, m, acc[0], off[0]);
+            else amx_scale(Q8_0, c[0], dw, mw, a, b, m, acc[0], off[0]); /* Q4_0 and Q8_0: no min */
             if (pair) {
                 TILE_STORE(TILE_C1, c[1], 64);
-                if (base == Q4_1) amx_scale(Q4_1, c[1], lo, hi, a, b, m + 16, acc[1], off[1]);
-                else amx_scale(Q8_0, c[1], lo, hi, a, b, m + 16, acc[1], off[1]);
+                if (base == Q4_1) amx_scale(Q4_1, c[1], dw, mw, a, b, m + 16, acc[1], off[1]);
+                else amx_scale(Q8_0, c[1], dw, mw, a, b, m + 16, acc[1], off[1]);
             }
         }
         for (int t = 0; t < 1 + pair; ++t)
