@@ -806,17 +806,19 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
-/* The tiles of amx_unit: 0 the weights' block (8 rows of 64 bytes: K = 32 positions, 16 outputs),
- * 1-2 two 16-row activation tiles (32 bytes each), 3-4 their 16 x 16 int32 sums. */
-#define TILE_W 0 /* numbers, not an enum: the intrinsics paste them into the instruction's text */
+/* The tiles of amx_sums, two sets so that consecutive blocks overlap: a block's weights (8 rows of
+ * 64 bytes: K = 32 positions, 16 outputs), 16 activation rows (32 bytes each) and their 16 x 16
+ * int32 sums. */
+#define TILE_W0 0 /* numbers, not an enum: the intrinsics paste them into the instruction's text */
 #define TILE_A0 1
-#define TILE_A1 2
-#define TILE_C0 3
-#define TILE_C1 4
+#define TILE_C0 2
+#define TILE_W1 3
+#define TILE_A1 4
+#define TILE_C1 5
 static const tile_config amx_config = {
     .palette = 1,
-    .colsb = {[TILE_W] = 64, [TILE_A0] = 32, [TILE_A1] = 32, [TILE_C0] = 64, [TILE_C1] = 64},
-    .rows = {[TILE_W] = 8, [TILE_A0] = 16, [TILE_A1] = 16, [TILE_C0] = 16, [TILE_C1] = 16},
+    .colsb = {[TILE_W0] = 64, [TILE_A0] = 32, [TILE_C0] = 64, [TILE_W1] = 64, [TILE_A1] = 32, [TILE_C1] = 64},
+    .rows = {[TILE_W0] = 8, [TILE_A0] = 16, [TILE_C0] = 16, [TILE_W1] = 8, [TILE_A1] = 16, [TILE_C1] = 16},
 };
 
 #ifdef GGUF_AMX_EMULATE
@@ -883,7 +885,7 @@ static int amx_permitted(void) { return 1; }
 static int amx_permitted(void) { return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0; }
 #endif
 
-/* Block b of output rows n0 .. n0+15 (groups `lo` and `hi`, 8 rows each) as tile TILE_W wants
+/* Block b of output rows n0 .. n0+15 (groups `lo` and `hi`, 8 rows each) as tiles TILE_W0 and TILE_W1 want
  * it: row r holds positions 4r .. 4r+3 of the 16 outputs, the quants as signed bytes. */
 static void amx_weight_tile(int base, const uint8_t *lo, const uint8_t *hi, int8_t tile[8][64]) {
     for (int half = 0; half < 2; ++half) {
@@ -893,68 +895,114 @@ static void amx_weight_tile(int base, const uint8_t *lo, const uint8_t *hi, int8
     }
 }
 
-/* tile_x8's float steps for 16 activation rows [m, m + 16) and 16 outputs of block b, from the
- * block's integer sums c and the outputs' scales dw (and Q4_1's mins mw), 8 per half:
- * acc[r] = fma(sum, d_w * d_a, acc[r]) (and Q4_1's min into off). */
-AI void amx_scale(const int base, const int32_t c[16][16], const __m256 dw[2], const __m256 mw[2], const acts *a,
-                  int64_t b, int64_t m, __m256 acc[16][2], __m256 off[16][2]) {
-    for (int r = 0; r < 16; ++r) {
-        const __m256 da = _mm256_set1_ps(a->d[b * a->M + m + r]);
-        for (int h = 0; h < 2; ++h) {
-            const __m256 sum = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(c[r] + 8 * h)));
-            acc[r][h] = _mm256_fmadd_ps(sum, _mm256_mul_ps(dw[h], da), acc[r][h]);
-            if (base == Q4_1) off[r][h] = _mm256_fmadd_ps(mw[h], _mm256_set1_ps(a->s[b * a->M + m + r]), off[r][h]);
+/* Blocks whose sums wait in L1 for their float steps (18 KB of sums at most). */
+enum { AMX_CHUNK = 18 };
+
+/* c[j] = the exact int32 sums of block b0 + j for activation rows [m, m + 16) and the unit's 16
+ * outputs, j < nc. Two blocks at a time on separate tiles, so one's product overlaps the other's
+ * loads and stores. */
+static void amx_sums(const acts *a, int64_t m, int64_t b0, int64_t nc, int8_t (*tiles)[8][64],
+                     int32_t c[AMX_CHUNK][16][16]) {
+    const int8_t *q = a->q + m * a->K + 32 * b0;
+    int64_t j = 0;
+    for (; j + 2 <= nc; j += 2) {
+        TILE_LOAD(TILE_W0, tiles[b0 + j], 64);
+        TILE_LOAD(TILE_A0, q + 32 * j, a->K);
+        TILE_ZERO(TILE_C0);
+        TILE_DPBSSD(TILE_C0, TILE_A0, TILE_W0);
+        TILE_LOAD(TILE_W1, tiles[b0 + j + 1], 64);
+        TILE_LOAD(TILE_A1, q + 32 * (j + 1), a->K);
+        TILE_ZERO(TILE_C1);
+        TILE_DPBSSD(TILE_C1, TILE_A1, TILE_W1);
+        TILE_STORE(TILE_C0, c[j], 64);
+        TILE_STORE(TILE_C1, c[j + 1], 64);
+    }
+    if (j < nc) {
+        TILE_LOAD(TILE_W0, tiles[b0 + j], 64);
+        TILE_LOAD(TILE_A0, q + 32 * j, a->K);
+        TILE_ZERO(TILE_C0);
+        TILE_DPBSSD(TILE_C0, TILE_A0, TILE_W0);
+        TILE_STORE(TILE_C0, c[j], 64);
+    }
+}
+
+/* tile_x8's float steps for activation rows m + r0 .. m + r0 + 7, their 16 outputs and blocks
+ * b0 .. b0 + nc - 1 in order: acc = fma(sum, d_w * d_a, acc), and Q4_1's min into
+ * off = fma(m_w, s_a, off). Eight rows side by side: eight independent chains of FMAs hide the
+ * FMA's latency, and their accumulators fit the registers. */
+AI void amx_row_steps(const int base, const int32_t c[AMX_CHUNK][16][16], const float dw[AMX_CHUNK][16],
+                      const float mw[AMX_CHUNK][16], const acts *a, int64_t b0, int64_t nc, int64_t m, int r0,
+                      float acc[16][16], float off[16][16]) {
+    enum { R = 8 };
+    const float *da = a->d + b0 * a->M + m + r0, *sa = a->s + b0 * a->M + m + r0;
+#ifdef __AVX512F__
+    __m512 sum[R], min[R];
+    for (int r = 0; r < R; ++r) sum[r] = _mm512_load_ps(acc[r0 + r]), min[r] = _mm512_load_ps(off[r0 + r]);
+    for (int64_t j = 0; j < nc; ++j) {
+        const __m512 w = _mm512_load_ps(dw[j]), wm = _mm512_load_ps(mw[j]);
+        for (int r = 0; r < R; ++r) {
+            const __m512 block = _mm512_cvtepi32_ps(_mm512_load_si512(c[j][r0 + r]));
+            sum[r] = _mm512_fmadd_ps(block, _mm512_mul_ps(w, _mm512_set1_ps(da[j * a->M + r])), sum[r]);
+            if (base == Q4_1) min[r] = _mm512_fmadd_ps(wm, _mm512_set1_ps(sa[j * a->M + r]), min[r]);
         }
     }
+    for (int r = 0; r < R; ++r) _mm512_store_ps(acc[r0 + r], sum[r]), _mm512_store_ps(off[r0 + r], min[r]);
+#else
+    for (int h = 0; h < 16; h += 8) {
+        __m256 sum[R], min[R];
+        for (int r = 0; r < R; ++r) sum[r] = _mm256_load_ps(acc[r0 + r] + h), min[r] = _mm256_load_ps(off[r0 + r] + h);
+        for (int64_t j = 0; j < nc; ++j) {
+            const __m256 w = _mm256_load_ps(dw[j] + h), wm = _mm256_load_ps(mw[j] + h);
+            for (int r = 0; r < R; ++r) {
+                const __m256 block = _mm256_cvtepi32_ps(_mm256_load_si256((const __m256i *)(c[j][r0 + r] + h)));
+                sum[r] = _mm256_fmadd_ps(block, _mm256_mul_ps(w, _mm256_set1_ps(da[j * a->M + r])), sum[r]);
+                if (base == Q4_1) min[r] = _mm256_fmadd_ps(wm, _mm256_set1_ps(sa[j * a->M + r]), min[r]);
+            }
+        }
+        for (int r = 0; r < R; ++r) _mm256_store_ps(acc[r0 + r] + h, sum[r]), _mm256_store_ps(off[r0 + r] + h, min[r]);
+    }
+#endif
 }
 
 /* Output rows n0 .. n0+15 (the groups at `group` and `group + group_bytes`) for activation rows
  * [m_begin, m_end), a multiple of 16 rows: y[(m - m_begin) * ldy + j] for output n0 + j. `tiles`
- * holds the unit's weight tiles, nb * 512 bytes. */
+ * holds the unit's weight tiles, nb * 512 bytes. Per 16 rows and chunk of blocks, the tiles give
+ * every block's sums, then each row takes the chunk's float steps; per (row, output) the blocks
+ * still come in order, so the bits are tile_x8's. */
 static void amx_unit(int base, const uint8_t *group, int64_t group_bytes, const acts *a, int64_t m_begin,
                      int64_t m_end, float *y, int64_t ldy, int8_t (*tiles)[8][64]) {
     const int64_t gbytes = 8 * block_bytes(base), nb = a->nb;
     for (int64_t b = 0; b < nb; ++b)
         amx_weight_tile(base, group + b * gbytes, group + group_bytes + b * gbytes, tiles[b]);
     TILE_CONFIG(&amx_config);
-    int32_t c[2][16][16] __attribute__((aligned(64)));
-    __m256 acc[2][16][2], off[2][16][2];
-    for (int64_t m = m_begin; m < m_end;) {
-        const int pair = m + 32 <= m_end; /* two activation tiles share each weight tile */
-        for (int t = 0; t < 2; ++t)
-            for (int r = 0; r < 16; ++r) acc[t][r][0] = acc[t][r][1] = off[t][r][0] = off[t][r][1] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; ++b) {
-            const uint8_t *lo = group + b * gbytes, *hi = lo + group_bytes;
-            const __m256 dw[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)lo)),
-                                  _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)hi))}; /* d[8] leads */
-            __m256 mw[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-            if (base == Q4_1) {
-                mw[0] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const block_q4_1x8 *)lo)->m));
-                mw[1] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const block_q4_1x8 *)hi)->m));
+    int32_t c[AMX_CHUNK][16][16] __attribute__((aligned(64)));
+    float dw[AMX_CHUNK][16] __attribute__((aligned(64))), mw[AMX_CHUNK][16] __attribute__((aligned(64)));
+    float acc[16][16] __attribute__((aligned(64))), off[16][16] __attribute__((aligned(64)));
+    const int64_t chunk = (nb + (nb + AMX_CHUNK - 1) / AMX_CHUNK - 1) / ((nb + AMX_CHUNK - 1) / AMX_CHUNK); /* even */
+    for (int64_t m = m_begin; m < m_end; m += 16) {
+        memset(acc, 0, sizeof acc);
+        memset(off, 0, sizeof off);
+        for (int64_t b0 = 0; b0 < nb; b0 += chunk) {
+            const int64_t nc = nb - b0 < chunk ? nb - b0 : chunk;
+            amx_sums(a, m, b0, nc, tiles, c);
+            for (int64_t j = 0; j < nc; ++j) { /* the scales (and Q4_1's mins) lead each group's struct */
+                const uint8_t *lo = group + (b0 + j) * gbytes, *hi = lo + group_bytes;
+                _mm256_store_ps(dw[j], _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)lo)));
+                _mm256_store_ps(dw[j] + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)hi)));
+                if (base == Q4_1) {
+                    _mm256_store_ps(mw[j], _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const block_q4_1x8 *)lo)->m)));
+                    _mm256_store_ps(mw[j] + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const block_q4_1x8 *)hi)->m)));
+                }
             }
-            TILE_LOAD(TILE_W, tiles[b], 64);
-            TILE_LOAD(TILE_A0, a->q + m * a->K + 32 * b, a->K);
-            TILE_ZERO(TILE_C0);
-            TILE_DPBSSD(TILE_C0, TILE_A0, TILE_W);
-            if (pair) {
-                TILE_LOAD(TILE_A1, a->q + (m + 16) * a->K + 32 * b, a->K);
-                TILE_ZERO(TILE_C1);
-                TILE_DPBSSD(TILE_C1, TILE_A1, TILE_W);
-            }
-            TILE_STORE(TILE_C0, c[0], 64);
-            if (base == Q4_1) amx_scale(Q4_1, c[0], dw, mw, a, b, m, acc[0], off[0]);
-            else amx_scale(Q8_0, c[0], dw, mw, a, b, m, acc[0], off[0]); /* Q4_0 and Q8_0: no min */
-            if (pair) {
-                TILE_STORE(TILE_C1, c[1], 64);
-                if (base == Q4_1) amx_scale(Q4_1, c[1], dw, mw, a, b, m + 16, acc[1], off[1]);
-                else amx_scale(Q8_0, c[1], dw, mw, a, b, m + 16, acc[1], off[1]);
+            for (int r0 = 0; r0 < 16; r0 += 8) {
+                if (base == Q4_1) amx_row_steps(Q4_1, c, dw, mw, a, b0, nc, m, r0, acc, off);
+                else amx_row_steps(Q8_0, c, dw, mw, a, b0, nc, m, r0, acc, off); /* Q4_0, Q8_0: no min */
             }
         }
-        for (int t = 0; t < 1 + pair; ++t)
-            for (int r = 0; r < 16; ++r)
-                for (int h = 0; h < 2; ++h)
-                    _mm256_storeu_ps(y + (m - m_begin + 16 * t + r) * ldy + 8 * h, _mm256_add_ps(acc[t][r][h], off[t][r][h]));
-        m += pair ? 32 : 16;
+        for (int r = 0; r < 16; ++r) /* the VNNI path's last step, + 0 included (it turns -0 into +0) */
+            for (int h = 0; h < 16; h += 8)
+                _mm256_storeu_ps(y + (m - m_begin + r) * ldy + h,
+                                 _mm256_add_ps(_mm256_load_ps(acc[r] + h), _mm256_load_ps(off[r] + h)));
     }
     TILE_RELEASE();
 }
@@ -963,7 +1011,7 @@ static void amx_unit(int base, const uint8_t *group, int64_t group_bytes, const 
  * pseudo-random case against the VNNI path's, bit for bit (once per process; a build whose tiles
  * disagree falls back, which the tests would show). */
 static int amx_self_check(void) {
-    enum { K = 64, NB = K / 32, M = 48 };
+    enum { K = 96, NB = K / 32, M = 48 }; /* three blocks: amx_sums' pair and its odd last */
     static const int bases[3] = {Q4_0, Q4_1, Q8_0};
     uint32_t seed = 12345u;
 #define NEXT() (seed = seed * 1664525u + 1013904223u, seed >> 8)
