@@ -24,6 +24,7 @@
  * sums are not fused.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define PANEL 16   /* outputs per panel: one fp32 lane each */
@@ -130,12 +131,12 @@ static void tile_dispatch(const uint16_t *x, int64_t ldx, int rows, const uint16
 #undef TILE
 }
 
-/* y[m, n] = bf16(x[m, :] . W[n, :] + bias[n]): x [m, k] with row stride ldx, W packed as in the
- * header, bias fp32 [n] or NULL, y [m, n] with row stride ldy. Threads split the panels; which
- * thread computes an output never changes how. At one or two rows a tile takes two panels, so
- * the narrow matrices of a decode step still split evenly over the threads. */
-void bf16_linear(const uint16_t *x, int64_t ldx, const uint16_t *packed, const float *bias, uint16_t *y,
-                 int64_t ldy, int64_t m, int64_t n, int64_t k) {
+/* The VDPBF16PS path (the portable C where the build has no AVX512-BF16): the header's sums.
+ * Threads split the panels; which thread computes an output never changes how. At one or two
+ * rows a tile takes two panels, so the narrow matrices of a decode step still split evenly over
+ * the threads. */
+static void vector_linear(const uint16_t *x, int64_t ldx, const uint16_t *packed, const float *bias, uint16_t *y,
+                          int64_t ldy, int64_t m, int64_t n, int64_t k) {
     const int64_t panel_stride = (k + 1) / 2 * 2 * PANEL, panels = (n + PANEL - 1) / PANEL;
     const int per_tile = m <= 2 ? 2 : NP;
     const int64_t tiles = (panels + per_tile - 1) / per_tile;
@@ -155,4 +156,199 @@ void bf16_linear(const uint16_t *x, int64_t ldx, const uint16_t *packed, const f
             }
         }
     }
+}
+
+/* ---------------------------------------------------------------- AMX bf16 tiles */
+
+/* Where the CPU has AMX (Intel Xeon from Sapphire Rapids on), one TDPBF16PS multiplies 16
+ * activation rows by 32 inputs of 16 outputs, the work of 32 VDPBF16PS. A panel's 16 input pairs
+ * are already the instruction's second operand (16 rows of 64 bytes: pair q, the 16 outputs' two
+ * weights side by side), so weights are loaded from the packing as they are.
+ *
+ * Numerics, for output (m, n), on a machine whose tiles pass amx_self_check: one fp32 tile
+ * accumulator starting at +0, to which each chunk of 32 inputs (in order) adds its 32 products
+ * the way the tile hardware does (Intel does not specify the rounding of the chunk's sum, and
+ * measured on a Sapphire Rapids-class Xeon it is not the VDPBF16PS order, nor one rounding of the
+ * exact sum: up to a few units of the last place apart where terms cancel); then
+ * y = bf16 round-to-nearest-even of (acc + b[n]) by VCVTNEPS2BF16 (which also flushes values below
+ * 2^-126 to zero). A row's sums do not depend on the rows beside it, the row tile's height, the
+ * tiling or the threads, so a row's bits are the same in any batch on this machine; they are not
+ * the VDPBF16PS path's bits. The choice of path depends only on the machine and the weight
+ * (K a multiple of 32), never on the row count, so that invariance holds across batches. */
+#if BF16_SIMD && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define BF16_AMX 1
+#include "amx.h"
+
+#define TILE_C00 0 /* numbers, not an enum: the intrinsics paste them into the instruction's text */
+#define TILE_C01 1 /* C[row tile][panel]: 16 rows x 16 outputs of fp32 sums */
+#define TILE_C10 2
+#define TILE_C11 3
+#define TILE_A0 4 /* 16 activation rows x 32 inputs */
+#define TILE_A1 5
+#define TILE_B0 6 /* one panel's 16 input pairs */
+#define TILE_B1 7
+#define CHUNK 32  /* inputs per TDPBF16PS */
+#define AMX_ROWS 32 /* rows per block: two row tiles */
+
+/* The sums of `rows` x 16 `panels` outputs (rows, panels in {1, 2}: row tiles and panels, as
+ * constants after inlining) over `chunks` chunks of 32 inputs into out[r][16 j + c]. */
+static inline __attribute__((always_inline)) void amx_block(const uint16_t *x, int64_t ldx, int rows,
+                                                           const uint16_t *w, int64_t panel_stride, int panels,
+                                                           int64_t chunks, float out[AMX_ROWS][2 * PANEL]) {
+    _tile_zero(TILE_C00);
+    if (panels == 2) _tile_zero(TILE_C01);
+    if (rows == 2) _tile_zero(TILE_C10);
+    if (rows == 2 && panels == 2) _tile_zero(TILE_C11);
+    for (int64_t q = 0; q < chunks; ++q) {
+        _tile_loadd(TILE_A0, x + q * CHUNK, 2 * ldx);
+        _tile_loadd(TILE_B0, w + q * CHUNK * PANEL, 4 * PANEL);
+        _tile_dpbf16ps(TILE_C00, TILE_A0, TILE_B0);
+        if (panels == 2) {
+            _tile_loadd(TILE_B1, w + panel_stride + q * CHUNK * PANEL, 4 * PANEL);
+            _tile_dpbf16ps(TILE_C01, TILE_A0, TILE_B1);
+        }
+        if (rows == 2) {
+            _tile_loadd(TILE_A1, x + 16 * ldx + q * CHUNK, 2 * ldx);
+            _tile_dpbf16ps(TILE_C10, TILE_A1, TILE_B0);
+            if (panels == 2) _tile_dpbf16ps(TILE_C11, TILE_A1, TILE_B1);
+        }
+    }
+    _tile_stored(TILE_C00, out[0], sizeof out[0]);
+    if (panels == 2) _tile_stored(TILE_C01, out[0] + PANEL, sizeof out[0]);
+    if (rows == 2) _tile_stored(TILE_C10, out[16], sizeof out[0]);
+    if (rows == 2 && panels == 2) _tile_stored(TILE_C11, out[16] + PANEL, sizeof out[0]);
+}
+
+static void amx_block_dispatch(const uint16_t *x, int64_t ldx, int rows, const uint16_t *w, int64_t panel_stride,
+                               int panels, int64_t chunks, float out[AMX_ROWS][2 * PANEL]) {
+    if (rows == 2 && panels == 2) amx_block(x, ldx, 2, w, panel_stride, 2, chunks, out);
+    else if (rows == 2) amx_block(x, ldx, 2, w, panel_stride, 1, chunks, out);
+    else if (panels == 2) amx_block(x, ldx, 1, w, panel_stride, 2, chunks, out);
+    else amx_block(x, ldx, 1, w, panel_stride, 1, chunks, out);
+}
+
+/* y[r][n0 + c] = bf16(out[r][c] + bias[n0 + c]) for r < rows, c < width (at most 32). */
+static void amx_write(const float out[AMX_ROWS][2 * PANEL], int64_t rows, int64_t width, const float *bias,
+                      int64_t n0, uint16_t *y, int64_t ldy) {
+    for (int h = 0; h < 2 && 16 * h < width; ++h) {
+        const int64_t lanes = width - 16 * h < 16 ? width - 16 * h : 16;
+        const __mmask16 mask = (__mmask16)((1u << lanes) - 1u);
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0 + 16 * h) : _mm512_setzero_ps();
+        for (int64_t r = 0; r < rows; ++r) {
+            const __m512 v = _mm512_load_ps(out[r] + 16 * h);
+            const __m256bh rounded = _mm512_cvtneps_pbh(bias ? _mm512_add_ps(v, b) : v);
+            _mm256_mask_storeu_epi16(y + r * ldy + n0 + 16 * h, mask, (__m256i)rounded);
+        }
+    }
+}
+
+/* bf16_linear on tiles, for K a multiple of 32. Products of up to 16 rows configure their row
+ * tiles that high; longer ones go 32 rows at a time, the last block's rows copied into a
+ * zero-padded block (zero rows do not change the others' sums). Threads split pairs of panels. */
+static void amx_linear(const uint16_t *x, int64_t ldx, const uint16_t *packed, const float *bias, uint16_t *y,
+                       int64_t ldy, int64_t m, int64_t n, int64_t k) {
+    const int64_t panel_stride = k * PANEL, panels = (n + PANEL - 1) / PANEL, pairs = (panels + 1) / 2;
+    const int64_t chunks = k / CHUNK, height = m < 16 ? m : 16;
+    tile_config config = {.palette = 1};
+    for (int t = TILE_C00; t <= TILE_B1; ++t) {
+        config.colsb[t] = 64;
+        config.rows[t] = (uint8_t)(t >= TILE_B0 ? 16 : height);
+    }
+    /* The rows past the last whole block of 32, zero-padded, when there are more than 16 rows. */
+    const int64_t tail = m > 16 ? m % AMX_ROWS : 0;
+    uint16_t *padded = NULL;
+    if (tail) {
+        padded = calloc((size_t)(AMX_ROWS * k), sizeof *padded);
+        if (!padded) { /* no memory for 32 rows: the vector path needs none */
+            vector_linear(x, ldx, packed, bias, y, ldy, m, n, k);
+            return;
+        }
+        for (int64_t r = 0; r < tail; ++r) memcpy(padded + r * k, x + (m - tail + r) * ldx, (size_t)k * sizeof *x);
+    }
+    const int64_t per_block = X_BLOCK_BYTES / (2 * k) / AMX_ROWS * AMX_ROWS;
+    const int64_t block = per_block > AMX_ROWS ? per_block : AMX_ROWS;
+#pragma omp parallel if (m * n * k > 65536)
+    {
+        float out[AMX_ROWS][2 * PANEL] __attribute__((aligned(64)));
+        _tile_loadconfig(&config);
+        for (int64_t m0 = 0; m0 < m; m0 += block) {
+            const int64_t m1 = m0 + block < m ? m0 + block : m;
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < pairs; ++t) {
+                const int64_t n0 = 2 * t * PANEL;
+                const int count = 2 * t + 1 < panels ? 2 : 1;
+                const int64_t width = n - n0 < count * PANEL ? n - n0 : count * PANEL;
+                for (int64_t i0 = m0; i0 < m1; i0 += AMX_ROWS) {
+                    const int64_t rows = m1 - i0 < AMX_ROWS ? m1 - i0 : AMX_ROWS;
+                    const int whole = m <= 16 || rows == AMX_ROWS;
+                    amx_block_dispatch(whole ? x + i0 * ldx : padded, whole ? ldx : k, rows > 16 ? 2 : 1,
+                                       packed + 2 * t * panel_stride, panel_stride, count, chunks, out);
+                    amx_write(out, rows, width, bias, n0, y + i0 * ldy, ldy);
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(padded);
+}
+
+/* Whether the tiles are wired right: products whose every sum is exact (small integers) must be
+ * the vector path's, bit for bit, at heights 5 and 16 and in a padded block (37 rows). */
+static int amx_self_check(void) {
+    enum { K = 64, N = 40, M = 37 };
+    uint16_t x[M * K], w[N * K], packed[(N + PANEL - 1) / PANEL * K * PANEL], tiled[M * N], vector[M * N];
+    float bias[N];
+    uint32_t state = 12345u;
+    for (int i = 0; i < M * K; ++i) x[i] = to_bf16((float)((int)((state = state * 1664525u + 1013904223u) >> 29) - 4));
+    for (int i = 0; i < N * K; ++i) w[i] = to_bf16((float)((int)((state = state * 1664525u + 1013904223u) >> 29) - 4));
+    for (int i = 0; i < N; ++i) bias[i] = (float)(i - 20);
+    memset(packed, 0, sizeof packed);
+    for (int r = 0; r < N; ++r)
+        for (int c = 0; c < K; ++c) packed[(r / PANEL) * K * PANEL + (c / 2) * 2 * PANEL + (r % PANEL) * 2 + c % 2] = w[r * K + c];
+    static const int heights[] = {5, 16, M};
+    for (int i = 0; i < 3; ++i) {
+        amx_linear(x, K, packed, bias, tiled, N, heights[i], N, K);
+        vector_linear(x, K, packed, bias, vector, N, heights[i], N, K);
+        if (memcmp(tiled, vector, (size_t)heights[i] * N * sizeof *tiled) != 0) return 0;
+    }
+    return 1;
+}
+
+static int amx_state; /* 0: not yet known, else bf16_amx_ready's answer */
+
+static int amx_status(void) {
+    int state = __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE);
+    if (state == 0) {
+        state = !amx_request_permission() ? -1 : amx_self_check() ? 1 : -2;
+        __atomic_store_n(&amx_state, state, __ATOMIC_RELEASE);
+    }
+    return state;
+}
+#else
+#define BF16_AMX 0
+#endif
+
+/* 1 when products with K a multiple of 32 run on AMX bf16 tiles (built for them, permitted by the
+ * OS, and wired right); 0 a build without tiles, -1 the OS refused them, -2 the self-check failed
+ * (a defect: tiles stay off). */
+int bf16_amx_ready(void) {
+#if BF16_AMX
+    return amx_status();
+#else
+    return 0;
+#endif
+}
+
+/* y[m, n] = bf16(x[m, :] . W[n, :] + bias[n]): x [m, k] with row stride ldx, W packed as in the
+ * header, bias fp32 [n] or NULL, y [m, n] with row stride ldy. On tiles where bf16_amx_ready and
+ * K is a multiple of 32, else the vector path: a choice made by the machine and the weight alone. */
+void bf16_linear(const uint16_t *x, int64_t ldx, const uint16_t *packed, const float *bias, uint16_t *y,
+                 int64_t ldy, int64_t m, int64_t n, int64_t k) {
+#if BF16_AMX
+    if (k % CHUNK == 0 && amx_status() == 1) {
+        amx_linear(x, ldx, packed, bias, y, ldy, m, n, k);
+        return;
+    }
+#endif
+    vector_linear(x, ldx, packed, bias, y, ldy, m, n, k);
 }

@@ -7,6 +7,7 @@ compiler; `fits` says which weights the C path takes.
 from __future__ import annotations
 
 import ctypes
+import logging
 from functools import cache
 
 import torch
@@ -15,6 +16,8 @@ from deepinfer.kernels import isa
 from deepinfer.kernels.build import load_kernel_library
 
 PANEL = 16  # outputs per panel (bf16_matmul.c)
+
+log = logging.getLogger(__name__)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -31,6 +34,13 @@ class Bf16Kernels:
         self._linear = lib.bf16_linear
         self._linear.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
         self._linear.restype = None
+        lib.bf16_amx_ready.restype = ctypes.c_int
+        # Products whose K is a multiple of 32 run on AMX bf16 tiles when this is 1 (bits of the
+        # tiles' own sums, see bf16_matmul.c): built for them, permitted by the OS and wired right
+        # (0: a build without tiles, -1: the OS refused them, -2: the self-check failed).
+        self.amx_status = lib.bf16_amx_ready()
+        if self.amx_status == -2:
+            log.warning("AMX bf16 tiles failed their self-check: bf16 products stay on VDPBF16PS")
 
     def linear(
         self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None

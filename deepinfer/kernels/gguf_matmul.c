@@ -798,13 +798,7 @@ static void run_tile_x8(int qtype, int mr, const uint8_t *group, const acts *a, 
  * checked against the VNNI path once per process before its first use (amx_ready). */
 #if GGUF_SIMD && ((defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)) || defined(GGUF_AMX_EMULATE))
 #define GGUF_AMX 1
-
-/* LDTILECFG's 64-byte operand (palette 1). */
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
+#include "amx.h"
 
 /* The tiles of amx_sums, two sets so that consecutive blocks overlap: a block's weights (8 rows of
  * 64 bytes: K = 32 positions, 16 outputs), 16 activation rows (32 bytes each) and their 16 x 16
@@ -871,18 +865,13 @@ static void emu_tile_dpbssd(int c, int a, int b) {
 #define TILE_RELEASE() ((void)0)
 static int amx_permitted(void) { return 1; }
 #else
-#include <sys/syscall.h>
-#include <unistd.h>
 #define TILE_CONFIG(config) _tile_loadconfig(config)
 #define TILE_LOAD(t, base, stride) _tile_loadd(t, base, stride)
 #define TILE_STORE(t, base, stride) _tile_stored(t, base, stride)
 #define TILE_ZERO(t) _tile_zero(t)
 #define TILE_DPBSSD(c, a, b) _tile_dpbssd(c, a, b)
 #define TILE_RELEASE() _tile_release()
-
-/* Linux hands out the tile registers' state (XTILEDATA, 8 KB per thread) only to a process that
- * asks (arch_prctl ARCH_REQ_XCOMP_PERM, Linux 5.16+); a VM or kernel may refuse. */
-static int amx_permitted(void) { return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0; }
+static int amx_permitted(void) { return amx_request_permission(); }
 #endif
 
 /* Block b of output rows n0 .. n0+15 (groups `lo` and `hi`, 8 rows each) as tiles TILE_W0 and TILE_W1 want

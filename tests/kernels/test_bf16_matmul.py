@@ -1,5 +1,6 @@
-"""bf16_matmul.c: the documented sum order, the portable build's bits at every level that has
-AVX512-BF16, and a row's bits whatever rows come with it."""
+"""bf16_matmul.c: the documented sum order, the portable build's bits at every level whose
+products run on VDPBF16PS, the AMX tiles' wiring and accuracy, and a row's bits whatever rows come
+with it."""
 
 from __future__ import annotations
 
@@ -21,6 +22,16 @@ def kernels(level: str) -> Bf16Kernels:
     built = bf16_kernels(isa.compiler_flags(level))
     assert built is not None, "no C compiler"
     return built
+
+
+def on_tiles(level: str) -> bool:
+    """Whether this level's products with K a multiple of 32 run on AMX tiles, whose sums are the
+    hardware's own (not the documented VDPBF16PS order)."""
+    return kernels(level).amx_status == 1
+
+
+VECTOR_LEVELS = [level for level in BF16_LEVELS if not on_tiles(level)]
+TILE_LEVELS = [level for level in BF16_LEVELS if on_tiles(level)]
 
 
 def operands(m: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -52,19 +63,44 @@ def documented(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> t
 
 @pytest.mark.parametrize("level", ["portable", *BF16_LEVELS])
 def test_the_kernel_sums_in_the_documented_order(level: str) -> None:
+    # K = 70 and 17 are not multiples of 32: the vector path, on tiles' levels too.
     for m, n, k in [(2, 3, 70), (1, 5, 64), (3, 4, 17)]:
         x, w, bias = operands(m, n, k, seed=k)
         for b in (bias, None):
             assert torch.equal(linear(kernels(level), x, w, b), documented(x, w, b)), (m, n, k, b is None)
 
 
-@pytest.mark.parametrize("level", BF16_LEVELS)
-def test_every_bf16_level_has_the_portable_bits(level: str) -> None:
+@pytest.mark.parametrize("level", VECTOR_LEVELS)
+def test_every_vector_level_has_the_portable_bits(level: str) -> None:
     portable, vector = kernels("portable"), kernels(level)
     for m, n, k in SHAPES:
         x, w, bias = operands(m, n, k)
         for b in (bias, None):
             assert torch.equal(linear(vector, x, w, b), linear(portable, x, w, b)), (m, n, k)
+
+
+def test_a_cpu_with_amx_bf16_runs_the_tiles() -> None:
+    if "amx" not in BF16_LEVELS:
+        pytest.skip("this CPU has no AMX")
+    assert kernels("amx").amx_status == 1, "the OS refused the tiles or their self-check failed"
+
+
+@pytest.mark.parametrize("level", TILE_LEVELS)
+def test_tiles_give_exact_sums_the_vector_paths_bits(level: str) -> None:
+    """Small integers make every sum exact, so the tiles and the vector path must agree bit for bit:
+    this checks how the tiles read the rows and the packed panels (row tiles of every height, the
+    padded last block, a partial last panel), whatever the order of their sums."""
+    generator = torch.Generator().manual_seed(3)
+    for m, n, k in [(1, 48, 64), (9, 200, 576), (16, 37, 1536), (45, 200, 576), (70, 33, 96)]:
+        x = torch.randint(-8, 8, (m, k), generator=generator).bfloat16()
+        w = torch.randint(-8, 8, (n, k), generator=generator).bfloat16()
+        bias = torch.randint(-64, 64, (n,), generator=generator).float()
+        for b in (bias, None):
+            assert torch.equal(linear(kernels(level), x, w, b), linear(kernels("portable"), x, w, b)), (
+                m,
+                n,
+                k,
+            )
 
 
 @pytest.mark.parametrize("level", ["portable", *BF16_LEVELS])
@@ -84,7 +120,7 @@ def test_a_row_has_the_same_bits_alone_and_in_any_batch(level: str) -> None:
 @pytest.mark.parametrize("level", ["portable", *BF16_LEVELS])
 def test_the_kernel_is_a_bf16_product(level: str) -> None:
     """Against the product in float64 on the same bf16 values: one bf16 rounding of the result
-    (half of bf16's epsilon) plus an fp32 sum of K terms."""
+    (half of bf16's epsilon) plus an fp32 sum of K terms (the tiles' sums included)."""
     for m, n, k in SHAPES:
         x, w, bias = operands(m, n, k, seed=1)
         exact = x.double() @ w.double().T + bias.double()
