@@ -129,12 +129,14 @@ class CausalLM(torch.nn.Module):
 
     @property
     def rounds_activations(self) -> bool:
-        """Whether some linear quantizes its input (int8, GGUF blocks): a difference in the last
-        bit of an activation can then change a rounding, and so a greedy token."""
+        """Whether some linear rounds its input or output coarsely (int8, GGUF blocks, our bf16
+        kernel): a difference in the last bit of an activation can then change a rounding, and so
+        a greedy token, so attention must give a row the same bits in any chunk."""
+        from deepinfer.model.layers.bf16_linear import Bf16Linear
         from deepinfer.model.layers.gguf_linear import GGUFLinear
         from deepinfer.model.layers.int8_linear import Int8Linear
 
-        return any(isinstance(m, (GGUFLinear, Int8Linear)) for m in self.modules())
+        return any(isinstance(m, (GGUFLinear, Int8Linear, Bf16Linear)) for m in self.modules())
 
     def use_packed_weights(self, packed: Mapping[str, PackedMatrix]) -> set[str]:
         """quantization="gguf": replace, in place and before the model is materialized, the layers

@@ -177,3 +177,38 @@ def test_bf16_greedy_tokens_do_not_depend_on_the_batch(bf16_llm: LLM) -> None:
     together = [o.outputs[0].token_ids for o in bf16_llm.generate(requests, params, use_tqdm=False)]
     alone = [bf16_llm.generate([r], params, use_tqdm=False)[0].outputs[0].token_ids for r in requests]
     assert alone == together
+
+
+@native_bf16
+def test_bf16_logprobs_do_not_depend_on_prompt_chunking(
+    bf16_llm: LLM, default_model_path: Path, tmp_path: Path
+) -> None:
+    """Our bf16 kernel rounds every projection's output, so a last-bit difference in attention can
+    change a token: prompts of ~300 tokens prefilled in 40-token chunks (longer than the backend's
+    row-kernel threshold) must give the top logprobs, bit for bit, of the same prompts prefilled
+    whole. The torch GEMMs of the tiled prefill attention summed in an order set by the chunk's
+    shape and did not."""
+    tokenizer = bf16_llm.get_tokenizer()
+    long_question = " ".join(QUESTIONS) * 4
+    requests = [
+        {"prompt_token_ids": tokenizer.encode(CHAT.format(f"{q} {long_question}"))} for q in QUESTIONS
+    ]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
+    folder = write_hf_dir(default_model_path, tmp_path / "bf16", "bfloat16")
+    chunked = LLM(
+        model=str(folder),
+        dtype="auto",
+        kv_cache_memory=64 << 20,
+        max_num_batched_tokens=40,
+        enable_prefix_caching=False,
+    )
+    try:
+        pieces = [chunked.generate([r], params, use_tqdm=False)[0].outputs[0] for r in requests]
+    finally:
+        chunked.close()
+    whole = [bf16_llm.generate([r], params, use_tqdm=False)[0].outputs[0] for r in requests]
+    for a, b in zip(pieces, whole):
+        assert a.token_ids == b.token_ids
+        assert [sorted((t, p.logprob) for t, p in d.items()) for d in a.logprobs] == [
+            sorted((t, p.logprob) for t, p in d.items()) for d in b.logprobs
+        ]
