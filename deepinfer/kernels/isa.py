@@ -19,7 +19,7 @@ Levels, each including the ones before it (x86-64 only; elsewhere `portable` and
 | avx512       | + avx512f avx512bw avx512vl avx512dq      | 16-lane attention tiles and exp        |
 | avx512_vnni  | + avx512_vnni                             | int8 dot products, paired 8-row tiles  |
 | avx512_bf16  | + avx512_bf16                             | bf16 weights stay bf16, VDPBF16PS GEMM |
-| amx          | + amx_tile amx_int8 amx_bf16              | int8 tiles for GGUF products, 16+ rows |
+| amx          | + amx_tile amx_int8 amx_bf16              | int8 tiles (GGUF, 16+ rows), bf16 tiles |
 """
 
 from __future__ import annotations
