@@ -56,10 +56,18 @@ class CacheConfig:
         check_choice("kv_cache_dtype", self.kv_cache_dtype, ("auto", "float16", "float32"))
 
 
+CPU_STEP_TOKENS = 1024  # default step budgets, by device (SchedulerConfig.on_device)
+ACCELERATOR_STEP_TOKENS = 2048
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_num_seqs: int = option(128, help="most sequences running at once")
-    max_num_batched_tokens: int = option(2048, help="token budget of one step")
+    max_num_batched_tokens: int | None = option(
+        None,
+        help="token budget of one step (default: 1024 on the CPU, where shorter steps let 32 "
+        "streams' first tokens out sooner at no cost in throughput; 2048 on a GPU)",
+    )
     prefill_chunk_size: int | None = option(None, help="most prompt tokens of one sequence per step")
     max_prefill_attention: int | None = option(
         524288,
@@ -82,9 +90,19 @@ class SchedulerConfig:
         "where it pays on the CPU)",
     )
 
+    def on_device(self, device_type: str) -> SchedulerConfig:
+        """This config with the step budget's default filled in for a device type ("cpu",
+        "cuda"): a new config, this one unchanged. Measured on a 2-core Intel Xeon with AMX (32
+        streams of 256 words -> 128 tokens, GGUF default): 1024 gave 373-386 output tok/s and TTFT
+        p50 2.5-2.8 s against 2048's 347-348 tok/s and 3.6-3.7 s; 512 and 768 the same as 1024."""
+        if self.max_num_batched_tokens is not None:
+            return self
+        budget = CPU_STEP_TOKENS if device_type == "cpu" else ACCELERATOR_STEP_TOKENS
+        return dataclasses.replace(self, max_num_batched_tokens=budget)
+
     def __post_init__(self) -> None:
         check_positive("max_num_seqs", self.max_num_seqs, allow_none=False)
-        check_positive("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=False)
+        check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
         check_positive("prefill_chunk_size", self.prefill_chunk_size)
         check_positive("max_prefill_attention", self.max_prefill_attention)
         check_positive("max_model_len", self.max_model_len)

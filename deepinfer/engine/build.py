@@ -4,6 +4,7 @@ image puller, scheduler). The core only steps what it is given."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -174,6 +175,7 @@ def build_engine_core(
     tensor-parallel group or one data-parallel rank, and loads this rank's shard."""
     torch.set_num_threads(rank_threads(config, parallel.topology if parallel else None))
     device = engine_device(config, parallel)
+    config = dataclasses.replace(config, scheduler=config.scheduler.on_device(device.type))
     if parallel is not None and loaded is not None:
         raise ValueError("an engine over several ranks loads its own shards: `loaded` cannot be given")
     if loaded is None:

@@ -71,6 +71,8 @@ class SequenceUpdate:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, max_model_len: int, kv: KVCacheManager) -> None:
+        if config.max_num_batched_tokens is None:
+            raise ValueError("the step budget is set by device: pass config.on_device(...)")
         self.config = config
         self.max_model_len = max_model_len  # the context limit, resolved against the model's
         self.kv = kv

@@ -47,6 +47,7 @@ def kv_manager(
 def make_scheduler(
     num_blocks: int = 16, block_size: int = 4, prefix: bool = True, max_model_len: int = 8192, **config
 ) -> Scheduler:
+    config.setdefault("max_num_batched_tokens", 2048)
     return Scheduler(SchedulerConfig(**config), max_model_len, kv_manager(num_blocks, block_size, prefix))
 
 

@@ -20,7 +20,7 @@ from tests.engine.helpers import TENSOR, request, run_step
 
 def _scheduler(num_blocks: int, log: KVEventLog) -> Scheduler:
     layout = plan_cache_layout([CacheGroup("full", (TENSOR,))], 4, num_blocks=num_blocks)
-    return Scheduler(SchedulerConfig(), 8192, KVCacheManager(layout, True, log))
+    return Scheduler(SchedulerConfig(max_num_batched_tokens=2048), 8192, KVCacheManager(layout, True, log))
 
 
 def test_indexed_blocks_are_logged_with_their_tokens_and_parent() -> None:
