@@ -21,7 +21,8 @@
  * pair completed with a zero; then y = bf16 round-to-nearest-even of (acc + b[n]) (of acc without
  * a bias). The AVX512-BF16 build and the portable build give the same bits
  * (tests/kernels/test_bf16_matmul.py); the file is built with -ffp-contract=off so the portable
- * sums are not fused.
+ * sums are not fused. On a CPU with AMX, products whose K is a multiple of 32 run on bf16 tiles
+ * instead, whose sums are the hardware's own (the AMX section below).
  */
 #include <stdint.h>
 #include <stdlib.h>
