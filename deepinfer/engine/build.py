@@ -84,6 +84,12 @@ def kv_cache_dtype(
     return torch.float16 if choice == "float16" else torch.float32
 
 
+def config_on_device(config: EngineConfig, device: torch.device) -> EngineConfig:
+    """`config` with the defaults that depend on the device filled in (the step budget): what
+    every rank plans its caches and schedules with."""
+    return dataclasses.replace(config, scheduler=config.scheduler.on_device(device.type))
+
+
 def plan_engine_caches(
     config: EngineConfig, groups: list[CacheGroup], device: torch.device, parallel: RankContext | None = None
 ) -> CacheLayout:
@@ -175,7 +181,7 @@ def build_engine_core(
     tensor-parallel group or one data-parallel rank, and loads this rank's shard."""
     torch.set_num_threads(rank_threads(config, parallel.topology if parallel else None))
     device = engine_device(config, parallel)
-    config = dataclasses.replace(config, scheduler=config.scheduler.on_device(device.type))
+    config = config_on_device(config, device)
     if parallel is not None and loaded is not None:
         raise ValueError("an engine over several ranks loads its own shards: `loaded` cannot be given")
     if loaded is None:

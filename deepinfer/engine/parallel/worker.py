@@ -22,6 +22,7 @@ from deepinfer.distributed.topology import Topology, resolve_topology
 from deepinfer.engine.build import (
     build_engine_core,
     build_expert_balancer,
+    config_on_device,
     engine_device,
     kv_cache_dtype,
     plan_engine_caches,
@@ -69,6 +70,7 @@ def build_tensor_parallel_runner(config: EngineConfig, context: RankContext) -> 
     with), and a runner without sampling state."""
     torch.set_num_threads(rank_threads(config, context.topology))
     device = engine_device(config, context)
+    config = config_on_device(config, device)  # the caches rank 0 plans, so the same budget
     dtype = engine_dtype(config, device)
     loaded = load_model(
         config.model, dtype, device, config.quantization, context.model_parallel(), config.rope_scaling
