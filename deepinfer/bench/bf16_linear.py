@@ -7,7 +7,7 @@ tiles it is also timed on the VDPBF16PS path (the `avx512_bf16` build), a fourth
 
 Prints, per projection and row count, the median time of each and two ratios: torch bf16 over
 fp32 (below 1: bf16 is faster; `dtype=auto`, model/loader/dtype.py, rests on it) and ours over
-torch bf16 (and tiles over VDPBF16PS). Our kernel runs on torch's OpenMP threads (the same libgomp), so `--threads` sets both.
+torch bf16. Our kernel runs on torch's OpenMP threads (the same libgomp), so `--threads` sets both.
 """
 
 from __future__ import annotations

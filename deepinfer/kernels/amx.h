@@ -11,6 +11,18 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
+/* Whether this process may use a kernel's tiles, worked out once and kept in *state (0 until
+ * then): 1 yes, -1 the OS refused them (`permitted`), -2 they failed the kernel's `self_check`.
+ * Threads that ask at once may each work it out; they get the same answer. */
+static inline int amx_status_once(int *state, int (*permitted)(void), int (*self_check)(void)) {
+    int answer = __atomic_load_n(state, __ATOMIC_ACQUIRE);
+    if (answer == 0) {
+        answer = !permitted() ? -1 : self_check() ? 1 : -2;
+        __atomic_store_n(state, answer, __ATOMIC_RELEASE);
+    }
+    return answer;
+}
+
 #if defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>

@@ -1032,14 +1032,7 @@ static int amx_self_check(void) {
 
 static int amx_state; /* 0: not yet known, else gguf_amx_ready's answer */
 
-static int amx_status(void) {
-    int state = __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE);
-    if (state == 0) {
-        state = !amx_permitted() ? -1 : amx_self_check() ? 1 : -2;
-        __atomic_store_n(&amx_state, state, __ATOMIC_RELEASE);
-    }
-    return state;
-}
+static int amx_status(void) { return amx_status_once(&amx_state, amx_permitted, amx_self_check); }
 
 static int amx_ready(void) { return amx_status() == 1; }
 #else
