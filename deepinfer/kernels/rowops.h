@@ -39,8 +39,37 @@ static inline float exp_clamped(float x) {
     return p;
 }
 
-/* out = silu(gate) * up = gate / (1 + e^-gate) * up */
+/* GCC vector types of 16 lanes: AVX-512 registers where the build has them, pairs of AVX2 or
+ * quadruples of SSE ones otherwise (every lane the same IEEE operations either way). */
+typedef float rowops_f16 __attribute__((vector_size(64)));
+typedef int32_t rowops_i16 __attribute__((vector_size(64)));
+
+/* exp_clamped on 16 lanes, the same operations lane by lane (so the same bits): the compiler
+ * does not vectorize the scalar form's floor and exponent arithmetic, and SwiGLU's loop of it ran
+ * one value at a time (13% of a GGUF prefill on the Intel Xeon with AMX, perf). */
+static inline rowops_f16 exp16_clamped(rowops_f16 x) {
+    const rowops_i16 low = x < -87.0f, high = x > 88.0f; /* false for NaN, as the scalar tests */
+    x = (rowops_f16)(((rowops_i16)x & ~(low | high)) | ((rowops_i16)(x * 0.0f - 87.0f) & low) |
+                     ((rowops_i16)(x * 0.0f + 88.0f) & high));
+    const rowops_f16 t = x * 1.44269504088896341f;
+    const rowops_f16 toward_zero = __builtin_convertvector(__builtin_convertvector(t, rowops_i16), rowops_f16);
+    const rowops_f16 n = toward_zero + __builtin_convertvector(toward_zero > t, rowops_f16); /* floor */
+    const rowops_f16 f = t - n;
+    const rowops_f16 p = EXP2_OF_FRACTION(f);
+    return (rowops_f16)((rowops_i16)p + (__builtin_convertvector(n, rowops_i16) << 23));
+}
+
+/* out = silu(gate) * up = gate / (1 + e^-gate) * up, 16 values at a time, the rest one by one
+ * (the same bits either way). */
 static inline void swiglu_row(const float *gate, const float *up, float *out, int64_t dim) {
-    for (int64_t i = 0; i < dim; ++i) out[i] = gate[i] / (1.0f + exp_clamped(-gate[i])) * up[i];
+    int64_t i = 0;
+    for (; i + 16 <= dim; i += 16) {
+        rowops_f16 g, u;
+        memcpy(&g, gate + i, sizeof g);
+        memcpy(&u, up + i, sizeof u);
+        const rowops_f16 r = g / (1.0f + exp16_clamped(-g)) * u;
+        memcpy(out + i, &r, sizeof r);
+    }
+    for (; i < dim; ++i) out[i] = gate[i] / (1.0f + exp_clamped(-gate[i])) * up[i];
 }
 #endif

@@ -1,0 +1,56 @@
+"""rowops.h (the row arithmetic the GGUF products' prologues share) against its formula in numpy."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from deepinfer.kernels import isa
+
+PROBE = Path(__file__).with_name("rowops_probe.c")
+
+
+def _swiglu_formula(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """silu(gate) * up as rowops.h writes it, one float32 rounding per operation (the kernels are
+    built without contraction): e^x clamped to [-87, 88] as 2^n times a degree-6 polynomial of 2^f."""
+    f32 = np.float32
+    x = -gate
+    x = np.where(x < f32(-87.0), f32(-87.0), np.where(x > f32(88.0), f32(88.0), x))
+    t = x * f32(1.44269504088896341)
+    n = np.floor(t)
+    f = t - n
+    p = f32(1.535336188319500e-4)
+    for c in (1.339887440266574e-3, 9.618437357674640e-3, 5.550332471162809e-2, 2.402264791363012e-1):
+        p = p * f + f32(c)
+    p = (p * f + f32(6.931472028550421e-1)) * f + f32(1.0)
+    e = (p.view(np.int32) + n.astype(np.int32) * np.int32(1 << 23)).view(np.float32)
+    return gate / (f32(1.0) + e) * up
+
+
+@pytest.mark.parametrize("level", isa.machine_levels(), ids=lambda level: level.name)
+def test_swiglu_is_its_formula_bit_for_bit_at_every_level(level: isa.Level, tmp_path: Path) -> None:
+    """SwiGLU runs 16 lanes at a time (GCC vectors: one AVX-512 register, two AVX2 ones or four
+    SSE ones) and the rest one by one: every value is the scalar formula's to the bit, from deep
+    in the clamped tails to values near 0, whatever the level the kernels are built for."""
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    assert compiler, "the kernels need a C compiler on the test machine"
+    library = tmp_path / f"rowops-{level.name}.so"
+    flags = ["-O3", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=off", *level.compiler_flags]
+    subprocess.run([compiler, *flags, str(PROBE), "-o", str(library), "-lm"], check=True)
+    probe = ctypes.CDLL(str(library)).probe_swiglu
+    probe.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    rng = np.random.default_rng(3)
+    dim = 4099  # 256 vectors of 16 and a tail of 3
+    gate = np.concatenate(
+        [rng.uniform(-120.0, 120.0, dim), rng.standard_normal(dim) * 4.0, rng.standard_normal(dim) * 1e-3]
+    ).astype(np.float32)
+    up = rng.standard_normal(gate.size).astype(np.float32)
+    out = np.empty_like(gate)
+    probe(gate.ctypes.data, up.ctypes.data, out.ctypes.data, gate.size)
+    want = _swiglu_formula(gate, up)
+    assert np.array_equal(out.view(np.int32), want.view(np.int32)), np.flatnonzero(out != want)[:5]
