@@ -176,16 +176,24 @@ def test_row_kernel_only_is_the_same_however_a_prompt_is_chunked(window: int | N
 
 @pytest.mark.parametrize("level", [level.name for level in isa.machine_levels()])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "lengths",
+    [
+        [700, 3, 129, 1000, 256],
+        # 12 rows x 8 parts: enough (row, part) items that each takes every kv head in turn
+        [700, 3, 129, 1000, 256, 300, 17, 512, 640, 128, 900, 45],
+    ],
+)
 def test_a_decode_row_is_the_same_bits_in_any_batch(
-    kv_dtype: torch.dtype, level: str, monkeypatch: pytest.MonkeyPatch
+    kv_dtype: torch.dtype, level: str, lengths: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A row's context is split into parts by its own length only: alone, or beside rows of
-    other lengths (which change how many work items the call has), its output is bit-identical,
-    at every instruction-set level this CPU runs (kernels/isa.py)."""
+    other lengths (which change how many work items the call has, and whether an item takes one
+    kv head or every one), its output is bit-identical, at every instruction-set level this CPU
+    runs (kernels/isa.py)."""
     monkeypatch.setenv(isa.ENV, level)
     backend = CpuPagedBackend()
     torch.manual_seed(0)
-    lengths = [700, 3, 129, 1000, 256]
     num_blocks = sum(-(-n // BLOCK) for n in lengths) + 1
     cache = torch.randn(num_blocks * BLOCK, 2, KV_HEADS, HEAD_DIM).to(kv_dtype)
     q = torch.randn(len(lengths), HEADS, HEAD_DIM)
