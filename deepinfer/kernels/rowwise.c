@@ -1,5 +1,5 @@
 /* Row-wise fp32 operations of a decoder layer, for CPUs: RMSNorm (optionally fused with the
- * residual add before it) and rotary embedding in place.
+ * residual add before it) and rotary embedding in place; and the sampler's greedy argmax.
  *
  * At batch 1 a decode step runs them 90 times on rows of a few hundred values, where PyTorch's
  * per-operator overhead (tens of microseconds each here) costs more than the arithmetic; one call
@@ -49,4 +49,59 @@ int rotary_rows(float *x, const int64_t *positions, const float *cos_table, cons
         }
     }
     return 0;
+}
+
+typedef float argmax_f16 __attribute__((vector_size(64)));
+typedef int32_t argmax_i16 __attribute__((vector_size(64)));
+
+static inline int any_lane(argmax_i16 mask) {
+    static const argmax_i16 none = {0};
+    return memcmp(&mask, &none, sizeof mask) != 0;
+}
+
+/* The position of a row's largest value, as torch.argmax: the first of equal ones, and the first
+ * NaN where there is one. One pass for the maximum (and whether a NaN is there), 16 lanes at a
+ * time, then the first position holding it; indices, not sums, so every level gives the same. */
+static int64_t argmax_row(const float *x, int64_t n) {
+    argmax_f16 top;
+    argmax_i16 nan = {0};
+    for (int i = 0; i < 16; ++i) top[i] = -INFINITY;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        argmax_f16 v;
+        memcpy(&v, x + i, sizeof v);
+        const argmax_i16 above = v > top;
+        top = (argmax_f16)(((argmax_i16)v & above) | ((argmax_i16)top & ~above));
+        nan |= v != v;
+    }
+    float best = -INFINITY;
+    for (int lane = 0; lane < 16; ++lane) best = top[lane] > best ? top[lane] : best;
+    int has_nan = any_lane(nan);
+    for (int64_t j = i; j < n; ++j) {
+        best = x[j] > best ? x[j] : best;
+        has_nan |= x[j] != x[j];
+    }
+    if (has_nan) {
+        for (int64_t j = 0; j < n; ++j)
+            if (x[j] != x[j]) return j;
+    }
+    argmax_f16 wanted;
+    for (int lane = 0; lane < 16; ++lane) wanted[lane] = best;
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        argmax_f16 v;
+        memcpy(&v, x + j, sizeof v);
+        if (any_lane(v == wanted)) break;
+    }
+    for (; j < n; ++j)
+        if (x[j] == best) return j;
+    return 0; /* not reached: best is one of the row's values */
+}
+
+/* out[t] = argmax of row t of x [rows, cols] (rows `ld` floats apart). Greedy sampling's token:
+ * torch.argmax took ~1.3 ms for 32 rows of a 49k vocabulary on 2 threads of the Intel Xeon with
+ * AMX, ~2% of a 32-stream decode step. */
+void argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t ld, int64_t *out) {
+#pragma omp parallel for schedule(static) if (rows * cols > 65536)
+    for (int64_t t = 0; t < rows; ++t) out[t] = argmax_row(x + t * ld, cols);
 }

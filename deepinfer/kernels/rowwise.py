@@ -1,4 +1,5 @@
-"""ctypes binding of rowwise.c: RMSNorm (with the residual add) and rotary embedding for fp32 rows.
+"""ctypes binding of rowwise.c: RMSNorm (with the residual add) and rotary embedding for fp32 rows,
+and the greedy argmax of fp32 logits.
 
 Callers use these for contiguous fp32 CPU tensors and PyTorch otherwise; `rowwise_kernels()` is
 None when no C compiler is available.
@@ -25,6 +26,9 @@ class RowwiseKernels:
         self._rotary.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
         self._rotary.restype = ctypes.c_int
         self.rotary_address = ctypes.cast(self._rotary, ctypes.c_void_p).value  # for decode_layers.c
+        self._argmax = lib.argmax_rows
+        self._argmax.argtypes = [ptr, i64, i64, i64, ptr]
+        self._argmax.restype = None
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
@@ -48,6 +52,17 @@ class RowwiseKernels:
         )  # fmt: skip
         if status:
             raise IndexError(f"a position is outside the rotary tables (0..{cos.shape[0] - 1})")
+
+    def argmax(self, x: torch.Tensor) -> list[int]:
+        """torch.argmax(x, dim=-1).tolist() for fp32 CPU rows x [N, V] (values contiguous): the first
+        largest value's position, the first NaN's where a row has one. Reads x only."""
+        if x.dtype is not torch.float32 or x.dim() != 2 or not x.is_cpu or x.shape[1] == 0:
+            raise ValueError(f"expected float32 CPU rows [N, V > 0], got {x.dtype} {tuple(x.shape)}")
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        self._argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
+        return out.tolist()
 
 
 def fits(x: torch.Tensor) -> bool:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from deepinfer.kernels.rowwise import rowwise_kernels
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.structured.bitmask import apply_bitmask_
 
@@ -192,6 +193,21 @@ def sample_rows_on_triton(logits: torch.Tensor, rows: list[SamplingRow]) -> list
     return draw(probs, uniforms).tolist()
 
 
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax (the first largest value, a NaN first): the C kernel for fp32 CPU rows,
+    torch.argmax elsewhere (the same answer)."""
+    kernels = rowwise_kernels()
+    if (
+        kernels is not None
+        and logits.is_cpu
+        and logits.dtype is torch.float32
+        and logits.dim() == 2
+        and logits.shape[1]
+    ):
+        return kernels.argmax(logits)
+    return logits.argmax(dim=-1).tolist()
+
+
 class Sampler:
     """`on_triton`: the grammar bitmask and step 6 run through kernels/triton (the engine on the
     Triton backend); penalties, biases and logprobs stay in torch on the logits' device."""
@@ -216,7 +232,7 @@ class Sampler:
                 dtype=processed.dtype,
             )
             logprobs = torch.log_softmax(processed / temps[:, None], dim=-1)
-        tokens = processed.argmax(dim=-1).tolist()
+        tokens = greedy_tokens(processed)
         drawn = [i for i, row in enumerate(rows) if not row.params.greedy]
         if drawn and self.on_triton:
             for i, token in zip(drawn, sample_rows_on_triton(processed[drawn], [rows[i] for i in drawn])):
