@@ -28,6 +28,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "rowops.h" /* from_bf16, to_bf16 */
+
 #define PANEL 16   /* outputs per panel: one fp32 lane each */
 #define MR 6       /* activation rows per tile */
 #define NP 4       /* panels per tile */
@@ -39,21 +41,6 @@
 #else
 #define BF16_SIMD 0
 #endif
-
-static inline float from_bf16(uint16_t b) {
-    const uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN, quiet */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* The input pair q of a row as one 32-bit word (low half: the even input), an odd K's last
  * pair completed with a zero. */
@@ -136,14 +123,13 @@ static void tile_dispatch(const uint16_t *x, int64_t ldx, int rows, const uint16
  * Threads split the panels; which thread computes an output never changes how. At one or two
  * rows a tile takes two panels, so the narrow matrices of a decode step still split evenly over
  * the threads. */
-static void vector_linear(const uint16_t *x, int64_t ldx, const uint16_t *packed, const float *bias, uint16_t *y,
-                          int64_t ldy, int64_t m, int64_t n, int64_t k) {
+static void vector_linear_team(const uint16_t *x, int64_t ldx, const uint16_t *packed, const float *bias,
+                               uint16_t *y, int64_t ldy, int64_t m, int64_t n, int64_t k) {
     const int64_t panel_stride = (k + 1) / 2 * 2 * PANEL, panels = (n + PANEL - 1) / PANEL;
     const int per_tile = m <= 2 ? 2 : NP;
     const int64_t tiles = (panels + per_tile - 1) / per_tile;
     /* As many rows as L2 keeps beside a panel, so the weights stream from memory once per block. */
     const int64_t block = X_BLOCK_BYTES / (2 * k) / MR * MR > MR ? X_BLOCK_BYTES / (2 * k) / MR * MR : MR;
-#pragma omp parallel if (m * n * k > 65536)
     for (int64_t m0 = 0; m0 < m; m0 += block) {
         const int64_t m1 = m0 + block < m ? m0 + block : m;
 #pragma omp for schedule(static)
@@ -157,6 +143,12 @@ static void vector_linear(const uint16_t *x, int64_t ldx, const uint16_t *packed
             }
         }
     }
+}
+
+static void vector_linear(const uint16_t *x, int64_t ldx, const uint16_t *packed, const float *bias, uint16_t *y,
+                          int64_t ldy, int64_t m, int64_t n, int64_t k) {
+#pragma omp parallel if (m * n * k > 65536)
+    vector_linear_team(x, ldx, packed, bias, y, ldy, m, n, k);
 }
 
 /* ---------------------------------------------------------------- AMX bf16 tiles */
@@ -243,11 +235,11 @@ static void amx_write(const float out[AMX_ROWS][2 * PANEL], int64_t rows, int64_
     }
 }
 
-/* bf16_linear on tiles, for K a multiple of 32. Products of up to 16 rows configure their row
- * tiles that high; longer ones go 32 rows at a time, the last block's rows copied into a
- * zero-padded block (zero rows do not change the others' sums). Threads split pairs of panels. */
-static void amx_linear(const uint16_t *x, int64_t ldx, const uint16_t *packed, const float *bias, uint16_t *y,
-                       int64_t ldy, int64_t m, int64_t n, int64_t k) {
+/* amx_linear's work, run by every thread of the enclosing parallel region together: `padded`
+ * holds the rows past the last whole block of 32, zero-padded to 32 (NULL when there are none,
+ * or 16 rows at most). Threads split pairs of panels; returns once y is complete. */
+static void amx_linear_team(const uint16_t *x, int64_t ldx, const uint16_t *packed, const float *bias, uint16_t *y,
+                            int64_t ldy, int64_t m, int64_t n, int64_t k, const uint16_t *padded) {
     const int64_t panel_stride = k * PANEL, panels = (n + PANEL - 1) / PANEL, pairs = (panels + 1) / 2;
     const int64_t chunks = k / CHUNK, height = m < 16 ? m : 16;
     tile_config config = {.palette = 1};
@@ -255,41 +247,56 @@ static void amx_linear(const uint16_t *x, int64_t ldx, const uint16_t *packed, c
         config.colsb[t] = 64;
         config.rows[t] = (uint8_t)(t >= TILE_B0 ? 16 : height);
     }
-    /* The rows past the last whole block of 32, zero-padded, when there are more than 16 rows. */
+    const int64_t per_block = X_BLOCK_BYTES / (2 * k) / AMX_ROWS * AMX_ROWS;
+    const int64_t block = per_block > AMX_ROWS ? per_block : AMX_ROWS;
+    float out[AMX_ROWS][2 * PANEL] __attribute__((aligned(64)));
+    _tile_loadconfig(&config);
+    for (int64_t m0 = 0; m0 < m; m0 += block) {
+        const int64_t m1 = m0 + block < m ? m0 + block : m;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < pairs; ++t) {
+            const int64_t n0 = 2 * t * PANEL;
+            const int count = 2 * t + 1 < panels ? 2 : 1;
+            const int64_t width = n - n0 < count * PANEL ? n - n0 : count * PANEL;
+            for (int64_t i0 = m0; i0 < m1; i0 += AMX_ROWS) {
+                const int64_t rows = m1 - i0 < AMX_ROWS ? m1 - i0 : AMX_ROWS;
+                const int whole = m <= 16 || rows == AMX_ROWS;
+                amx_block_dispatch(whole ? x + i0 * ldx : padded, whole ? ldx : k, rows > 16 ? 2 : 1,
+                                   packed + 2 * t * panel_stride, panel_stride, count, chunks, out);
+                amx_write(out, rows, width, bias, n0, y + i0 * ldy, ldy);
+            }
+        }
+    }
+    _tile_release();
+}
+
+/* The rows of x past its last whole block of 32 (when it has more than 16 rows), into `padded`
+ * [32, k] with zero rows after them (zero rows do not change the others' sums); their count. */
+static int64_t amx_tail(const uint16_t *x, int64_t ldx, int64_t m, int64_t k, uint16_t *padded) {
     const int64_t tail = m > 16 ? m % AMX_ROWS : 0;
-    uint16_t *padded = NULL;
     if (tail) {
-        padded = calloc((size_t)(AMX_ROWS * k), sizeof *padded);
+        memset(padded, 0, (size_t)(AMX_ROWS * k) * sizeof *padded);
+        for (int64_t r = 0; r < tail; ++r) memcpy(padded + r * k, x + (m - tail + r) * ldx, (size_t)k * sizeof *x);
+    }
+    return tail;
+}
+
+/* bf16_linear on tiles, for K a multiple of 32. Products of up to 16 rows configure their row
+ * tiles that high; longer ones go 32 rows at a time, the last block's rows copied into a
+ * zero-padded block. */
+static void amx_linear(const uint16_t *x, int64_t ldx, const uint16_t *packed, const float *bias, uint16_t *y,
+                       int64_t ldy, int64_t m, int64_t n, int64_t k) {
+    uint16_t *padded = NULL;
+    if (m > 16 && m % AMX_ROWS) {
+        padded = malloc((size_t)(AMX_ROWS * k) * sizeof *padded);
         if (!padded) { /* no memory for 32 rows: the vector path needs none */
             vector_linear(x, ldx, packed, bias, y, ldy, m, n, k);
             return;
         }
-        for (int64_t r = 0; r < tail; ++r) memcpy(padded + r * k, x + (m - tail + r) * ldx, (size_t)k * sizeof *x);
+        amx_tail(x, ldx, m, k, padded);
     }
-    const int64_t per_block = X_BLOCK_BYTES / (2 * k) / AMX_ROWS * AMX_ROWS;
-    const int64_t block = per_block > AMX_ROWS ? per_block : AMX_ROWS;
 #pragma omp parallel if (m * n * k > 65536)
-    {
-        float out[AMX_ROWS][2 * PANEL] __attribute__((aligned(64)));
-        _tile_loadconfig(&config);
-        for (int64_t m0 = 0; m0 < m; m0 += block) {
-            const int64_t m1 = m0 + block < m ? m0 + block : m;
-#pragma omp for schedule(static)
-            for (int64_t t = 0; t < pairs; ++t) {
-                const int64_t n0 = 2 * t * PANEL;
-                const int count = 2 * t + 1 < panels ? 2 : 1;
-                const int64_t width = n - n0 < count * PANEL ? n - n0 : count * PANEL;
-                for (int64_t i0 = m0; i0 < m1; i0 += AMX_ROWS) {
-                    const int64_t rows = m1 - i0 < AMX_ROWS ? m1 - i0 : AMX_ROWS;
-                    const int whole = m <= 16 || rows == AMX_ROWS;
-                    amx_block_dispatch(whole ? x + i0 * ldx : padded, whole ? ldx : k, rows > 16 ? 2 : 1,
-                                       packed + 2 * t * panel_stride, panel_stride, count, chunks, out);
-                    amx_write(out, rows, width, bias, n0, y + i0 * ldy, ldy);
-                }
-            }
-        }
-        _tile_release();
-    }
+    amx_linear_team(x, ldx, packed, bias, y, ldy, m, n, k, padded);
     free(padded);
 }
 
@@ -345,4 +352,23 @@ void bf16_linear(const uint16_t *x, int64_t ldx, const uint16_t *packed, const f
     }
 #endif
     vector_linear(x, ldx, packed, bias, y, ldy, m, n, k);
+}
+
+/* bf16_linear by every thread of the enclosing parallel region together (bf16_layers.c), the
+ * same bits: `scratch` holds 32 * k values for the tiles' padded last rows. bf16_amx_ready must
+ * have been called before the region. */
+static inline void bf16_linear_team(const uint16_t *x, int64_t ldx, const uint16_t *packed, const float *bias, uint16_t *y,
+                             int64_t ldy, int64_t m, int64_t n, int64_t k, uint16_t *scratch) {
+#if BF16_AMX
+    if (k % CHUNK == 0 && amx_status() == 1) {
+        int64_t tail = 0;
+#pragma omp single copyprivate(tail)
+        tail = amx_tail(x, ldx, m, k, scratch);
+        amx_linear_team(x, ldx, packed, bias, y, ldy, m, n, k, tail ? scratch : NULL);
+        return;
+    }
+#else
+    (void)scratch;
+#endif
+    vector_linear_team(x, ldx, packed, bias, y, ldy, m, n, k);
 }

@@ -88,6 +88,8 @@ def _group(g: PackedGroup) -> _Group:
 class DecodeStack:
     """The layers of one model, described once; `run` computes a step through all of them."""
 
+    dtype = torch.float32  # of the hidden states it takes and returns
+
     def __init__(
         self,
         lib: ctypes.CDLL,
@@ -134,22 +136,34 @@ class DecodeStack:
         """x [T, hidden] fp32 embeddings -> (last layer's output, residual stream), both
         [T, hidden]; writes every layer's K/V into `caches` (one contiguous [slots, 2, kv
         heads, head dim] tensor per layer, all of one dtype)."""
-        h = x.clone()
-        residual = torch.empty_like(x)
-        kv = (ctypes.c_void_p * len(caches))(*(c.data_ptr() for c in caches))
-        cache = caches[0]
-        step = _Step(
-            x.shape[0], rows.positions.data_ptr(), rows.slots.data_ptr(), rows.block_tables.data_ptr(),
-            rows.seq_lens.data_ptr(), None if rows.starts is None else rows.starts.data_ptr(), rows.block_size,
-            rows.block_tables.shape[1], ctypes.addressof(kv), cache.stride(1) * cache.element_size(),
-            cache.stride(0), int(cache.dtype == torch.float16),
-        )  # fmt: skip
-        status = self._run(ctypes.byref(self._model), ctypes.byref(step), h.data_ptr(), residual.data_ptr())
-        if status == -1:
-            raise IndexError("a position is outside the rotary tables")
-        if status:
-            raise MemoryError("decode_layers could not allocate its buffers")
-        return h, residual
+        return run_stack(self._run, self._model, x, rows, caches)
+
+
+def run_stack(
+    function: ctypes._CFuncPtr,
+    model: ctypes.Structure,
+    x: torch.Tensor,
+    rows: StepRows,
+    caches: Sequence[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step through a layer stack's C function (decode_layers, bf16_layers): x [T, hidden]
+    -> (last layer's output, residual stream), new tensors of x's dtype; K/V written to `caches`."""
+    h = x.clone()
+    residual = torch.empty_like(x)
+    kv = (ctypes.c_void_p * len(caches))(*(c.data_ptr() for c in caches))
+    cache = caches[0]
+    step = _Step(
+        x.shape[0], rows.positions.data_ptr(), rows.slots.data_ptr(), rows.block_tables.data_ptr(),
+        rows.seq_lens.data_ptr(), None if rows.starts is None else rows.starts.data_ptr(), rows.block_size,
+        rows.block_tables.shape[1], ctypes.addressof(kv), cache.stride(1) * cache.element_size(),
+        cache.stride(0), int(cache.dtype == torch.float16),
+    )  # fmt: skip
+    status = function(ctypes.byref(model), ctypes.byref(step), h.data_ptr(), residual.data_ptr())
+    if status == -1:
+        raise IndexError("a position is outside the rotary tables")
+    if status:
+        raise MemoryError("the layer stack could not allocate its buffers")
+    return h, residual
 
 
 def decode_layers_library() -> ctypes.CDLL | None:

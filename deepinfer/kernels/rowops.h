@@ -1,4 +1,5 @@
-/* Row operations shared by rowwise.c and gguf_matmul.c: RMSNorm of one row and SiLU.
+/* Row operations shared by rowwise.c, gguf_matmul.c, bf16_matmul.c and bf16_layers.c: bf16
+ * conversions, RMSNorm of one row and SiLU.
  * Plain loops of IEEE operations (the files are built with -ffp-contract=off): a vectorized
  * and a scalar build give the same bits. paged_attention.c uses the exponential too (built with
  * contraction, its polynomial steps become FMAs there, in its scalar and vector forms alike). */
@@ -7,6 +8,23 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+/* A bf16 value widened to fp32 (exact). */
+static inline float from_bf16(uint16_t b) {
+    const uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* fp32 rounded to the nearest bf16, ties to even, as torch's .to(torch.bfloat16); NaN stays NaN. */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN, quiet */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
 
 /* out = v * w / sqrt(mean(v^2) + eps): the squares in float, summed in double, the mean and
  * the scale in float (GGUF files come from llama.cpp, whose RMSNorm rounds so). */
@@ -71,5 +89,18 @@ static inline void swiglu_row(const float *gate, const float *up, float *out, in
         memcpy(out + i, &r, sizeof r);
     }
     for (; i < dim; ++i) out[i] = gate[i] / (1.0f + exp_clamped(-gate[i])) * up[i];
+}
+
+/* The same for bf16 rows: gate and up widened, swiglu_row's fp32 result rounded once (a bf16
+ * model's activation, on the PyTorch path and in bf16_layers.c alike). */
+static inline void swiglu_row_bf16(const uint16_t *gate, const uint16_t *up, uint16_t *out, int64_t dim) {
+    enum { STEP = 64 };
+    float g[STEP], u[STEP], r[STEP];
+    for (int64_t i0 = 0; i0 < dim; i0 += STEP) {
+        const int64_t n = dim - i0 < STEP ? dim - i0 : STEP;
+        for (int64_t i = 0; i < n; ++i) g[i] = from_bf16(gate[i0 + i]), u[i] = from_bf16(up[i0 + i]);
+        swiglu_row(g, u, r, n);
+        for (int64_t i = 0; i < n; ++i) out[i0 + i] = to_bf16(r[i]);
+    }
 }
 #endif

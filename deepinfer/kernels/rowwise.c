@@ -1,5 +1,6 @@
-/* Row-wise fp32 operations of a decoder layer, for CPUs: RMSNorm (optionally fused with the
- * residual add before it) and rotary embedding in place; and the sampler's greedy argmax.
+/* Row-wise operations of a decoder layer, for CPUs: RMSNorm (optionally fused with the residual
+ * add before it) and rotary embedding in place on fp32 rows, SwiGLU on bf16 rows; and the
+ * sampler's greedy argmax.
  *
  * At batch 1 a decode step runs them 90 times on rows of a few hundred values, where PyTorch's
  * per-operator overhead (tens of microseconds each here) costs more than the arithmetic; one call
@@ -104,4 +105,12 @@ static int64_t argmax_row(const float *x, int64_t n) {
 void argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t ld, int64_t *out) {
 #pragma omp parallel for schedule(static) if (rows * cols > 65536)
     for (int64_t t = 0; t < rows; ++t) out[t] = argmax_row(x + t * ld, cols);
+}
+
+/* out[t] = bf16(silu(gate) * up) for bf16 rows gate_up[t] = [gate | up] (2 * dim values, rows
+ * `ld` apart), out [rows, dim]: a bf16 model's MLP activation (rowops.h's swiglu_row_bf16, which
+ * bf16_layers.c runs too). */
+void swiglu_rows_bf16(const uint16_t *gate_up, int64_t ld, uint16_t *out, int64_t rows, int64_t dim) {
+#pragma omp parallel for schedule(static) if (rows * dim > 65536)
+    for (int64_t t = 0; t < rows; ++t) swiglu_row_bf16(gate_up + t * ld, gate_up + t * ld + dim, out + t * dim, dim);
 }

@@ -1,5 +1,5 @@
 """ctypes binding of rowwise.c: RMSNorm (with the residual add) and rotary embedding for fp32 rows,
-and the greedy argmax of fp32 logits.
+SwiGLU for bf16 rows, and the greedy argmax of fp32 logits.
 
 Callers use these for contiguous fp32 CPU tensors and PyTorch otherwise; `rowwise_kernels()` is
 None when no C compiler is available.
@@ -26,6 +26,9 @@ class RowwiseKernels:
         self._rotary.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
         self._rotary.restype = ctypes.c_int
         self.rotary_address = ctypes.cast(self._rotary, ctypes.c_void_p).value  # for decode_layers.c
+        self._swiglu_bf16 = lib.swiglu_rows_bf16
+        self._swiglu_bf16.argtypes = [ptr, i64, ptr, i64, i64]
+        self._swiglu_bf16.restype = None
         self._argmax = lib.argmax_rows
         self._argmax.argtypes = [ptr, i64, i64, i64, ptr]
         self._argmax.restype = None
@@ -52,6 +55,25 @@ class RowwiseKernels:
         )  # fmt: skip
         if status:
             raise IndexError(f"a position is outside the rotary tables (0..{cos.shape[0] - 1})")
+
+    def swiglu_bf16(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """bf16(silu(gate) * up) for bf16 CPU rows gate_up [N, 2I] = [gate | up] (values
+        contiguous), computed in fp32 and rounded once: a new bf16 [N, I]. Reads gate_up only."""
+        if (
+            gate_up.dtype is not torch.bfloat16
+            or gate_up.dim() != 2
+            or not gate_up.is_cpu
+            or gate_up.shape[1] % 2
+        ):
+            raise ValueError(
+                f"expected bfloat16 CPU rows [N, 2I], got {gate_up.dtype} {tuple(gate_up.shape)}"
+            )
+        if gate_up.stride(1) != 1:
+            gate_up = gate_up.contiguous()
+        rows, dim = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(rows, dim, dtype=torch.bfloat16)
+        self._swiglu_bf16(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, dim)
+        return out
 
     def argmax(self, x: torch.Tensor) -> list[int]:
         """torch.argmax(x, dim=-1).tolist() for fp32 CPU rows x [N, V] (values contiguous): the first

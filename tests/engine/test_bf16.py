@@ -18,10 +18,12 @@ from deepinfer.attention.float32_boundary import Float32Boundary
 from deepinfer.bench.hf_from_gguf import write_hf_dir
 from deepinfer.config import ConfigError, EngineConfig
 from deepinfer.kernels import isa
+from deepinfer.kernels.bf16_layers import Bf16Stack
 from deepinfer.model.layers.bf16_linear import Bf16Linear
 from deepinfer.model.llama.model import LlamaForCausalLM
 from deepinfer.model.loader.dtype import engine_dtype
 from deepinfer.model.loader.source import converted_gguf_dir
+from tests.engine.fused_steps import record_both_paths
 from tests.engine.greedy import CHAT, QUESTIONS
 from tests.engine.test_parity_tiny import make_checkpoint
 
@@ -212,3 +214,21 @@ def test_bf16_logprobs_do_not_depend_on_prompt_chunking(
         assert [sorted((t, p.logprob) for t, p in d.items()) for d in a.logprobs] == [
             sorted((t, p.logprob) for t, p in d.items()) for d in b.logprobs
         ]
+
+
+@native_bf16
+def test_bf16_steps_in_one_call_are_the_layer_by_layer_bits(
+    bf16_llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every step of the bf16 model (its prompt rows are decode-kernel rows too) runs its layers in
+    one C call (kernels/bf16_layers.c); each step's hidden states equal the layer-by-layer path's
+    to the bit, prompts and decodes, alone and batched."""
+    steps = record_both_paths(bf16_llm.engine.core.runner, monkeypatch, Bf16Stack)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    bf16_llm.reset_prefix_cache()
+    long_question = CHAT.format(" ".join(QUESTIONS) * 3)
+    bf16_llm.generate(["The capital of France is", "One, two,", long_question], params, use_tqdm=False)
+    bf16_llm.generate(["Hello"], params, use_tqdm=False)
+    assert all(same for _, _, same in steps), steps
+    assert all(fused for _, fused, _ in steps) and len(steps) >= 6, steps
+    assert steps[0][0] > 16 and any(tokens == 3 for tokens, _, _ in steps)  # prompts, batched decodes

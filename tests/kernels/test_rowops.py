@@ -9,8 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from deepinfer.kernels import isa
+from deepinfer.kernels.rowwise import rowwise_kernels
 
 PROBE = Path(__file__).with_name("rowops_probe.c")
 
@@ -54,3 +56,21 @@ def test_swiglu_is_its_formula_bit_for_bit_at_every_level(level: isa.Level, tmp_
     probe(gate.ctypes.data, up.ctypes.data, out.ctypes.data, gate.size)
     want = _swiglu_formula(gate, up)
     assert np.array_equal(out.view(np.int32), want.view(np.int32)), np.flatnonzero(out != want)[:5]
+
+
+@pytest.mark.parametrize("level", isa.machine_levels(), ids=lambda level: level.name)
+def test_bf16_swiglu_is_the_formula_rounded_once(level: isa.Level) -> None:
+    """A bf16 model's SwiGLU (rowwise.c, and bf16_layers.c through the same row function): gate and
+    up widened, the fp32 formula, one rounding to nearest even, as torch's .to(torch.bfloat16)."""
+    kernels = rowwise_kernels(level.compiler_flags)
+    assert kernels is not None
+    rng = np.random.default_rng(5)
+    dim = 1030  # 16 chunks of 64 and a tail of 6
+    gate_up = torch.from_numpy((rng.standard_normal((3, 2 * dim)) * 6.0).astype(np.float32)).to(
+        torch.bfloat16
+    )
+    wide = gate_up.float().numpy()
+    want = torch.from_numpy(_swiglu_formula(wide[:, :dim], wide[:, dim:])).to(torch.bfloat16)
+    assert torch.equal(kernels.swiglu_bf16(gate_up).view(torch.int16), want.view(torch.int16))
+    strided = torch.cat([gate_up, gate_up[:, :2]], dim=1)[:, : 2 * dim]  # rows 2 * dim + 2 apart
+    assert torch.equal(kernels.swiglu_bf16(strided).view(torch.int16), want.view(torch.int16))

@@ -63,9 +63,12 @@ def build_decode_stack(layers: Sequence[torch.nn.Module], backend: CpuPagedBacke
     )
 
 
-def step_rows(h: torch.Tensor, positions: torch.Tensor, meta: ForwardMetadata) -> StepRows | None:
-    """The step's attention rows when every token is a kernel row in order, else None."""
-    if len(meta.groups) != 1 or h.dim() != 2 or h.dtype is not torch.float32 or not h.is_contiguous():
+def step_rows(
+    h: torch.Tensor, positions: torch.Tensor, meta: ForwardMetadata, dtype: torch.dtype
+) -> StepRows | None:
+    """The step's attention rows when every token is a kernel row in order and h [T, hidden] is
+    contiguous in the stack's dtype, else None."""
+    if len(meta.groups) != 1 or h.dim() != 2 or h.dtype is not dtype or not h.is_contiguous():
         return None
     group = meta.groups[0]
     extra = group.extra

@@ -17,11 +17,14 @@ import torch.nn.functional as F
 
 from deepinfer.attention.backend import AttentionBackend
 from deepinfer.attention.cpu_paged import CpuPagedBackend
+from deepinfer.attention.float32_boundary import Float32Boundary
 from deepinfer.attention.metadata import AttentionMetadata, ForwardMetadata
 from deepinfer.cache_layout import CacheGroup
+from deepinfer.kernels.bf16_layers import Bf16Stack
 from deepinfer.kernels.bf16_matmul import Bf16Kernels, fits
 from deepinfer.kernels.decode_layers import DecodeStack
 from deepinfer.kernels.gguf_blocks import PackedMatrix
+from deepinfer.kernels.rowwise import rowwise_kernels
 from deepinfer.model.base import CausalLM, cache_tensor
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.layers.bf16_linear import Bf16Linear, use_bf16_kernels_
@@ -43,6 +46,7 @@ from deepinfer.model.layers.parallel_linear import (
     head_segments,
 )
 from deepinfer.model.layers.rotary import RotaryEmbedding
+from deepinfer.model.llama.bf16_decode import build_bf16_stack
 from deepinfer.model.llama.gguf_decode import build_decode_stack, caches_fit, step_rows
 from deepinfer.model.loader.weights import NameMap, Target, WeightLoader
 from deepinfer.model.parallel import SINGLE, ModelParallel, TensorParallel
@@ -102,6 +106,10 @@ class LlamaMLP(torch.nn.Module):
         """gate_up: gate_up_proj of the normed input [T, 2 I] (computed by the layer, like qkv)."""
         if isinstance(self.down_proj, GGUFLinear) and gate_up.dim() == 2 and gate_up.dtype is torch.float32:
             return self.down_proj.forward_swiglu(gate_up)  # SwiGLU in the kernel's activation pass
+        kernels = rowwise_kernels()
+        if kernels is not None and gate_up.dim() == 2 and gate_up.dtype is torch.bfloat16 and gate_up.is_cpu:
+            # in fp32, rounded once: the arithmetic kernels/bf16_layers.c runs for the whole stack
+            return self.down_proj(kernels.swiglu_bf16(gate_up))
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -159,7 +167,7 @@ class LlamaForCausalLM(CausalLM):
         # the layer-by-layer path). The stack: False until built on first use, None when the
         # model does not qualify.
         self.fused_decode = True
-        self._decode_stack: DecodeStack | Literal[False] | None = False
+        self._decode_stack: DecodeStack | Bf16Stack | Literal[False] | None = False
 
     @classmethod
     def from_config(cls, config: ModelConfig, parallel: ModelParallel | None = None) -> LlamaForCausalLM:
@@ -211,12 +219,18 @@ class LlamaForCausalLM(CausalLM):
         backend: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(output, residual) of every layer in one C call when the step and the model allow it
-        (llama/gguf_decode.py: packed weights, decode-kernel rows); None otherwise."""
+        (llama/gguf_decode.py: packed weights; llama/bf16_decode.py: bf16 kernel weights behind
+        the fp32 attention boundary; decode-kernel rows); None otherwise."""
+        if isinstance(backend, Float32Boundary):  # a bf16 model: the stack widens q/k/v itself
+            backend = backend.inner
         if not self.fused_decode or not isinstance(backend, CpuPagedBackend):
             return None
         if self._decode_stack is False:  # not built yet (the packed weights are in place by now)
-            self._decode_stack = build_decode_stack(self.layers, backend)
-        rows = None if self._decode_stack is None else step_rows(h, positions, meta)
+            self._decode_stack = build_decode_stack(self.layers, backend) or build_bf16_stack(
+                self.layers, backend
+            )
+        stack = self._decode_stack
+        rows = None if stack is None else step_rows(h, positions, meta, stack.dtype)
         caches = [kv_caches[i] for i in self.cache_index]
         if rows is None or not caches_fit(caches):
             return None
