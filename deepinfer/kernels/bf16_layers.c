@@ -32,18 +32,6 @@ typedef struct {
     float attn_eps, ffn_eps;
 } bf16_layer;
 
-typedef struct {
-    int64_t num_layers, hidden, intermediate, num_heads, num_kv_heads, head_dim;
-    const bf16_layer *layers;
-    const float *cos_table, *sin_table; /* [table_rows, head_dim] */
-    int64_t table_rows;
-    float scale; /* softmax scale */
-    rotary_fn rotary;
-    write_kv_fn write_kv;
-    attend_item_fn attend_item;   /* paged_attention_item */
-    attend_merge_fn attend_merge; /* paged_decode_attention_merge */
-    attend_plan_fn attend_plan;   /* paged_attention_plan */
-} bf16_model;
 
 /* residual = x (first layer) or bf16(x + residual), then out = bf16(rms_norm(residual)) for
  * rows [0, M), shared out over the team; `row` is the calling thread's fp32 scratch of 2 * dim. */
@@ -67,7 +55,7 @@ static void add_norm_team(const uint16_t *x, uint16_t *residual, int first, cons
  * nothing after computed), -2 out of memory. h [rows, hidden] bf16: in, the embeddings; out, the
  * last layer's output (before the final norm). residual [rows, hidden] bf16: out, the residual
  * stream beside it. */
-int bf16_layers(const bf16_model *model, const decode_step *step, uint16_t *h, uint16_t *residual) {
+int bf16_layers(const stack_model *model, const decode_step *step, uint16_t *h, uint16_t *residual) {
     const int64_t M = step->rows, hidden = model->hidden, inter = model->intermediate, D = model->head_dim;
     const int64_t H = model->num_heads, KVH = model->num_kv_heads, qk_cols = (H + KVH) * D;
     const int64_t qkv_cols = qk_cols + KVH * D, widest = hidden > inter ? hidden : inter;
@@ -92,7 +80,7 @@ int bf16_layers(const bf16_model *model, const decode_step *step, uint16_t *h, u
     {
         float *row = rows + 2 * widest * omp_get_thread_num();
         for (int64_t l = 0; l < model->num_layers && status == 0; ++l) {
-            const bf16_layer *layer = model->layers + l;
+            const bf16_layer *layer = (const bf16_layer *)model->layers + l;
             char *k_cache = step->kv[l];
             add_norm_team(h, residual, l == 0, layer->attn_norm, layer->attn_eps, normed, M, hidden, row);
             bf16_linear_team(normed, hidden, layer->qkv.packed, layer->qkv.bias, qkv, qkv_cols, M, qkv_cols, hidden,
@@ -115,17 +103,7 @@ int bf16_layers(const bf16_model *model, const decode_step *step, uint16_t *h, u
                 }
             } /* implicit barrier: every thread sees status */
             if (status) break;
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t work = 0; work < plan.items; ++work)
-                model->attend_item(q, k_cache, k_cache + step->v_offset, attn, step->block_tables, step->seq_lens,
-                                   step->starts, M, H, KVH, D, step->slot_stride, step->block_size, step->max_blocks,
-                                   model->scale, step->kv_half, &plan, partial,
-                                   states ? states + omp_get_thread_num() * plan.thread_floats : NULL, work);
-            if (!plan.tile_items && plan.parts > 1) {
-#pragma omp for schedule(static)
-                for (int64_t pair = 0; pair < M * KVH; ++pair)
-                    model->attend_merge(attn, step->seq_lens, step->starts, H, KVH, D, plan.parts, partial, pair);
-            }
+            attend_team(model, step, &plan, k_cache, q, attn, partial, states);
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < M * H * D; ++i) attn16[i] = to_bf16(attn[i]);
             bf16_linear_team(attn16, H * D, layer->o.packed, layer->o.bias, o, hidden, M, hidden, H * D, padded);

@@ -2,8 +2,8 @@
 in one call, for steps whose rows all go through the paged decode-attention kernel.
 
 The caller describes the stack once (`Bf16Stack`): each layer's packed projections and fp32
-norms, the rotary tables, and the addresses of the rotary, K/V-write and attention functions of
-the libraries the PyTorch path calls, so both paths run the same code on the same bits.
+norms, and what its attention takes (`layer_step.StackAttention`), so both paths run the same
+code on the same bits.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 from deepinfer.kernels import isa
 from deepinfer.kernels.build import load_kernel_library
-from deepinfer.kernels.decode_layers import StepRows, run_stack
+from deepinfer.kernels.layer_step import NORM_FIELDS, LayerStack, StackAttention, norm_values
 
 _FLAGS = ("-ffp-contract=off",)  # bf16_matmul.c's own: the products must match its library's bits
 i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -27,26 +27,7 @@ class _Weight(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("qkv", _Weight), ("o", _Weight), ("gate_up", _Weight), ("down", _Weight)]
-    _fields_ += [
-        ("attn_norm", ptr),
-        ("ffn_norm", ptr),
-        ("attn_eps", ctypes.c_float),
-        ("ffn_eps", ctypes.c_float),
-    ]
-
-
-class _Model(ctypes.Structure):
-    _fields_ = [(name, i64) for name in ("num_layers", "hidden", "intermediate", "num_heads", "num_kv_heads")]
-    _fields_ += [
-        ("head_dim", i64),
-        ("layers", ptr),
-        ("cos_table", ptr),
-        ("sin_table", ptr),
-        ("table_rows", i64),
-    ]
-    _fields_ += [("scale", ctypes.c_float), ("rotary", ptr), ("write_kv", ptr)]
-    _fields_ += [("attend_item", ptr), ("attend_merge", ptr), ("attend_plan", ptr)]
+    _fields_ = [("qkv", _Weight), ("o", _Weight), ("gate_up", _Weight), ("down", _Weight), *NORM_FIELDS]
 
 
 @dataclass(slots=True)
@@ -77,57 +58,19 @@ def _weight(p: Bf16Projection) -> _Weight:
     return _Weight(p.packed.data_ptr(), None if p.bias is None else p.bias.data_ptr(), p.n, p.k)
 
 
-class Bf16Stack:
-    """The layers of one bf16 model, described once; `run` computes a step through all of them."""
+class Bf16Stack(LayerStack):
+    """A Llama stack on bf16 weights (bf16_layers.c); bf16 hidden states."""
 
-    dtype = torch.bfloat16  # of the hidden states it takes and returns
+    dtype = torch.bfloat16
 
     def __init__(
-        self,
-        lib: ctypes.CDLL,
-        layers: Sequence[Bf16LayerWeights],
-        heads: tuple[int, int, int],
-        tables: tuple[torch.Tensor, torch.Tensor],
-        scale: float,
-        functions: tuple[int, int, int, int, int],
+        self, lib: ctypes.CDLL, layers: Sequence[Bf16LayerWeights], attention: StackAttention
     ) -> None:
-        """heads: (query heads, kv heads, head dim); tables: rotary cos/sin, fp32 [P, head dim];
-        functions: addresses of rotary_rows, paged_write_kv, paged_attention_item,
-        paged_decode_attention_merge and paged_attention_plan."""
-        self._run = lib.bf16_layers
-        self._run.argtypes = [ptr, ptr, ptr, ptr]
-        self._run.restype = ctypes.c_int
-        self._keep = (list(layers), tables)  # everything the structures point into
-        first = layers[0]
-        self._layers = (_Layer * len(layers))(
-            *(
-                _Layer(
-                    _weight(w.qkv),
-                    _weight(w.o),
-                    _weight(w.gate_up),
-                    _weight(w.down),
-                    w.attn_norm.data_ptr(),
-                    w.ffn_norm.data_ptr(),
-                    w.attn_eps,
-                    w.ffn_eps,
-                )
-                for w in layers
-            )
+        structures = (_Layer * len(layers))(
+            *(_Layer(*map(_weight, (w.qkv, w.o, w.gate_up, w.down)), *norm_values(w)) for w in layers)
         )
-        num_heads, num_kv_heads, head_dim = heads
-        cos, sin = tables
-        self._model = _Model(
-            len(layers), first.qkv.k, first.down.k, num_heads, num_kv_heads, head_dim,
-            ctypes.addressof(self._layers), cos.data_ptr(), sin.data_ptr(), cos.shape[0], scale, *functions,
-        )  # fmt: skip
-
-    def run(
-        self, x: torch.Tensor, rows: StepRows, caches: Sequence[torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] bf16 embeddings -> (last layer's output, residual stream), both bf16
-        [T, hidden]; writes every layer's K/V into `caches` (one contiguous [slots, 2, kv heads,
-        head dim] tensor per layer, all fp16 or all fp32)."""
-        return run_stack(self._run, self._model, x, rows, caches)
+        first = layers[0]
+        super().__init__(lib.bf16_layers, structures, list(layers), first.qkv.k, first.down.k, attention)
 
 
 def bf16_layers_library() -> ctypes.CDLL | None:

@@ -30,18 +30,6 @@ typedef struct {
     float attn_eps, ffn_eps;
 } decode_layer;
 
-typedef struct {
-    int64_t num_layers, hidden, intermediate, num_heads, num_kv_heads, head_dim;
-    const decode_layer *layers;
-    const float *cos_table, *sin_table; /* [table_rows, head_dim] */
-    int64_t table_rows;
-    float scale; /* softmax scale */
-    rotary_fn rotary;
-    write_kv_fn write_kv;
-    attend_item_fn attend_item;   /* paged_attention_item */
-    attend_merge_fn attend_merge; /* paged_decode_attention_merge */
-    attend_plan_fn attend_plan;   /* paged_attention_plan */
-} decode_model;
 
 static int64_t group_scratch(const packed_group *g, int64_t M, int64_t K) {
     return gguf_scratch_bytes(M, K, g->count, g->qtypes);
@@ -56,12 +44,12 @@ static void group_matmul(const packed_group *g, const float *x, int64_t M, int64
 /* h [rows, hidden]: in, the embeddings; out, the last layer's output (before the final norm).
  * residual [rows, hidden]: out, the residual stream beside it. Returns 0, -1 if a position lies
  * outside the rotary tables (that layer's K/V not written, nothing after computed), -2 out of memory. */
-int decode_layers(const decode_model *model, const decode_step *step, float *h, float *residual) {
+int decode_layers(const stack_model *model, const decode_step *step, float *h, float *residual) {
     const int64_t M = step->rows, hidden = model->hidden, inter = model->intermediate, D = model->head_dim;
     const int64_t H = model->num_heads, KVH = model->num_kv_heads, qkv_rows = (H + 2 * KVH) * D;
     int64_t scratch_bytes = 0;
     for (int64_t l = 0; l < model->num_layers; ++l) {
-        const decode_layer *layer = model->layers + l;
+        const decode_layer *layer = (const decode_layer *)model->layers + l;
         const int64_t need[4] = {group_scratch(&layer->qkv, M, hidden), group_scratch(&layer->o, M, H * D),
                                  group_scratch(&layer->gate_up, M, hidden), group_scratch(&layer->down, M, inter)};
         for (int i = 0; i < 4; ++i) scratch_bytes = need[i] > scratch_bytes ? need[i] : scratch_bytes;
@@ -85,7 +73,7 @@ int decode_layers(const decode_model *model, const decode_step *step, float *h, 
      * seven thread starts per layer of separate calls cost more than the barriers). */
 #pragma omp parallel if (status == 0) num_threads(threads)
     for (int64_t l = 0; l < model->num_layers && status == 0; ++l) {
-        const decode_layer *layer = model->layers + l;
+        const decode_layer *layer = (const decode_layer *)model->layers + l;
         char *k_cache = step->kv[l];
         /* the first layer's residual stream is its input */
         group_matmul(&layer->qkv, h, M, hidden, hidden, scratch, qkv, PROLOGUE_RMS_NORM, l ? residual : NULL,
@@ -102,17 +90,7 @@ int decode_layers(const decode_model *model, const decode_step *step, float *h, 
             }
         } /* implicit barrier: every thread sees status */
         if (status) break;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t work = 0; work < plan.items; ++work)
-            model->attend_item(q, k_cache, k_cache + step->v_offset, attn, step->block_tables, step->seq_lens,
-                               step->starts, M, H, KVH, D, step->slot_stride, step->block_size, step->max_blocks,
-                               model->scale, step->kv_half, &plan, partial,
-                               states ? states + omp_get_thread_num() * plan.thread_floats : NULL, work);
-        if (!plan.tile_items && plan.parts > 1) {
-#pragma omp for schedule(static)
-            for (int64_t pair = 0; pair < M * KVH; ++pair)
-                model->attend_merge(attn, step->seq_lens, step->starts, H, KVH, D, plan.parts, partial, pair);
-        }
+        attend_team(model, step, &plan, k_cache, q, attn, partial, states);
         group_matmul(&layer->o, attn, M, H * D, H * D, scratch, o, PROLOGUE_NONE, NULL, NULL, NULL, 0.0f);
         group_matmul(&layer->gate_up, o, M, hidden, hidden, scratch, gate_up, PROLOGUE_RMS_NORM, residual, residual,
                      layer->ffn_norm, layer->ffn_eps);

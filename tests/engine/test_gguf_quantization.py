@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.kernels.decode_layers import StepRows
 from deepinfer.kernels.gguf_blocks import INTERLEAVED_TYPES, PACKED_TYPES, gguf_kernels
+from deepinfer.kernels.layer_step import StepRows
 from deepinfer.model.layers.gguf_linear import GGUFEmbedding, GGUFLinear
 from deepinfer.model.layers.parallel_linear import ColumnParallelLinear
 from deepinfer.model.loader.gguf_tensors import read_tensors

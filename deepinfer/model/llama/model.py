@@ -47,7 +47,8 @@ from deepinfer.model.layers.parallel_linear import (
 )
 from deepinfer.model.layers.rotary import RotaryEmbedding
 from deepinfer.model.llama.bf16_decode import build_bf16_stack
-from deepinfer.model.llama.gguf_decode import build_decode_stack, caches_fit, step_rows
+from deepinfer.model.llama.gguf_decode import build_decode_stack
+from deepinfer.model.llama.stack_step import caches_fit, step_rows
 from deepinfer.model.loader.weights import NameMap, Target, WeightLoader
 from deepinfer.model.parallel import SINGLE, ModelParallel, TensorParallel
 
