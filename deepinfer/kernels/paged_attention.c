@@ -208,27 +208,13 @@ static inline __attribute__((always_inline)) void tile_values(const int64_t D, c
     for (int t = 0; t < T; ++t) memcpy(acc + t * D, av[t], D * sizeof(float));
 }
 
-/* rowops.h's exp_clamped on 16 lanes for x <= 0 (scores minus their running max), the same
- * operations lane by lane (so the same bits): the compiler does not vectorize the scalar form's
- * floor and exponent arithmetic. */
-static inline v16 exp16_nonpositive(v16 x) {
-    const vi16 low = x < -87.0f;
-    x = (v16)(((vi16)x & ~low) | ((vi16)(x * 0.0f - 87.0f) & low));
-    const v16 t = x * 1.44269504088896341f;
-    const v16 toward_zero = __builtin_convertvector(__builtin_convertvector(t, vi16), v16);
-    const v16 n = toward_zero + __builtin_convertvector(toward_zero > t, v16); /* floor: t <= 0 */
-    const v16 f = t - n;
-    const v16 p = EXP2_OF_FRACTION(f);
-    return (v16)((vi16)p + (__builtin_convertvector(n, vi16) << 23));
-}
-
-/* e^(s_j - max) in place for j < n, returning their sum: 16 at a time (each 16 summed by
- * sum16), the rest one by one, in order. */
+/* e^(s_j - max) in place for j < n, returning their sum: 16 at a time (rowops.h's exp16_clamped,
+ * each 16 summed by sum16), the rest one by one, in order. */
 static inline float exponentiate(float *s, int64_t n, float max) {
     float sum = 0.0f;
     int64_t j = 0;
     for (; j + 16 <= n; j += 16) {
-        const v16 e = exp16_nonpositive(load16(s + j) - max);
+        const v16 e = exp16_clamped(load16(s + j) - max);
         memcpy(s + j, &e, sizeof e);
         sum += sum16(e);
     }
@@ -341,7 +327,8 @@ static inline __attribute__((always_inline)) void tile_values(const int64_t D, c
     }
     for (int t = 0; t < T; ++t) memcpy(acc + t * D, av[t], D * sizeof(float));
 }
-/* exp16_nonpositive on 8 lanes: the same operations per lane. */
+/* rowops.h's exp16_clamped on 8 lanes for x <= 0 (its upper clamp never applies there): the same
+ * operations per lane. */
 static inline v8 exp8_nonpositive(v8 x) {
     const vi8 low = x < -87.0f;
     x = (v8)(((vi8)x & ~low) | ((vi8)(x * 0.0f - 87.0f) & low));
@@ -353,7 +340,7 @@ static inline v8 exp8_nonpositive(v8 x) {
     return (v8)((vi8)p + (__builtin_convertvector(n, vi8) << 23));
 }
 
-/* exponentiate (above) on 8-lane halves: each 16's exponentials as exp16_nonpositive's lanes,
+/* exponentiate (above) on 8-lane halves: each 16's exponentials as exp16_clamped's lanes,
  * their sum as sum16's (lanes i + i+8 first), so the same bits as the AVX-512 build. */
 static inline float exponentiate(float *s, int64_t n, float max) {
     float sum = 0.0f;
