@@ -18,6 +18,7 @@ from deepinfer.attention.backend import context_slots, write_kv
 from deepinfer.attention.metadata import AttentionMetadata
 from deepinfer.attention.prefill_tiled import attend_chunk_tiled
 from deepinfer.kernels.build import load_kernel_library
+from deepinfer.kernels.kv_format import KV_FORMATS, kv_format
 
 _MAX_GROUP, _MAX_HEAD_DIM = 32, 512
 # Chunks up to this many tokens run as kernel rows: below it, reading the context once per token
@@ -54,6 +55,9 @@ class CpuPagedBackend:
         self.decode_item_address = ctypes.cast(lib.paged_attention_item, ctypes.c_void_p).value
         self.decode_merge_address = ctypes.cast(lib.paged_decode_attention_merge, ctypes.c_void_p).value
         self.decode_plan_address = ctypes.cast(lib.paged_attention_plan, ctypes.c_void_p).value
+        # A bf16 cache's rows on AMX bf16 tiles (head_dim 64 or 128): 1, else why not (the C
+        # function's codes); asked here, once per process, before any parallel call.
+        self.amx_status = int(lib.paged_attention_amx_ready())
 
     @staticmethod
     def supports(
@@ -61,7 +65,7 @@ class CpuPagedBackend:
     ) -> bool:
         # Any block size: the kernel walks spans of positions, whatever blocks hold them.
         fits = num_heads // num_kv_heads <= _MAX_GROUP and head_dim <= _MAX_HEAD_DIM
-        return fits and kv_dtype in (torch.float16, torch.float32)
+        return fits and kv_dtype in KV_FORMATS
 
     def prepare(self, meta: AttentionMetadata) -> None:
         d = meta.num_decodes
@@ -109,13 +113,13 @@ class CpuPagedBackend:
         k_cache = cache.data_ptr()  # slot 0's K; its V follows after one K row
         self._write(
             k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k_cache, k_cache + cache.stride(1) * cache.element_size(),
-            slots.data_ptr(), k.shape[0], heads * dim, cache.stride(0), int(cache.dtype == torch.float16),
+            slots.data_ptr(), k.shape[0], heads * dim, cache.stride(0), kv_format(cache.dtype),
         )  # fmt: skip
 
     def attend_rows(
         self,
         q: torch.Tensor,  # [rows, H, D] fp32, contiguous
-        cache: torch.Tensor,  # [num_slots, 2, KVH, D] fp32 or fp16
+        cache: torch.Tensor,  # [num_slots, 2, KVH, D] fp32, fp16 or bf16
         out: torch.Tensor,  # [rows, H, D], written
         tables: torch.Tensor,  # [rows, max_blocks] int64: each row's block table
         lens: torch.Tensor,  # [rows] int64: each row attends to positions starts .. lens - 1
@@ -128,7 +132,7 @@ class CpuPagedBackend:
         self._decode(
             _ptr(q), _ptr(cache[:, 0]), _ptr(cache[:, 1]), _ptr(out), _ptr(tables), _ptr(lens),
             ctypes.c_void_p(None) if starts is None else _ptr(starts), q.shape[0], num_heads, cache.shape[2],
-            head_dim, cache.stride(0), block_size, tables.shape[1], scale, int(cache.dtype == torch.float16),
+            head_dim, cache.stride(0), block_size, tables.shape[1], scale, kv_format(cache.dtype),
         )  # fmt: skip
 
     def forward(

@@ -1,10 +1,10 @@
 """An fp32 attention backend (the CPU's C kernels) under a model whose activations are bf16.
 
-The C kernels read fp32 queries and an fp32 or fp16 cache. A bf16 model hands them its q/k/v
-widened to fp32 (exact) and gets the output rounded back to bf16 once: attention itself runs in
-fp32 (as the kernels' online softmax does for every model), which is at least as accurate as
-HF's bf16 SDPA. K/V reach the cache in the cache's own dtype: fp16 for a bf16 model on the CPU
-by default (`kv_cache_dtype` auto), where every bf16 value below fp16's 65504 is exact.
+The C kernels read fp32 queries and an fp32, fp16 or bf16 cache. A bf16 model hands them its
+q/k/v widened to fp32 (exact) and gets the output rounded back to bf16 once. K/V reach the cache
+in the cache's own dtype: bf16 for a bf16 model on the CPU by default (`kv_cache_dtype` auto),
+their values as the model computed them. Attention runs in fp32 arithmetic, or on a CPU with AMX
+on bf16 tiles (q and the softmax weights in bf16, sums in fp32, as HF's bf16 SDPA keeps them).
 """
 
 from __future__ import annotations

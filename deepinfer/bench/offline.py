@@ -261,7 +261,7 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--kv-cache-dtype",
-        choices=["auto", "float16", "float32"],
+        choices=["auto", "float16", "bfloat16", "float32"],
         help="default: fp16 for a GGUF, else the model dtype",
     )
     parser.add_argument("--result-json")

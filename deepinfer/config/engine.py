@@ -41,11 +41,13 @@ class CacheConfig:
     )
     num_blocks: int | None = option(None, help="number of KV-cache blocks (overrides --kv-cache-memory)")
     enable_prefix_caching: bool = option(True, help="reuse the KV of shared prompt prefixes")
-    kv_cache_dtype: Literal["auto", "float16", "float32"] = option(
+    kv_cache_dtype: Literal["auto", "float16", "bfloat16", "float32"] = option(
         "auto",
         help="float16: half the KV bytes, twice the tokens per GiB (attention still in fp32); "
-        "float32: full precision (an fp32 model only); auto: float16 for a model running on a "
-        "GGUF's own blocks (llama.cpp's default) or in bfloat16 on the CPU, else the model's dtype",
+        "bfloat16: the same bytes, a bf16 model's own K/V values (on a CPU with AMX its attention "
+        "then runs on bf16 tiles); float32: full precision (an fp32 model only); auto: float16 for a "
+        "model running on a GGUF's own blocks (llama.cpp's default), bfloat16 for a model in "
+        "bfloat16 on the CPU, else the model's dtype",
     )
 
     def __post_init__(self) -> None:
@@ -53,7 +55,7 @@ class CacheConfig:
         check_positive("block_size", self.block_size, allow_none=False)
         check_positive("kv_cache_memory", self.kv_cache_memory)
         check_positive("num_blocks", self.num_blocks)
-        check_choice("kv_cache_dtype", self.kv_cache_dtype, ("auto", "float16", "float32"))
+        check_choice("kv_cache_dtype", self.kv_cache_dtype, ("auto", "float16", "bfloat16", "float32"))
 
 
 CPU_STEP_TOKENS = 1024  # default step budgets, by device (SchedulerConfig.on_device)

@@ -66,22 +66,18 @@ def engine_device(config: EngineConfig, parallel: RankContext | None) -> torch.d
     return device
 
 
-def kv_cache_dtype(
-    config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype, device: torch.device
-) -> torch.dtype:
+def kv_cache_dtype(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype) -> torch.dtype:
     """The KV cache's element type. `auto`: fp16 for a model running on a GGUF's own blocks, as
     llama.cpp keeps it (batched decode reads the cache more than the weights, and half the bytes
-    is most of its time); fp16 for a bf16 model on the CPU too, since the C attention kernel
-    reads fp16 (F16C) and not bf16, and every bf16 K/V value in fp16's range (|x| < 65504)
-    converts exactly, in the same bytes; the model's dtype otherwise."""
+    is most of its time); the model's dtype otherwise, bf16 for a bf16 model on the CPU too (its
+    K/V values as they are, which the C kernel reads on AMX tiles where the CPU has them)."""
     choice = config.cache.kv_cache_dtype
     if choice == "auto":
         packed = loaded.resolved_quantization == "gguf" and loaded.model.supports_kv_cache_dtype
-        bf16_cpu = dtype == torch.bfloat16 and device.type == "cpu" and loaded.model.supports_kv_cache_dtype
-        return torch.float16 if packed or bf16_cpu else dtype
+        return torch.float16 if packed else dtype
     if choice == "float32" and dtype != torch.float32:
         raise ValueError(f"kv_cache_dtype='float32' needs an fp32 model; this one computes in {dtype}")
-    return torch.float16 if choice == "float16" else torch.float32
+    return {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(choice, torch.float32)
 
 
 def config_on_device(config: EngineConfig, device: torch.device) -> EngineConfig:
@@ -204,7 +200,7 @@ def build_engine_core(
     check_model_options(config, loaded)
     loaded.model.configure(config)
     model = loaded.model
-    kv_dtype = kv_cache_dtype(config, loaded, dtype, device)
+    kv_dtype = kv_cache_dtype(config, loaded, dtype)
     max_positions = loaded.config.max_position_embeddings
     # Past the positions the model places (trained, or stretched by --rope-scaling): refused.
     check_context_length(config.scheduler.max_model_len, max_positions, config.rope_scaling)

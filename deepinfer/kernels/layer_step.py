@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.kernels.kv_format import kv_format
+
 i64, ptr = ctypes.c_int64, ctypes.c_void_p
 
 # The tail of every stack's layer structure: its two norms (fp32 [hidden]) and their eps.
@@ -42,7 +44,7 @@ class _StackModel(ctypes.Structure):
 class _Step(ctypes.Structure):
     _fields_ = [("rows", i64), ("positions", ptr), ("slots", ptr), ("block_tables", ptr), ("seq_lens", ptr)]
     _fields_ += [("starts", ptr), ("block_size", i64), ("max_blocks", i64), ("kv", ptr), ("v_offset", i64)]
-    _fields_ += [("slot_stride", i64), ("kv_half", i64)]
+    _fields_ += [("slot_stride", i64), ("kv_format", i64)]
 
 
 @dataclass(slots=True)
@@ -102,7 +104,7 @@ class LayerStack:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] embeddings in `dtype` -> (last layer's output, residual stream), new
         [T, hidden] tensors of that dtype; writes every layer's K/V into `caches` (one contiguous
-        [slots, 2, kv heads, head dim] tensor per layer, all fp16 or all fp32)."""
+        [slots, 2, kv heads, head dim] tensor per layer, all of one dtype the kernels read)."""
         h = x.clone()
         residual = torch.empty_like(x)
         kv = (ctypes.c_void_p * len(caches))(*(c.data_ptr() for c in caches))
@@ -111,7 +113,7 @@ class LayerStack:
             x.shape[0], rows.positions.data_ptr(), rows.slots.data_ptr(), rows.block_tables.data_ptr(),
             rows.seq_lens.data_ptr(), None if rows.starts is None else rows.starts.data_ptr(), rows.block_size,
             rows.block_tables.shape[1], ctypes.addressof(kv), cache.stride(1) * cache.element_size(),
-            cache.stride(0), int(cache.dtype == torch.float16),
+            cache.stride(0), kv_format(cache.dtype),
         )  # fmt: skip
         status = self._function(
             ctypes.byref(self._model), ctypes.byref(step), h.data_ptr(), residual.data_ptr()

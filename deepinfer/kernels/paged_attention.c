@@ -40,13 +40,20 @@ typedef int32_t vi16 __attribute__((vector_size(64)));
 typedef int32_t vi8 __attribute__((vector_size(32)));
 
 /* The rows j = 0..n-1 of one block for kv head kvh, as fp32 rows `*row_stride` floats apart:
- * pointers into an fp32 cache, or an fp16 cache's rows converted into `buffer`. */
-static inline const float *block_rows(const void *cache, int64_t kv_half, int64_t first_slot, int64_t n,
+ * pointers into an fp32 cache, or an fp16 or bf16 cache's rows converted into `buffer`. */
+static inline const float *block_rows(const void *cache, int64_t kv_format, int64_t first_slot, int64_t n,
                                       int64_t slot_stride, int64_t offset, int64_t head_dim, float *buffer,
                                       int64_t *row_stride) {
-    if (!kv_half) {
+    if (kv_format == KV_FLOAT32) {
         *row_stride = slot_stride;
         return (const float *)cache + first_slot * slot_stride + offset;
+    }
+    *row_stride = head_dim;
+    if (kv_format == KV_BFLOAT16) {
+        const uint16_t *bf = (const uint16_t *)cache + first_slot * slot_stride + offset;
+        for (int64_t j = 0; j < n; ++j)
+            for (int64_t d = 0; d < head_dim; ++d) buffer[j * head_dim + d] = from_bf16(bf[j * slot_stride + d]);
+        return buffer;
     }
     const _Float16 *half = (const _Float16 *)cache + first_slot * slot_stride + offset;
     for (int64_t j = 0; j < n; ++j) {
@@ -60,7 +67,6 @@ static inline const float *block_rows(const void *cache, int64_t kv_half, int64_
 #endif
         for (; d < head_dim; ++d) dst[d] = (float)src[d];
     }
-    *row_stride = head_dim;
     return buffer;
 }
 
@@ -112,9 +118,24 @@ static inline v16 load16_half(const _Float16 *p) {
     return x;
 }
 
-/* Values index .. index+15 of a block's K or V rows: fp32, or fp16 (HALF) converted as loaded. */
-static inline __attribute__((always_inline)) v16 row16(const void *rows, const int HALF, int64_t index) {
-    return HALF ? load16_half((const _Float16 *)rows + index) : load16((const float *)rows + index);
+/* 16 bf16 values as fp32 (exact: the bits shifted into the upper half). */
+static inline v16 load16_bf16(const uint16_t *p) {
+    vi16 x;
+#if defined(__AVX512F__)
+    const __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+    memcpy(&x, &wide, sizeof x);
+#else
+    for (int i = 0; i < 16; ++i) x[i] = (int32_t)((uint32_t)p[i] << 16);
+#endif
+    return (v16)x;
+}
+
+/* Values index .. index+15 of a block's K or V rows: fp32, or fp16 / bf16 (FORMAT) converted as
+ * loaded. */
+static inline __attribute__((always_inline)) v16 row16(const void *rows, const int FORMAT, int64_t index) {
+    return FORMAT == KV_FLOAT16    ? load16_half((const _Float16 *)rows + index)
+           : FORMAT == KV_BFLOAT16 ? load16_bf16((const uint16_t *)rows + index)
+                                   : load16((const float *)rows + index);
 }
 
 static inline float sum16(v16 x) {
@@ -189,7 +210,7 @@ static inline __attribute__((always_inline)) void tile_scores(const int64_t D, c
 
 /* acc[t * D ..] = acc * correction[t] + sum_j weights[t][j] * value row j, for t < T and the
  * first n value rows of the span's segments, in order. */
-static inline __attribute__((always_inline)) void tile_values(const int64_t D, const int HALF, const int T,
+static inline __attribute__((always_inline)) void tile_values(const int64_t D, const int FORMAT, const int T,
                                                               float *acc, const float *correction,
                                                               const segment *values, int64_t n,
                                                               float (*weights)[SPAN_MAX]) {
@@ -200,7 +221,7 @@ static inline __attribute__((always_inline)) void tile_values(const int64_t D, c
         const int64_t rows = values[s].n < n - j ? values[s].n : n - j;
         for (int64_t i = 0; i < rows; ++i, ++j) {
             v16 vv[MAX_HEAD_DIM / 16];
-            for (int64_t c = 0; c < D / 16; ++c) vv[c] = row16(values[s].rows, HALF, i * values[s].stride + 16 * c);
+            for (int64_t c = 0; c < D / 16; ++c) vv[c] = row16(values[s].rows, FORMAT, i * values[s].stride + 16 * c);
             for (int t = 0; t < T; ++t)
                 for (int64_t c = 0; c < D / 16; ++c) av[t][c] += weights[t][j] * vv[c];
         }
@@ -248,8 +269,21 @@ static inline v8 load8_half(const _Float16 *p) {
     return x;
 }
 
-static inline __attribute__((always_inline)) v8 row8(const void *rows, const int HALF, int64_t index) {
-    return HALF ? load8_half((const _Float16 *)rows + index) : load8((const float *)rows + index);
+static inline v8 load8_bf16(const uint16_t *p) {
+    vi8 x;
+#if defined(__AVX2__)
+    const __m256i wide = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+    memcpy(&x, &wide, sizeof x);
+#else
+    for (int i = 0; i < 8; ++i) x[i] = (int32_t)((uint32_t)p[i] << 16);
+#endif
+    return (v8)x;
+}
+
+static inline __attribute__((always_inline)) v8 row8(const void *rows, const int FORMAT, int64_t index) {
+    return FORMAT == KV_FLOAT16    ? load8_half((const _Float16 *)rows + index)
+           : FORMAT == KV_BFLOAT16 ? load8_bf16((const uint16_t *)rows + index)
+                                   : load8((const float *)rows + index);
 }
 
 /* A dot product's 16 lanes (query halves qlo/qhi against key row k), as sum16's first step
@@ -307,7 +341,7 @@ static inline __attribute__((always_inline)) void tile_scores(const int64_t D, c
     }
 }
 
-static inline __attribute__((always_inline)) void tile_values(const int64_t D, const int HALF, const int T,
+static inline __attribute__((always_inline)) void tile_values(const int64_t D, const int FORMAT, const int T,
                                                               float *acc, const float *correction,
                                                               const segment *values, int64_t n,
                                                               float (*weights)[SPAN_MAX]) {
@@ -318,7 +352,7 @@ static inline __attribute__((always_inline)) void tile_values(const int64_t D, c
         const int64_t rows = values[s].n < n - j ? values[s].n : n - j;
         for (int64_t i = 0; i < rows; ++i, ++j) {
             v8 vv[MAX_HEAD_DIM / 8];
-            for (int64_t c = 0; c < D / 8; ++c) vv[c] = row8(values[s].rows, HALF, i * values[s].stride + 8 * c);
+            for (int64_t c = 0; c < D / 8; ++c) vv[c] = row8(values[s].rows, FORMAT, i * values[s].stride + 8 * c);
             for (int t = 0; t < T; ++t) {
                 const float w = weights[t][j];
                 for (int64_t c = 0; c < D / 8; ++c) av[t][c] += w * vv[c];
@@ -409,20 +443,23 @@ static inline __attribute__((always_inline)) void prefetch_rows(const void *k_ca
  * loaded (and an fp16 block converted) once for all of them, while every row runs the arithmetic
  * it runs alone, so its bits do not depend on the tile. Without the tile, each row of a long
  * prefill chunk streamed the whole context from memory again. */
-#define ROW_TILE 8
-/* Floats of a tile's queries and of its outputs: ROW_TILE rows when group * head_dim allows. */
+#define ROW_TILE 32
+/* Floats of a tile's queries and of its outputs, and its (row, query head) pairs: ROW_TILE rows
+ * where the group and head_dim allow (32 rows of SmolLM2's 3 heads per kv head are the AMX path's
+ * six full blocks of 16 queries, among which it shares each part's staged values). */
 #define TILE_FLOATS (MAX_GROUP * MAX_HEAD_DIM)
+#define TILE_QUERIES 256
 
 /* Fold positions first .. lasts[r]-1 of rows r < R (one kv head; lasts nondecreasing, the same
  * block table up to each row's last) into their online softmaxes: row r's running max m[r * group
  * + g], sum l[..] and unnormalized output acc[(r * group + g) * D ..] of its query heads qs[(r *
- * group + g) * D ..] (already scaled). Inlined with D and HALF (kv_half) constants where the caller
+ * group + g) * D ..] (already scaled). Inlined with D and FORMAT (kv_format) constants where the caller
  * dispatches on them, so that a tile's accumulators stay in registers across a block's values. */
 static inline __attribute__((always_inline)) void attend_span(
-    const int64_t D, const int HALF, const int64_t R, const float *qs, const void *k_cache, const void *v_cache,
+    const int64_t D, const int FORMAT, const int64_t R, const float *qs, const void *k_cache, const void *v_cache,
     const int64_t *table, int64_t first, const int64_t *lasts, int64_t group, int64_t column, int64_t slot_stride,
     int64_t block_size, float *m, float *l, float *acc) {
-    const int64_t element = HALF ? 2 : 4;
+    const int64_t element = FORMAT == KV_FLOAT32 ? 4 : 2;
     const int vectors = D % 16 == 0; /* every head_dim a model ships; others take scalar loops */
     const int64_t tile = TILE_FOR(D);
     const int64_t last = lasts[R - 1];
@@ -430,8 +467,8 @@ static inline __attribute__((always_inline)) void attend_span(
     /* fp16 value rows are converted once for a tile of rows (and for the scalar loops); a single
      * row converts them as it loads them, which saves a buffer's stores and loads. The values are
      * the same either way. */
-    const int half_values = HALF && R == 1 && vectors;
-    float scores[ROW_TILE * MAX_GROUP][SPAN_MAX], correction[ROW_TILE * MAX_GROUP];
+    const int half_values = FORMAT != KV_FLOAT32 && R == 1 && vectors;
+    float scores[TILE_QUERIES][SPAN_MAX], correction[TILE_QUERIES];
     float k_buffer[MAX_HALF_ROWS], v_buffer[MAX_HALF_ROWS]; /* fp16 rows as fp32 */
     segment values[SPAN_MAX];
     /* the first block's rows too: its values are not loaded before its scores are done */
@@ -453,7 +490,7 @@ static inline __attribute__((always_inline)) void attend_span(
                 prefetch_rows(k_cache, v_cache, table[start / block_size + 1] * block_size, block_size,
                               slot_stride * element, column * element, D * element);
             int64_t k_stride;
-            const float *k_rows = block_rows(k_cache, HALF, base, n, slot_stride, column, D, k_buffer, &k_stride);
+            const float *k_rows = block_rows(k_cache, FORMAT, base, n, slot_stride, column, D, k_buffer, &k_stride);
             const int64_t at = start - span_start;
             for (int64_t r = 0; r < R; ++r) {
                 const int64_t nr = lasts[r] - start < n ? lasts[r] - start : n; /* this row's keys of the block */
@@ -484,7 +521,7 @@ static inline __attribute__((always_inline)) void attend_span(
             } else {
                 int64_t v_stride;
                 const float *v_rows =
-                    block_rows(v_cache, HALF, base, n, slot_stride, column, D, v_buffer + at * D, &v_stride);
+                    block_rows(v_cache, FORMAT, base, n, slot_stride, column, D, v_buffer + at * D, &v_stride);
                 values[segments] = (segment){v_rows, v_stride, n};
             }
             start += n;
@@ -507,7 +544,7 @@ static inline __attribute__((always_inline)) void attend_span(
                     const int64_t count = group - g < tile ? group - g : tile;
 #define VALUES(T)                                                                \
     if (half_values)                                                             \
-        tile_values(D, HALF, T, ar + g * D, cr + g, values, nr, sr + g);         \
+        tile_values(D, FORMAT, T, ar + g * D, cr + g, values, nr, sr + g);         \
     else                                                                         \
         tile_values(D, 0, T, ar + g * D, cr + g, values, nr, sr + g)
                     DISPATCH_TILE(count, VALUES)
@@ -561,6 +598,70 @@ static inline int join_tile(const int64_t *block_tables, const int64_t *seq_lens
     return 1;
 }
 
+#include "attention_amx.h"
+
+#if ATTENTION_AMX
+/* Whether a head_dim runs on the tiles: whole sets of four 16-dim accumulator tiles. */
+static inline int amx_head_dim(int64_t head_dim) { return head_dim % 64 == 0 && head_dim <= AMX_MAX_D; }
+
+/* Whether the tiles are wired right: two rows of three heads (40 and 37 keys, one part) against
+ * a double-precision softmax of the same bf16 values. Every score is exact (eighths times
+ * eighths, summed), so the maxima must be equal; the outputs within the bf16 rounding of P. */
+static int amx_attention_self_check(void) {
+    enum { D = 64, KEYS = 40, GROUP = 3, ROWS = 2, BLOCK = 16 };
+    static uint16_t k[KEYS * D], v[KEYS * D];
+    float q[ROWS * GROUP * D], m[ROWS * GROUP], l[ROWS * GROUP], acc[ROWS * GROUP * D];
+    const int64_t table[3] = {2, 0, 1}, lasts[ROWS] = {37, KEYS};
+    uint32_t state = 12345u;
+#define SMALL() ((float)((int)((state = state * 1664525u + 1013904223u) >> 28) - 8) / 8.0f)
+    for (int i = 0; i < KEYS * D; ++i) k[i] = to_bf16(SMALL()), v[i] = to_bf16(SMALL());
+    for (int i = 0; i < ROWS * GROUP * D; ++i) q[i] = SMALL();
+#undef SMALL
+    /* key j lives in slot table[j / 16] * 16 + j % 16 of the cache (k, v above) */
+    amx_attend(D, ROWS, GROUP, q, GROUP * D, k, v, table, 0, lasts, 0, D, BLOCK, 0.125f, m, l, acc);
+    for (int r = 0; r < ROWS; ++r)
+        for (int g = 0; g < GROUP; ++g) {
+            const float *qg = q + (r * GROUP + g) * D;
+            double scores[KEYS], top = -1e300, total = 0.0;
+            for (int j = 0; j < lasts[r]; ++j) {
+                const int64_t slot = table[j / BLOCK] * BLOCK + j % BLOCK;
+                double dot = 0.0;
+                for (int d = 0; d < D; ++d) dot += (double)qg[d] * from_bf16(k[slot * D + d]);
+                scores[j] = dot * 0.125;
+                top = scores[j] > top ? scores[j] : top;
+            }
+            const int at = r * GROUP + g;
+            if ((double)m[at] != top) return 0;
+            for (int j = 0; j < lasts[r]; ++j) total += exp(scores[j] - top);
+            if (fabs(l[at] - total) > 1e-4 * total) return 0;
+            for (int d = 0; d < D; ++d) {
+                double out = 0.0;
+                for (int j = 0; j < lasts[r]; ++j)
+                    out += exp(scores[j] - top) * from_bf16(v[(table[j / BLOCK] * BLOCK + j % BLOCK) * D + d]);
+                if (fabs(acc[at * D + d] - out) > 2e-2 * total) return 0;
+            }
+        }
+    return 1;
+}
+
+static int amx_attention_state; /* 0: not yet known, else amx_status_once's answer */
+
+static int amx_attention_status(void) {
+    return amx_status_once(&amx_attention_state, amx_request_permission, amx_attention_self_check);
+}
+#endif
+
+/* 1 when a bf16 cache's attention runs on AMX bf16 tiles (head_dim 64 or 128): built for them,
+ * permitted by the OS and wired right; 0 a build without tiles, -1 the OS refused them, -2 the
+ * self-check failed (a defect: the fp32 path runs instead). */
+int paged_attention_amx_ready(void) {
+#if ATTENTION_AMX
+    return amx_attention_status();
+#else
+    return 0;
+#endif
+}
+
 /* Computes part `part` of kv head kvh for rows s .. s+rows-1, a run that join_tile links (or one
  * row). A row of one part writes its output; the others leave their softmax state at
  * states + r * row_stride (row s + r). Never inlined, so every caller runs the same instructions. */
@@ -568,7 +669,7 @@ static __attribute__((noinline)) void attend_run(const float *q, const void *k_c
                                                  float *out, const int64_t *block_tables, const int64_t *seq_lens,
                                                  const int64_t *seq_starts, int64_t num_heads, int64_t num_kv_heads,
                                                  int64_t head_dim, int64_t slot_stride, int64_t block_size,
-                                                 int64_t max_blocks, float scale, int64_t kv_half, int64_t parts,
+                                                 int64_t max_blocks, float scale, int64_t kv_format, int64_t parts,
                                                  int64_t s, int64_t rows, int64_t kvh, int64_t part, float *states,
                                                  int64_t row_stride) {
     const int64_t group = num_heads / num_kv_heads;
@@ -578,39 +679,48 @@ static __attribute__((noinline)) void attend_run(const float *q, const void *k_c
     const int64_t first = count == 1 || start > lo ? start : lo;
     int64_t lasts[ROW_TILE], counts[ROW_TILE];
     float qs[TILE_FLOATS], acc[TILE_FLOATS];
-    float m[ROW_TILE * MAX_GROUP], l[ROW_TILE * MAX_GROUP];
+    float m[TILE_QUERIES], l[TILE_QUERIES];
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t row_len = seq_lens[s + r];
         counts[r] = parts == 1 ? 1 : row_parts(start, row_len);
         lasts[r] = counts[r] == 1 || row_len < lo + PART_TOKENS ? row_len : lo + PART_TOKENS;
-        for (int64_t g = 0; g < group; ++g) {
-            const float *src = q + ((s + r) * num_heads + kvh * group + g) * head_dim;
-            float *qg = qs + (r * group + g) * head_dim, *ag = acc + (r * group + g) * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) {
-                qg[d] = src[d] * scale; /* fold the softmax scale into q once */
-                ag[d] = 0.0f;
-            }
-            m[r * group + g] = -FLT_MAX;
-            l[r * group + g] = 0.0f;
-        }
     }
     const int64_t *table = block_tables + (s + rows - 1) * max_blocks;
     const int64_t column = kvh * head_dim;
-#define ATTEND(D, HALF)                                                                                              \
-    attend_span(D, HALF, rows, qs, k_cache, v_cache, table, first, lasts, group, column, slot_stride, block_size, m, \
-                l, acc)
-    if (head_dim == 64 && kv_half)
-        ATTEND(64, 1);
-    else if (head_dim == 64)
-        ATTEND(64, 0);
-    else if (head_dim == 128 && kv_half)
-        ATTEND(128, 1);
-    else if (head_dim == 128)
-        ATTEND(128, 0);
-    else if (kv_half)
-        ATTEND(head_dim, 1);
-    else
-        ATTEND(head_dim, 0);
+#if ATTENTION_AMX
+    if (kv_format == KV_BFLOAT16 && amx_head_dim(head_dim) && amx_attention_status() == 1) {
+        amx_attend(head_dim, rows, group, q + (s * num_heads + kvh * group) * head_dim, num_heads * head_dim,
+                   k_cache, v_cache, table, first, lasts, column, slot_stride, block_size, scale, m, l, acc);
+    } else
+#endif
+    {
+        for (int64_t r = 0; r < rows; ++r)
+            for (int64_t g = 0; g < group; ++g) {
+                const float *src = q + ((s + r) * num_heads + kvh * group + g) * head_dim;
+                float *qg = qs + (r * group + g) * head_dim, *ag = acc + (r * group + g) * head_dim;
+                for (int64_t d = 0; d < head_dim; ++d) {
+                    qg[d] = src[d] * scale; /* fold the softmax scale into q once */
+                    ag[d] = 0.0f;
+                }
+                m[r * group + g] = -FLT_MAX;
+                l[r * group + g] = 0.0f;
+            }
+#define ATTEND(D, FORMAT)                                                                                            \
+    attend_span(D, FORMAT, rows, qs, k_cache, v_cache, table, first, lasts, group, column, slot_stride, block_size, \
+                m, l, acc)
+#define ATTEND_FORMATS(D)                                      \
+    if (kv_format == KV_FLOAT16) ATTEND(D, KV_FLOAT16);        \
+    else if (kv_format == KV_BFLOAT16) ATTEND(D, KV_BFLOAT16); \
+    else ATTEND(D, KV_FLOAT32)
+        if (head_dim == 64) {
+            ATTEND_FORMATS(64);
+        } else if (head_dim == 128) {
+            ATTEND_FORMATS(128);
+        } else {
+            ATTEND_FORMATS(head_dim);
+        }
+    }
+#undef ATTEND_FORMATS
 #undef ATTEND
     for (int64_t r = 0; r < rows; ++r) {
         const float *ar = acc + r * group * head_dim;
@@ -629,9 +739,11 @@ static __attribute__((noinline)) void attend_run(const float *q, const void *k_c
     }
 }
 
-/* Rows per row tile for this shape: ROW_TILE where a tile's queries fit TILE_FLOATS. */
+/* Rows per row tile for this shape: ROW_TILE where a tile's queries fit TILE_FLOATS and
+ * TILE_QUERIES (MAX_GROUP heads fit both). */
 static inline int64_t tile_rows_for(int64_t group, int64_t head_dim) {
-    const int64_t rows = TILE_FLOATS / (group * head_dim);
+    const int64_t by_floats = TILE_FLOATS / (group * head_dim), by_queries = TILE_QUERIES / group;
+    const int64_t rows = by_floats < by_queries ? by_floats : by_queries;
     return rows < ROW_TILE ? (rows > 1 ? rows : 1) : ROW_TILE;
 }
 
@@ -643,7 +755,7 @@ static inline int64_t tile_rows_for(int64_t group, int64_t head_dim) {
 static void attend_part(
     const float *q, const void *k_cache, const void *v_cache, float *out, const int64_t *block_tables,
     const int64_t *seq_lens, const int64_t *seq_starts, int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, int64_t slot_stride, int64_t block_size, int64_t max_blocks, float scale, int64_t kv_half,
+    int64_t head_dim, int64_t slot_stride, int64_t block_size, int64_t max_blocks, float scale, int64_t kv_format,
     int64_t parts, float *partial, int64_t s, int64_t kvh, int64_t part) {
     const int64_t start = seq_starts ? seq_starts[s] : 0;
     /* parts == 1: the caller has no scratch; every row is then one part, start .. len - 1 */
@@ -656,7 +768,7 @@ static void attend_part(
 #undef JOINS
     const int64_t per_part = partial_floats(num_heads / num_kv_heads, head_dim);
     attend_run(q, k_cache, v_cache, out, block_tables, seq_lens, seq_starts, num_heads, num_kv_heads, head_dim,
-               slot_stride, block_size, max_blocks, scale, kv_half, parts, s, rows, kvh, part,
+               slot_stride, block_size, max_blocks, scale, kv_format, parts, s, rows, kvh, part,
                partial + ((s * num_kv_heads + kvh) * parts + part) * per_part, num_kv_heads * parts * per_part);
 }
 
@@ -705,7 +817,7 @@ static void attend_tile_parts(const float *q, const void *k_cache, const void *v
                               const int64_t *block_tables, const int64_t *seq_lens, const int64_t *seq_starts,
                               int64_t num_rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                               int64_t slot_stride, int64_t block_size, int64_t max_blocks, float scale,
-                              int64_t kv_half, int64_t parts, int64_t t0, int64_t kvh, float *states) {
+                              int64_t kv_format, int64_t parts, int64_t t0, int64_t kvh, float *states) {
     const int64_t group = num_heads / num_kv_heads, per_part = partial_floats(group, head_dim);
     const int64_t tile_rows = tile_rows_for(group, head_dim);
     const int64_t end = t0 + tile_rows < num_rows ? t0 + tile_rows : num_rows;
@@ -717,7 +829,7 @@ static void attend_tile_parts(const float *q, const void *k_cache, const void *v
             while (s + rows < end && JOINS(s + rows - 1, s + rows)) ++rows;
             if (part < count)
                 attend_run(q, k_cache, v_cache, out, block_tables, seq_lens, seq_starts, num_heads, num_kv_heads,
-                           head_dim, slot_stride, block_size, max_blocks, scale, kv_half, parts, s, rows, kvh, part,
+                           head_dim, slot_stride, block_size, max_blocks, scale, kv_format, parts, s, rows, kvh, part,
                            states + ((s - t0) * parts + part) * per_part, parts * per_part);
             s += rows;
         }
@@ -774,11 +886,11 @@ void paged_attention_plan(const int64_t *seq_lens, const int64_t *seq_starts, in
 void paged_attention_item(const float *q, const void *k_cache, const void *v_cache, float *out,
                           const int64_t *block_tables, const int64_t *seq_lens, const int64_t *seq_starts,
                           int64_t num_rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                          int64_t slot_stride, int64_t block_size, int64_t max_blocks, float scale, int64_t kv_half,
+                          int64_t slot_stride, int64_t block_size, int64_t max_blocks, float scale, int64_t kv_format,
                           const attention_plan *plan, float *partial, float *states, int64_t work) {
     if (plan->tile_items)
         attend_tile_parts(q, k_cache, v_cache, out, block_tables, seq_lens, seq_starts, num_rows, num_heads,
-                          num_kv_heads, head_dim, slot_stride, block_size, max_blocks, scale, kv_half, plan->parts,
+                          num_kv_heads, head_dim, slot_stride, block_size, max_blocks, scale, kv_format, plan->parts,
                           work / num_kv_heads * tile_rows_for(num_heads / num_kv_heads, head_dim),
                           work % num_kv_heads, states);
     else
@@ -786,7 +898,7 @@ void paged_attention_item(const float *q, const void *k_cache, const void *v_cac
             const int64_t heads = num_kv_heads / plan->item_heads, part = work % plan->parts;
             const int64_t row = work / plan->parts / heads, kvh = plan->item_heads > 1 ? h : work / plan->parts % heads;
             attend_part(q, k_cache, v_cache, out, block_tables, seq_lens, seq_starts, num_rows, num_heads,
-                        num_kv_heads, head_dim, slot_stride, block_size, max_blocks, scale, kv_half, plan->parts,
+                        num_kv_heads, head_dim, slot_stride, block_size, max_blocks, scale, kv_format, plan->parts,
                         partial, row, kvh, part);
         }
 }
@@ -795,9 +907,9 @@ void paged_decode_attention(const float *q, const void *k_cache, const void *v_c
                             const int64_t *block_tables, const int64_t *seq_lens,
                             const int64_t *seq_starts, int64_t num_seqs,
                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t slot_stride,
-                            int64_t block_size, int64_t max_blocks, float scale, int64_t kv_half) {
+                            int64_t block_size, int64_t max_blocks, float scale, int64_t kv_format) {
     /* k_cache/v_cache point at slot 0's K and V; consecutive slots are slot_stride elements apart
-     * (float, or _Float16 when kv_half). Row s attends to positions seq_starts[s] .. seq_lens[s]-1
+     * (float, _Float16 or bf16 as kv_format says). Row s attends to positions seq_starts[s] .. seq_lens[s]-1
      * (seq_starts NULL: from 0; a sliding window starts later). If a scratch cannot be allocated,
      * per-part items replace tile items, and then every row runs as one part. */
     attention_plan plan;
@@ -819,7 +931,7 @@ void paged_decode_attention(const float *q, const void *k_cache, const void *v_c
 #pragma omp for schedule(dynamic, 1)
         for (int64_t work = 0; work < plan.items; ++work)
             paged_attention_item(q, k_cache, v_cache, out, block_tables, seq_lens, seq_starts, num_seqs, num_heads,
-                                 num_kv_heads, head_dim, slot_stride, block_size, max_blocks, scale, kv_half, &plan,
+                                 num_kv_heads, head_dim, slot_stride, block_size, max_blocks, scale, kv_format, &plan,
                                  partial, mine, work);
         if (!plan.tile_items && plan.parts > 1) {
 #pragma omp for schedule(static)
@@ -834,19 +946,25 @@ void paged_decode_attention(const float *q, const void *k_cache, const void *v_c
 
 /* Store a step's K and V (fp32, `row` values per token, tokens k_stride / v_stride apart) at
  * their cache slots: k_cache/v_cache point at slot 0's K and V, slots are slot_stride elements
- * apart; converted to fp16 (round to nearest even, as torch does) when kv_half. One call instead
- * of a strided index copy per tensor, whose overhead dominates at batch 1. */
+ * apart; converted to the cache's format (fp16 or bf16, round to nearest even, as torch does).
+ * One call instead of a strided index copy per tensor, whose overhead dominates at batch 1. */
 void paged_write_kv(const float *k, const float *v, int64_t k_stride, int64_t v_stride, void *k_cache,
                     void *v_cache, const int64_t *slots, int64_t tokens, int64_t row, int64_t slot_stride,
-                    int64_t kv_half) {
+                    int64_t kv_format) {
     for (int64_t t = 0; t < tokens; ++t) {
         const int64_t at = slots[t] * slot_stride;
         const float *kt = k + t * k_stride, *vt = v + t * v_stride;
-        if (kv_half) {
+        if (kv_format == KV_FLOAT16) {
             _Float16 *kd = (_Float16 *)k_cache + at, *vd = (_Float16 *)v_cache + at;
             for (int64_t i = 0; i < row; ++i) {
                 kd[i] = (_Float16)kt[i];
                 vd[i] = (_Float16)vt[i];
+            }
+        } else if (kv_format == KV_BFLOAT16) {
+            uint16_t *kd = (uint16_t *)k_cache + at, *vd = (uint16_t *)v_cache + at;
+            for (int64_t i = 0; i < row; ++i) {
+                kd[i] = to_bf16(kt[i]);
+                vd[i] = to_bf16(vt[i]);
             }
         } else {
             memcpy((float *)k_cache + at, kt, row * sizeof(float));

@@ -5,6 +5,9 @@
 #define DEEPINFER_PAGED_ATTENTION_H
 #include <stdint.h>
 
+/* The KV cache's element type (the kv_format argument): attention arithmetic is fp32 on each. */
+enum { KV_FLOAT32 = 0, KV_FLOAT16 = 1, KV_BFLOAT16 = 2 };
+
 typedef struct {
     int64_t parts;          /* parts of the longest row's context (1: no row is merged) */
     int64_t tile_items;     /* nonzero: an item is a (row tile, kv head) pair with all its parts */

@@ -11,6 +11,7 @@ import torch
 
 from deepinfer.attention.cpu_paged import CpuPagedBackend
 from deepinfer.attention.metadata import ForwardMetadata
+from deepinfer.kernels.kv_format import KV_FORMATS
 from deepinfer.kernels.layer_step import StackAttention, StepRows
 from deepinfer.kernels.rowwise import rowwise_kernels
 from deepinfer.model.layers.norm import RMSNorm
@@ -72,8 +73,8 @@ def step_rows(
 
 
 def caches_fit(caches: Sequence[torch.Tensor]) -> bool:
-    """Per-layer caches the C loop can write: contiguous [slots, 2, ...], one dtype, fp32 or fp16."""
+    """Per-layer caches the C loop can write: contiguous [slots, 2, ...], one dtype the kernels read."""
     dtype = caches[0].dtype
-    return dtype in (torch.float32, torch.float16) and all(
+    return dtype in KV_FORMATS and all(
         c.dtype is dtype and c.is_contiguous() and c.dim() == 4 and c.shape[1] == 2 for c in caches
     )
