@@ -69,8 +69,8 @@ static inline void transpose16(__m512i r[16]) {
 typedef struct {
     uint32_t kt[AMX_KEYS * AMX_MAX_D / 2] __attribute__((aligned(64))); /* [D/32][n16/16][16][16]: K^T pairs */
     uint32_t vp[AMX_KEYS / 2 * AMX_MAX_D] __attribute__((aligned(64))); /* [n32/2][D]: V's key pairs */
-    uint16_t q[16 * AMX_MAX_D] __attribute__((aligned(64)));            /* [16][D]: a block's queries */
-    float s[16 * AMX_KEYS] __attribute__((aligned(64)));                /* [16][AMX_KEYS]: S */
+    uint16_t q[TILE_QUERIES * AMX_MAX_D] __attribute__((aligned(64)));  /* [blocks * 16][D]: the queries */
+    float s[2][16 * AMX_KEYS] __attribute__((aligned(64)));             /* [16][AMX_KEYS]: S, two blocks */
     uint16_t p[16 * AMX_KEYS] __attribute__((aligned(64)));             /* [16][AMX_KEYS]: P in bf16 */
     float o[16 * AMX_MAX_D] __attribute__((aligned(64)));               /* [16][D]: O */
 } amx_part;
@@ -115,9 +115,9 @@ static void amx_stage(const int64_t D, const uint16_t *k_cache, const uint16_t *
     }
 }
 
-/* S for query rows buf->q against the part's n16 keys, into buf->s: four key blocks at a time,
+/* S for the 16 query rows at `q` against the part's n16 keys, into s: four key blocks at a time,
  * one accumulator tile each, so that the tile unit has four independent sums in flight. */
-static void amx_scores(const int64_t D, int64_t n16, amx_part *buf) {
+static void amx_scores(const int64_t D, int64_t n16, const uint16_t *q, float *s, const amx_part *buf) {
     const int64_t key_blocks = n16 / 16;
     for (int64_t b = 0; b < key_blocks; b += 4) {
         const int64_t count = key_blocks - b < 4 ? key_blocks - b : 4;
@@ -127,7 +127,7 @@ static void amx_scores(const int64_t D, int64_t n16, amx_part *buf) {
         _tile_zero(TC3);
         for (int64_t c = 0; c < D / 32; ++c) {
             const uint32_t *kt = buf->kt + (c * key_blocks + b) * 256;
-            _tile_loadd(TA, buf->q + 32 * c, D * sizeof(uint16_t));
+            _tile_loadd(TA, q + 32 * c, D * sizeof(uint16_t));
             _tile_loadd(TB0, kt, 64);
             _tile_dpbf16ps(TC0, TA, TB0);
             if (count > 1) {
@@ -144,10 +144,10 @@ static void amx_scores(const int64_t D, int64_t n16, amx_part *buf) {
             }
         }
         const int64_t stride = AMX_KEYS * sizeof(float);
-        _tile_stored(TC0, buf->s + 16 * b, stride);
-        if (count > 1) _tile_stored(TC1, buf->s + 16 * (b + 1), stride);
-        if (count > 2) _tile_stored(TC2, buf->s + 16 * (b + 2), stride);
-        if (count > 3) _tile_stored(TC3, buf->s + 16 * (b + 3), stride);
+        _tile_stored(TC0, s + 16 * b, stride);
+        if (count > 1) _tile_stored(TC1, s + 16 * (b + 1), stride);
+        if (count > 2) _tile_stored(TC2, s + 16 * (b + 2), stride);
+        if (count > 3) _tile_stored(TC3, s + 16 * (b + 3), stride);
     }
 }
 
@@ -205,20 +205,26 @@ static __attribute__((noinline)) void amx_attend(const int64_t D, int64_t R, int
     }
     _tile_loadconfig(&config);
     amx_stage(D, k_cache, v_cache, table, first, n, column, slot_stride, block_size, &buf);
-    for (int64_t q0 = 0; q0 < R * group; q0 += 16) {
-        const int64_t count = R * group - q0 < 16 ? R * group - q0 : 16;
-        for (int64_t i = 0; i < 16; ++i) /* the block's queries in bf16, zeros past count */
-            for (int64_t d = 0; d < D; d += 32) {
-                const float *row = q + (q0 + i) / group * q_stride + (q0 + i) % group * D + d;
-                const __m512bh pair = i < count ? _mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + 16), _mm512_loadu_ps(row))
-                                                : (__m512bh)_mm512_setzero_si512();
-                _mm512_store_si512((__m512i *)(buf.q + i * D + d), (__m512i)pair);
-            }
-        amx_scores(D, n16, &buf);
+    const int64_t queries = R * group, blocks = (queries + 15) / 16;
+    for (int64_t i = 0; i < blocks * 16; ++i) /* every query in bf16, zeros past the last */
+        for (int64_t d = 0; d < D; d += 32) {
+            const float *row = q + i / group * q_stride + i % group * D + d;
+            const __m512bh pair = i < queries ? _mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + 16), _mm512_loadu_ps(row))
+                                              : (__m512bh)_mm512_setzero_si512();
+            _mm512_store_si512((__m512i *)(buf.q + i * D + d), (__m512i)pair);
+        }
+    /* Block b's scores are issued before block b-1's values: tile loads wait for the vector
+     * stores they read to reach the cache (no forwarding), and the scores' tile work covers
+     * the wait on P's stores. */
+    amx_scores(D, n16, buf.q, buf.s[0], &buf);
+    for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t q0 = 16 * b, count = queries - q0 < 16 ? queries - q0 : 16;
+        const float *s = buf.s[b % 2];
         for (int64_t i = 0; i < count; ++i)
-            amx_softmax_row(buf.s + i * AMX_KEYS, lasts[(q0 + i) / group] - first, n32, scale, buf.p + i * AMX_KEYS,
+            amx_softmax_row(s + i * AMX_KEYS, lasts[(q0 + i) / group] - first, n32, scale, buf.p + i * AMX_KEYS,
                             m + q0 + i, l + q0 + i);
         if (count < 16) memset(buf.p + count * AMX_KEYS, 0, (16 - count) * AMX_KEYS * sizeof(uint16_t));
+        if (b + 1 < blocks) amx_scores(D, n16, buf.q + (q0 + 16) * D, buf.s[(b + 1) % 2], &buf);
         for (int64_t d0 = 0; d0 < D; d0 += 64) { /* O, 64 dims at a time (four accumulator tiles) */
             _tile_zero(TC0);
             _tile_zero(TC1);

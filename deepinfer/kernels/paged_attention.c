@@ -443,10 +443,12 @@ static inline __attribute__((always_inline)) void prefetch_rows(const void *k_ca
  * loaded (and an fp16 block converted) once for all of them, while every row runs the arithmetic
  * it runs alone, so its bits do not depend on the tile. Without the tile, each row of a long
  * prefill chunk streamed the whole context from memory again. */
-#define ROW_TILE 32
+#define ROW_TILE 64
 /* Floats of a tile's queries and of its outputs, and its (row, query head) pairs: ROW_TILE rows
- * where the group and head_dim allow (32 rows of SmolLM2's 3 heads per kv head are the AMX path's
- * six full blocks of 16 queries, among which it shares each part's staged values). */
+ * where the group and head_dim allow. 64 rows of SmolLM2's 3 heads per kv head are the AMX
+ * path's twelve full blocks of 16 queries, among which it shares each part's staged K and V; a
+ * tile of 64 rows also reads the context half as often as one of 32 (GGUF 8k prefill: 27.4 s
+ * with 32 rows, 23.6 s with 64, `deepinfer bench prefill`). */
 #define TILE_FLOATS (MAX_GROUP * MAX_HEAD_DIM)
 #define TILE_QUERIES 256
 
@@ -845,9 +847,9 @@ static void attend_tile_parts(const float *q, const void *k_cache, const void *v
 
 /* (row tile, kv head) items from which a call runs each item's parts together, and (row, part)
  * items from which a per-part item takes every kv head: enough to share out over the threads of
- * a 2..16-core host (a 512-row chunk of SmolLM2 has 192 of the first kind, 32 streams at 300
+ * a 2..16-core host (a 512-row chunk of SmolLM2 has 48 of the first kind, 32 streams at 300
  * positions 96 of the second). */
-#define WHOLE_TILE_ITEMS 64
+#define WHOLE_TILE_ITEMS 16
 
 /* The plan of a call (attention_plan, paged_attention.h). Many rows (a prefill chunk): an item is
  * a row tile and kv head with all its parts, its parts' states in a scratch of its thread's own,
@@ -873,7 +875,7 @@ void paged_attention_plan(const int64_t *seq_lens, const int64_t *seq_starts, in
     const int64_t tile_items = (num_seqs + tile_rows - 1) / tile_rows * num_kv_heads;
     plan->parts = parts;
     plan->tile_items = tiles_allowed && parts > 1 && tile_items >= WHOLE_TILE_ITEMS;
-    plan->item_heads = num_seqs * parts >= WHOLE_TILE_ITEMS ? num_kv_heads : 1;
+    plan->item_heads = num_seqs * parts >= 2 * WHOLE_TILE_ITEMS ? num_kv_heads : 1;
     plan->items = plan->tile_items ? tile_items : num_seqs * num_kv_heads / plan->item_heads * parts;
     plan->scratch_floats = !plan->tile_items && parts > 1 ? num_seqs * num_kv_heads * parts * per_part : 0;
     plan->thread_floats = plan->tile_items ? tile_rows * parts * per_part : 0;

@@ -243,17 +243,17 @@ def test_a_prompt_row_in_a_row_tile_is_the_same_bits_as_alone(
 ) -> None:
     """Consecutive rows of a chunk share each block's loads (a row tile of the kernel); every row
     is bit-identical to the same row attended alone, as a decode row. The second sequence's rows
-    continue the first's lengths (260.. after ..259) but read other blocks: no tile spans them.
-    220 rows make 84 (row tile, kv head) items: the chunk runs each tile's parts together, the
-    row alone runs one part per item (paged_attention.c's WHOLE_TILE_ITEMS)."""
+    continue the first's lengths (380.. after ..379) but read other blocks: no tile spans them.
+    340 rows make 18 (row tile of 64, kv head) items: the chunk runs each tile's parts together,
+    the row alone runs one part per item (paged_attention.c's WHOLE_TILE_ITEMS)."""
     monkeypatch.setenv(isa.ENV, level)
     backend = CpuPagedBackend(row_kernel_only=True)
     generator = torch.Generator().manual_seed(0)
-    blocks_per_seq = 20
+    blocks_per_seq = 25
     cache = torch.randn(2 * blocks_per_seq * BLOCK, 2, KV_HEADS, HEAD_DIM, generator=generator).to(kv_dtype)
     tables = torch.randperm(2 * blocks_per_seq, generator=generator).view(2, blocks_per_seq)
-    lens = list(range(60, 260)) + list(range(260, 280))  # 200 rows of sequence 0 (1 to 3 parts), 20 of 1
-    row_tables = torch.cat([tables[0].repeat(200, 1), tables[1].repeat(20, 1)])
+    lens = list(range(60, 380)) + list(range(380, 400))  # 320 rows of sequence 0 (1 to 3 parts), 20 of 1
+    row_tables = torch.cat([tables[0].repeat(320, 1), tables[1].repeat(20, 1)])
     q = torch.randn(len(lens), HEADS, HEAD_DIM, generator=generator)
     starts = None if window is None else torch.tensor([max(n - window, 0) for n in lens])
     tiled = torch.empty_like(q)
