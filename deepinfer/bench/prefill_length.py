@@ -21,13 +21,16 @@ from deepinfer.bench.report import markdown_table, provenance, write_json
 
 def attention_seconds(engine: Any, length: int, chunk: int) -> float:
     """The paged attention of a cold `length`-token prefill in chunks of `chunk` rows, all layers,
-    on random K/V and queries of the model's shape (the kernel's cost depends only on the shapes)."""
+    on random K/V and queries of the model's shape and the engine's KV dtype (the kernel's cost
+    depends only on those: a bf16 cache may run on AMX tiles)."""
     import torch
 
     from deepinfer.attention.cpu_paged import CpuPagedBackend
+    from deepinfer.attention.float32_boundary import Float32Boundary
 
     runner = engine.core.runner
-    backend = runner.backend
+    backend = runner.backend.inner if isinstance(runner.backend, Float32Boundary) else runner.backend
+    [kv_dtype] = {t.dtype for g in engine.core.layout.groups for t in g.group.tensors}
     if not isinstance(backend, CpuPagedBackend):
         return float("nan")
     num_heads, num_kv_heads, head_dim = runner.model.attention_shape()
@@ -35,7 +38,9 @@ def attention_seconds(engine: Any, length: int, chunk: int) -> float:
     block_size = engine.core.config.cache.block_size
     blocks = -(-length // block_size)
     generator = torch.Generator().manual_seed(0)
-    cache = torch.randn(blocks * block_size, 2, num_kv_heads, head_dim, generator=generator).half()
+    cache = torch.randn(blocks * block_size, 2, num_kv_heads, head_dim, generator=generator).to(
+        getattr(torch, kv_dtype)
+    )
     table = torch.randperm(blocks, generator=generator)  # scattered blocks, as a pool hands them out
     seconds = 0.0
     for start in range(0, length, chunk):
