@@ -99,7 +99,7 @@ int bf16_layers(const stack_model *model, const decode_step *step, uint16_t *h, 
                     for (int64_t i = 0; i < M * qk_cols; ++i) qk[i] = from_bf16(to_bf16(qk[i])); /* q, k in bf16 */
                     for (int64_t m = 0; m < M; ++m) memcpy(q + m * H * D, qk + m * qk_cols, H * D * sizeof *q);
                     model->write_kv(qk + H * D, v, qk_cols, KVH * D, k_cache, k_cache + step->v_offset, step->slots,
-                                    M, KVH * D, step->slot_stride, step->kv_half);
+                                    M, KVH * D, step->slot_stride, step->kv_format);
                 }
             } /* implicit barrier: every thread sees status */
             if (status) break;

@@ -85,7 +85,7 @@ int decode_layers(const stack_model *model, const decode_step *step, float *h, f
                 status = -1; /* as the PyTorch path: nothing written for this layer */
             } else {
                 model->write_kv(qkv + H * D, qkv + (H + KVH) * D, qkv_rows, qkv_rows, k_cache,
-                                k_cache + step->v_offset, step->slots, M, KVH * D, step->slot_stride, step->kv_half);
+                                k_cache + step->v_offset, step->slots, M, KVH * D, step->slot_stride, step->kv_format);
                 for (int64_t m = 0; m < M; ++m) memcpy(q + m * H * D, qkv + m * qkv_rows, H * D * sizeof(float));
             }
         } /* implicit barrier: every thread sees status */

@@ -12,7 +12,7 @@ typedef int (*rotary_fn)(float *x, const int64_t *positions, const float *cos_ta
                          int64_t table_rows, int64_t tokens, int64_t heads, int64_t head_dim, int64_t token_stride);
 typedef void (*write_kv_fn)(const float *k, const float *v, int64_t k_stride, int64_t v_stride, void *k_cache,
                             void *v_cache, const int64_t *slots, int64_t tokens, int64_t row, int64_t slot_stride,
-                            int64_t kv_half);
+                            int64_t kv_format);
 typedef void (*attend_plan_fn)(const int64_t *seq_lens, const int64_t *seq_starts, int64_t num_seqs,
                                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t tiles_allowed,
                                attention_plan *plan);
@@ -20,7 +20,7 @@ typedef void (*attend_item_fn)(const float *q, const void *k_cache, const void *
                                const int64_t *block_tables, const int64_t *seq_lens, const int64_t *seq_starts,
                                int64_t num_rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                int64_t slot_stride, int64_t block_size, int64_t max_blocks, float scale,
-                               int64_t kv_half, const attention_plan *plan, float *partial, float *states,
+                               int64_t kv_format, const attention_plan *plan, float *partial, float *states,
                                int64_t work);
 typedef void (*attend_merge_fn)(float *out, const int64_t *seq_lens, const int64_t *seq_starts, int64_t num_heads,
                                 int64_t num_kv_heads, int64_t head_dim, int64_t parts, const float *partial,
@@ -34,7 +34,7 @@ typedef struct {
     int64_t block_size, max_blocks;
     void *const *kv;   /* per layer: its cache tensor's first byte (slot 0's K) */
     int64_t v_offset;  /* bytes from a slot's K to its V */
-    int64_t slot_stride, kv_half;
+    int64_t slot_stride, kv_format;
 } decode_step;
 
 /* A stack as the caller describes it once: shapes, its layers (the stack's own layer type), the
@@ -63,7 +63,7 @@ static inline void attend_team(const stack_model *model, const decode_step *step
     for (int64_t work = 0; work < plan->items; ++work)
         model->attend_item(q, k_cache, k_cache + step->v_offset, out, step->block_tables, step->seq_lens, step->starts,
                            M, H, KVH, D, step->slot_stride, step->block_size, step->max_blocks, model->scale,
-                           step->kv_half, plan, partial,
+                           step->kv_format, plan, partial,
                            states ? states + omp_get_thread_num() * plan->thread_floats : NULL, work);
     if (!plan->tile_items && plan->parts > 1) {
 #pragma omp for schedule(static)

@@ -1,4 +1,5 @@
-/* Decode attention over a paged KV cache (fp32 or fp16 K/V, fp32 arithmetic), for CPUs.
+/* Decode attention over a paged KV cache (fp32, fp16 or bf16 K/V, fp32 arithmetic; a bf16 cache on
+ * AMX bf16 tiles where the CPU has them, attention_amx.h), for CPUs.
  *
  * One query token per sequence. Work is split over (sequence, kv head, part of the context): the
  * G query heads that share a kv head (GQA) are processed together, several per pass (a tile), so
