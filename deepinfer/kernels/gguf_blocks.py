@@ -1,9 +1,9 @@
 """Products and row lookups on GGUF-packed weights, through the C kernel gguf_matmul.c.
 
 A `PackedMatrix` is a weight matrix in the file's own blocks (a view of the memory-mapped file
-when nothing had to be reordered), or, for the 32-wide formats, the same blocks with every eight
-rows interleaved (`GGUFKernels.interleave`: a copy the size of the file's, computed on 1.3-2x
-faster at one row and 2-4x at several (deepinfer/bench/gguf_kernels.py), with the same bits). A `PackedGroup` is one or more of them with the same number of
+when nothing had to be reordered), or, for Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K, the same blocks with
+every eight rows interleaved (`GGUFKernels.interleave`: a copy the size of the file's, computed on
+1.3-3x faster (deepinfer/bench/gguf_kernels.py), with the same bits). A `PackedGroup` is one or more of them with the same number of
 columns, multiplied as if their rows were concatenated (fused q/k/v, gate/up), each in its own
 format, in one kernel call. The numerics are described at the top of gguf_matmul.c.
 """
@@ -34,9 +34,11 @@ _PROLOGUE_NONE, _PROLOGUE_RMS_NORM, _PROLOGUE_SWIGLU = 0, 1, 2  # as in gguf_mat
 _PATH_PORTABLE, _PATH_VECTOR, _PATH_TILES = 0, 1, 2  # gguf_matmul's simd, as in gguf_matmul.c
 
 
-# Our ids of the 32-wide formats with every eight rows interleaved (gguf_matmul.c's block_q4_0x8
-# and kin): what the kernels compute fastest on; the same bytes, rearranged.
-INTERLEAVED_TYPES = {f"{name}_X8": 100 + PACKED_TYPES[name] for name in ("Q4_0", "Q4_1", "Q8_0")}
+# Our ids of the formats with every eight rows interleaved (gguf_matmul.c's block_q4_0x8 and kin):
+# what the kernels compute fastest on; the same bytes, rearranged.
+INTERLEAVED_TYPES = {
+    f"{name}_X8": 100 + PACKED_TYPES[name] for name in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+}
 
 
 @dataclass(slots=True)

@@ -44,7 +44,8 @@
 #define AI static inline __attribute__((always_inline))
 
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14 }; /* ggml ids */
-enum { X8 = 100, Q4_0_X8 = X8 + Q4_0, Q4_1_X8 = X8 + Q4_1, Q8_0_X8 = X8 + Q8_0 }; /* ours: below */
+enum { X8 = 100, Q4_0_X8 = X8 + Q4_0, Q4_1_X8 = X8 + Q4_1, Q8_0_X8 = X8 + Q8_0, Q4_K_X8 = X8 + Q4_K,
+       Q5_K_X8 = X8 + Q5_K, Q6_K_X8 = X8 + Q6_K }; /* ours: below */
 
 /* Packed weight blocks, byte for byte as in a GGUF file. */
 typedef struct { uint16_t d; uint8_t qs[16]; } block_q4_0;                 /* (q - 8) * d */
@@ -67,13 +68,31 @@ typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d;
 typedef struct { uint16_t d[8]; uint8_t qs[128]; } block_q4_0x8;
 typedef struct { uint16_t d[8], m[8]; uint8_t qs[128]; } block_q4_1x8;
 typedef struct { uint16_t d[8]; int8_t qs[256]; } block_q8_0x8;
+/* Q4_K the same way (the k-quant of most downloaded files): the rows' d and dmin side by side,
+ * byte k of row j's 12 packed scale bytes at scales[8k + j] (so one vector unpacks the 6-bit
+ * scales and mins of all eight rows), the 256 positions' nibbles as the 32-wide nibble formats'
+ * (positions 8p .. 8p+3 of row j low in qs[32p + 4j ..], 8p+4 .. 8p+7 high). */
+typedef struct { uint16_t d[8], dmin[8]; uint8_t scales[96]; uint8_t qs[1024]; } block_q4_kx8;
+/* Q5_K: Q4_K's d, dmin and scales, then per 32-position sub-block s 160 bytes, read in order: its
+ * low four bits as Q4_K's nibbles (128 bytes), and the fifth bit of positions 32s + 4k + i (k < 8,
+ * i < 4) of row j at bit k of byte 128 + 4j + i (as Q6_K's, see below). */
+typedef struct { uint16_t d[8], dmin[8]; uint8_t scales[96]; uint8_t q[8][160]; } block_q5_kx8;
+/* Q6_K: the rows' d, sub-block t's scale of row j at scales[8t + j], then per 16-position
+ * sub-block t 96 bytes, read in order: the low four bits of its positions as Q4_K's nibbles (64
+ * bytes), and the top two bits of positions 16t + 4k + i (k, i < 4) of row j at bits 2k of byte
+ * 64 + 4j + i. (The bits of one sub-block side by side: with all low bits before all high ones,
+ * the two streams through each block kept the hardware prefetcher from reading ahead, and a
+ * product from memory took twice the file layout's time.) */
+typedef struct { uint16_t d[8]; int8_t scales[128]; uint8_t q[16][96]; } block_q6_kx8;
 
 /* Quantized activations of M rows, in scratch: q [M][K] int8; d, s [nb][M] float (block-major,
- * so the scales of neighbouring rows load together); for 256-wide blocks bsum [M][nb][16], the
- * sums of each 16 values. */
+ * so the scales of neighbouring rows load together); for 32-wide blocks qsum [nb][M], each block's
+ * integer sum (the vector paths' offsets: a signed quant w times q is (w + c) q less c q); for
+ * 256-wide blocks bsum [M][nb][16], the sums of each 16 values. */
 typedef struct {
     int8_t *q;
     float *d, *s;
+    int32_t *qsum;
     int16_t *bsum;
     int64_t M, K, nb;
 } acts;
@@ -84,14 +103,22 @@ static inline float half_to_float(uint16_t h) {
     return (float)f;
 }
 
-static int block_elems(int qtype) { return qtype == Q3_K || qtype == Q4_K || qtype == Q5_K || qtype == Q6_K ? 256 : 32; }
+static int block_elems(int qtype) {
+    return qtype == Q3_K || qtype == Q4_K || qtype == Q5_K || qtype == Q6_K || qtype == Q4_K_X8 || qtype == Q5_K_X8 ||
+                   qtype == Q6_K_X8
+               ? 256
+               : 32;
+}
 
 /* The 32-wide formats with a per-block minimum (q * d + m). */
 static inline int has_min(int qtype) { return qtype == Q4_1 || qtype == Q5_1; }
 
 /* The file format an interleaved type holds (0: not interleaved). */
 static int interleaved_base(int qtype) {
-    return qtype == Q4_0_X8 || qtype == Q4_1_X8 || qtype == Q8_0_X8 ? qtype - X8 : 0;
+    return qtype == Q4_0_X8 || qtype == Q4_1_X8 || qtype == Q8_0_X8 || qtype == Q4_K_X8 || qtype == Q5_K_X8 ||
+                   qtype == Q6_K_X8
+               ? qtype - X8
+               : 0;
 }
 
 /* Bytes per block of one row (an interleaved type: an eighth of its 8-row struct, the same). */
@@ -110,14 +137,28 @@ static int64_t block_bytes(int qtype) {
     }
 }
 
-/* Where position i (0..31) of row j lies in an interleaved block's quants: Q8_0's byte, and the
- * nibble formats' byte (the low nibble when i % 8 < 4, else the high one). */
+/* Where position i (0..31; Q4_K 0..255) of row j lies in an interleaved block's quants: Q8_0's
+ * byte, and the nibble formats' byte (the low nibble when i % 8 < 4, else the high one). */
 static inline int64_t x8_q8_at(int j, int i) { return 32 * (i / 4) + 4 * j + i % 4; }
 static inline int64_t x8_nibble_at(int j, int i) { return 32 * (i / 8) + 4 * j + i % 4; }
 
 static inline int x8_nibble(const uint8_t *qs, int j, int i) {
     const uint8_t byte = qs[x8_nibble_at(j, i)];
     return i % 8 < 4 ? byte & 0x0F : byte >> 4;
+}
+
+/* Where position i of row j lies in an interleaved Q6_K block's q: the byte of its top two bits,
+ * and their shift there (its low four: x8_nibble of sub-block i / 16's first 64 bytes). */
+static inline int64_t x8_q6_high_at(int j, int i) { return 96 * (i / 16) + 64 + 4 * j + i % 4; }
+static inline int x8_q6_high_shift(int i) { return 2 * (i / 4 % 4); }
+
+/* Stores Q6_K's value v (0..63, before its offset of 32) at position i (0..255) of a file block:
+ * the low four bits in ql, the top two in qh. */
+static inline void q6k_store(block_q6_k *blk, int i, int v) {
+    const int h = i / 128, g = i % 128 / 32, l = i % 32;
+    uint8_t *lowbyte = &blk->ql[64 * h + 32 * (g & 1) + l], *high = &blk->qh[32 * h + l];
+    *lowbyte = g < 2 ? (uint8_t)((*lowbyte & 0xF0) | (v & 0x0F)) : (uint8_t)((*lowbyte & 0x0F) | (v & 0x0F) << 4);
+    *high = (uint8_t)((*high & ~(3 << (2 * g))) | (v >> 4) << (2 * g));
 }
 
 /* Row j of the 8-row group at `group` (nb interleaved blocks of `qtype`), as the file's blocks. */
@@ -130,6 +171,45 @@ static void x8_row(int qtype, const uint8_t *group, int j, int64_t nb, uint8_t *
             block_q8_0 *o = (block_q8_0 *)row + b;
             o->d = x->d[j];
             for (int i = 0; i < 32; ++i) o->qs[i] = x->qs[x8_q8_at(j, i)];
+            continue;
+        }
+        if (base == Q6_K) {
+            const block_q6_kx8 *x = (const block_q6_kx8 *)blk;
+            block_q6_k *o = (block_q6_k *)row + b;
+            o->d = x->d[j];
+            for (int t = 0; t < 16; ++t) o->scales[t] = x->scales[8 * t + j];
+            for (int i = 0; i < 256; ++i) {
+                const int high = (x->q[0][x8_q6_high_at(j, i)] >> x8_q6_high_shift(i)) & 3;
+                q6k_store(o, i, x8_nibble(x->q[i / 16], j, i % 16) | high << 4);
+            }
+            continue;
+        }
+        if (base == Q4_K) {
+            const block_q4_kx8 *x = (const block_q4_kx8 *)blk;
+            block_q4_k *o = (block_q4_k *)row + b;
+            o->d = x->d[j];
+            o->dmin = x->dmin[j];
+            for (int k = 0; k < 12; ++k) o->scales[k] = x->scales[8 * k + j];
+            for (int c = 0; c < 4; ++c) /* the file's byte 32c + l: position 64c + l low, 64c + 32 + l high */
+                for (int l = 0; l < 32; ++l)
+                    o->qs[32 * c + l] = (uint8_t)(x8_nibble(x->qs, j, 64 * c + l) | x8_nibble(x->qs, j, 64 * c + 32 + l) << 4);
+            continue;
+        }
+        if (base == Q5_K) {
+            const block_q5_kx8 *x = (const block_q5_kx8 *)blk;
+            block_q5_k *o = (block_q5_k *)row + b;
+            o->d = x->d[j];
+            o->dmin = x->dmin[j];
+            for (int k = 0; k < 12; ++k) o->scales[k] = x->scales[8 * k + j];
+            memset(o->qh, 0, sizeof o->qh);
+            for (int i = 0; i < 256; ++i) { /* the file's position i: nibble of qs[32c + l], bit 2c (+1) of qh[l] */
+                const int c = i / 64, hi = i % 64 / 32, l = i % 32, sub = i / 32, at = i % 32;
+                const int nibble = x8_nibble(x->q[sub], j, at);
+                const int bit = (x->q[sub][128 + 4 * j + at % 4] >> (at / 4)) & 1;
+                uint8_t *q = &o->qs[32 * c + l];
+                *q = hi ? (uint8_t)((*q & 0x0F) | nibble << 4) : (uint8_t)((*q & 0xF0) | nibble);
+                o->qh[l] |= (uint8_t)(bit << (2 * c + hi));
+            }
             continue;
         }
         const uint8_t *qs = base == Q4_0 ? ((const block_q4_0x8 *)blk)->qs : ((const block_q4_1x8 *)blk)->qs;
@@ -146,7 +226,8 @@ static void x8_row(int qtype, const uint8_t *group, int j, int64_t nb, uint8_t *
 
 static int64_t acts_bytes(int64_t M, int64_t K, int wide) {
     const int64_t nb = K / (wide ? 256 : 32);
-    return M * K + 2 * nb * M * (int64_t)sizeof(float) + (wide ? M * nb * 16 * (int64_t)sizeof(int16_t) : 0);
+    return M * K + 2 * nb * M * (int64_t)sizeof(float) +
+           (wide ? M * nb * 16 * (int64_t)sizeof(int16_t) : nb * M * (int64_t)sizeof(int32_t));
 }
 
 static acts acts_at(void *base, int64_t M, int64_t K, int wide) {
@@ -155,6 +236,7 @@ static acts acts_at(void *base, int64_t M, int64_t K, int wide) {
     a.q = (int8_t *)base;
     a.d = (float *)((char *)base + M * K);
     a.s = a.d + a.nb * M;
+    a.qsum = wide ? NULL : (int32_t *)(a.s + a.nb * M);
     a.bsum = wide ? (int16_t *)(a.s + a.nb * M) : NULL;
     return a;
 }
@@ -185,10 +267,25 @@ static void quantize_row(const float *x, const acts *a, int64_t m, int block) {
         /* 32-wide blocks are GGUF's Q8_0 / Q8_1: fp16 scale and sum */
         a->d[b * a->M + m] = block == 32 ? round_to_half(d) : d;
         a->s[b * a->M + m] = block == 32 ? round_to_half(d * (float)sum) : d * (float)sum;
+        if (a->qsum) a->qsum[b * a->M + m] = sum;
     }
 }
 
 #if GGUF_SIMD
+/* The sum of v's eight lanes (exact integers) and the largest of x's (exact: any order). */
+AI int32_t hsum_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+
+AI float hmax_ps(__m256 x) {
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    return _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+}
+
 /* The same for 32-wide blocks, eight values per instruction (same bits: max, one multiply, the
  * same rounding, exact integer sums). */
 static void quantize_row32_simd(const float *x, const acts *a, int64_t m) {
@@ -200,9 +297,7 @@ static void quantize_row32_simd(const float *x, const acts *a, int64_t m) {
             v[i] = _mm256_loadu_ps(x + 32 * b + 8 * i);
             amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
         }
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        const float amax_s = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        const float amax_s = hmax_ps(amax);
         const float d = amax_s / 127.0f;
         const __m256 id = _mm256_set1_ps(amax_s != 0.0f ? 127.0f / amax_s : 0.0f);
         __m256i qi[4], sum = _mm256_setzero_si256();
@@ -213,11 +308,41 @@ static void quantize_row32_simd(const float *x, const acts *a, int64_t m) {
         /* int32 -> int8 in element order (packs interleave the 128-bit halves; undo it) */
         const __m256i p8 = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
         _mm256_storeu_si256((__m256i *)(q + 32 * b), _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+        const int32_t total = hsum_epi32(sum);
         a->d[b * a->M + m] = round_to_half(d);
-        a->s[b * a->M + m] = round_to_half(d * (float)_mm_cvtsi128_si32(s4));
+        a->s[b * a->M + m] = round_to_half(d * (float)total);
+        a->qsum[b * a->M + m] = total;
+    }
+}
+
+/* The same for 256-wide blocks (the k-quants' activations): eight values per instruction, the
+ * scalar path's float steps (d = amax / 127, one reciprocal, the same rounding) and exact integer
+ * sums, so its bits. The scalar loop took ~1 ms of a 1B Q4_K_M model's ~17 ms decode step. */
+static void quantize_row256_simd(const float *x, const acts *a, int64_t m) {
+    int8_t *q = a->q + m * a->K;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t b = 0; b < a->nb; ++b) {
+        const float *xb = x + 256 * b;
+        __m256 amax = _mm256_setzero_ps();
+        for (int i = 0; i < 32; ++i) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + 8 * i)));
+        const float d = hmax_ps(amax) / 127.0f;
+        const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+        int sum = 0;
+        for (int j = 0; j < 16; ++j) { /* 16 values: two vectors, their sum, then 16 bytes */
+            __m256i qi[2];
+            for (int h = 0; h < 2; ++h)
+                qi[h] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + 16 * j + 8 * h), id),
+                                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            const int part = hsum_epi32(_mm256_add_epi32(qi[0], qi[1]));
+            /* int32 -> int8 in element order: the packs work per 128-bit half */
+            const __m256i p16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[0], qi[1]), 0xD8);
+            const __m128i p8 = _mm_packs_epi16(_mm256_castsi256_si128(p16), _mm256_extracti128_si256(p16, 1));
+            _mm_storeu_si128((__m128i *)(q + 256 * b + 16 * j), p8);
+            a->bsum[(m * a->nb + b) * 16 + j] = (int16_t)part;
+            sum += part;
+        }
+        a->d[b * a->M + m] = d;
+        a->s[b * a->M + m] = d * (float)sum;
     }
 }
 #endif
@@ -373,6 +498,14 @@ AI __m256i dot_u8s8_acc(__m256i acc, __m256i u, __m256i s) {
 
 AI __m256i dot_u8s8(__m256i u, __m256i s) { return dot_u8s8_acc(_mm256_setzero_si256(), u, s); }
 
+/* Whether dot_u8s8_acc takes unsigned bytes up to 255 (VNNI sums four products in 32 bits; the
+ * AVX2 form's 16-bit step saturates past 2 * 255 * 127, so there unsigned quants stay below 16). */
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define GGUF_WIDE_UNSIGNED 1
+#else
+#define GGUF_WIDE_UNSIGNED 0
+#endif
+
 /* The same with each 16-bit pair sum multiplied by scale16 (the k-quants' sub-block scales). */
 AI __m256i dot_u8s8_scaled(__m256i u, __m256i s, __m256i scale16) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), scale16);
@@ -383,13 +516,6 @@ AI __m256i hsum8_epi32(const __m256i v[8]) {
     const __m256i ab = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
     const __m256i cd = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
     return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31));
-}
-
-AI int32_t hsum_epi32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-    return _mm_cvtsi128_si32(s);
 }
 
 AI __m256i nibbles32(const uint8_t *qs) { /* 16 bytes -> 32 values 0..15, in element order */
@@ -630,51 +756,72 @@ AI void tile_q6k(const int MR, const uint8_t *w, const acts *a, int64_t m, float
         else tile32(QT, 1, 1, w, w_stride, a, m, y, ldy);                                                     \
         break;
 
-/* An interleaved block's quants as bytes, w[k] holding positions 4k .. 4k+3 of its eight rows
- * (lane 4j + i: row j, position 4k + i): Q8_0's as stored, the nibble formats' unpacked, Q4_0's
- * less its 8 (signed), Q4_1's as they are (0 .. 15). */
-AI void x8_quants(const int base, const uint8_t *blk, __m256i w[8]) {
+/* An interleaved block's quants as unsigned bytes, u[k] holding positions 4k .. 4k+3 of its eight
+ * rows (lane 4j + i: row j, position 4k + i): Q4_0's and Q4_1's nibbles (0 .. 15), Q8_0's plus
+ * 128 (for GGUF_WIDE_UNSIGNED builds only). */
+AI void x8_unsigned_quants(const int base, const uint8_t *blk, __m256i u[8]) {
     if (base == Q8_0) {
-        for (int k = 0; k < 8; ++k) w[k] = _mm256_loadu_si256((const __m256i *)(((const block_q8_0x8 *)blk)->qs + 32 * k));
+        for (int k = 0; k < 8; ++k)
+            u[k] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(((const block_q8_0x8 *)blk)->qs + 32 * k)),
+                                    _mm256_set1_epi8((char)0x80));
         return;
     }
     const __m256i low = _mm256_set1_epi8(0x0F);
     const uint8_t *qs = base == Q4_0 ? ((const block_q4_0x8 *)blk)->qs : ((const block_q4_1x8 *)blk)->qs;
     for (int p = 0; p < 4; ++p) {
         const __m256i x = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
-        w[2 * p] = _mm256_and_si256(x, low);
-        w[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(x, 4), low);
+        u[2 * p] = _mm256_and_si256(x, low);
+        u[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(x, 4), low);
     }
+}
+
+/* The same quants as the values they stand for: Q8_0's as stored, Q4_0's less its 8 (signed),
+ * Q4_1's as they are. */
+AI void x8_quants(const int base, const uint8_t *blk, __m256i w[8]) {
+    if (base == Q8_0) {
+        for (int k = 0; k < 8; ++k) w[k] = _mm256_loadu_si256((const __m256i *)(((const block_q8_0x8 *)blk)->qs + 32 * k));
+        return;
+    }
+    x8_unsigned_quants(base, blk, w);
     if (base == Q4_0)
         for (int k = 0; k < 8; ++k) w[k] = _mm256_sub_epi8(w[k], _mm256_set1_epi8(8));
 }
 
 /* The eight rows of an interleaved group x activation rows [m, m + MR): y[r * ldy + j] for row j.
  * Per block, lane j of the integer sums is row j's exact block dot product, then the same float
- * steps as tile32 (so the same bits). Unsigned quants (Q4_1) multiply the activations directly;
- * signed ones (Q4_0 less its 8, Q8_0) as |w| times the activations carrying w's sign. */
+ * steps as tile32 (so the same bits). The quants multiply the activations as unsigned bytes:
+ * Q4_1's as they are, Q4_0's nibbles before taking out their 8 and Q8_0's plus 128 (its sign bit
+ * flipped), then 8 or 128 times the block's activation sum is taken out: the same integers as
+ * |w| times the activations carrying w's sign, in two fewer instructions per 32 bytes (a 1.3x
+ * faster product at one row). */
 AI void tile_x8(const int base, const int MR, const uint8_t *group, const acts *a, int64_t m, float *y,
                 int64_t ldy) {
     const int64_t gbytes = 8 * block_bytes(base);
+    const int unsigned_quants = base != Q8_0 || GGUF_WIDE_UNSIGNED; /* else |w| times a carrying w's sign */
     __m256 acc[4], off[4];
     for (int r = 0; r < MR; ++r) acc[r] = off[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < a->nb; ++b) {
         const uint8_t *blk = group + b * gbytes;
-        __m256i w[8];
-        x8_quants(base, blk, w);
-        __m256i u[8];
-        for (int k = 0; k < 8; ++k) u[k] = base == Q4_1 ? w[k] : _mm256_sign_epi8(w[k], w[k]);
+        __m256i u[8], w[8]; /* w: Q8_0's signed quants where bytes past 15 cannot be unsigned */
+        if (unsigned_quants) x8_unsigned_quants(base, blk, u);
+        else {
+            x8_quants(base, blk, w);
+            for (int k = 0; k < 8; ++k) u[k] = _mm256_sign_epi8(w[k], w[k]);
+        }
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk)); /* d[8] leads each struct */
         const __m256 mw = base == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const block_q4_1x8 *)blk)->m))
                                        : _mm256_setzero_ps();
         for (int r = 0; r < MR; ++r) {
             const int8_t *aq = a->q + (m + r) * a->K + 32 * b;
-            __m256i isum = _mm256_setzero_si256();
+            /* the offset first: 8 (Q4_0) or 128 (Q8_0) times the activations' sum, negated */
+            __m256i isum = base == Q4_1 || !unsigned_quants
+                               ? _mm256_setzero_si256()
+                               : _mm256_set1_epi32(-(base == Q4_0 ? 8 : 128) * a->qsum[b * a->M + m + r]);
             for (int k = 0; k < 8; ++k) {
                 int32_t four;
                 memcpy(&four, aq + 4 * k, sizeof four);
                 const __m256i s = _mm256_set1_epi32(four);
-                isum = dot_u8s8_acc(isum, u[k], base == Q4_1 ? s : _mm256_sign_epi8(s, w[k]));
+                isum = dot_u8s8_acc(isum, u[k], unsigned_quants ? s : _mm256_sign_epi8(s, w[k]));
             }
             const __m256 da = _mm256_set1_ps(a->d[b * a->M + m + r]);
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, da), acc[r]);
@@ -682,6 +829,137 @@ AI void tile_x8(const int base, const int MR, const uint8_t *group, const acts *
         }
     }
     for (int r = 0; r < MR; ++r) _mm256_storeu_ps(y + r * ldy, _mm256_add_ps(acc[r], off[r]));
+}
+
+/* The sums of n interleaved quant vectors w[k] (lane 4j + i: row j, position 4k + i, unsigned)
+ * times an activation row's bytes aq[4k .. 4k+3]: lane j's sum is row j's exact dot product. */
+AI __m256i x8_dot(const __m256i *w, const int n, const int8_t *aq) {
+    __m256i sum = _mm256_setzero_si256();
+    for (int k = 0; k < n; ++k) {
+        int32_t four;
+        memcpy(&four, aq + 4 * k, sizeof four);
+        sum = dot_u8s8_acc(sum, w[k], _mm256_set1_epi32(four));
+    }
+    return sum;
+}
+
+/* The 6-bit scales and mins of an interleaved Q4_K block's eight rows (q4k_scales on all of them
+ * at once): sc[8 s + j] and mn[8 s + j] for sub-block s of row j. */
+AI void x8_q4k_scales(const uint8_t *scales, uint8_t sc[64], uint8_t mn[64]) {
+    /* bytes 8k + j of the three vectors: byte k, k + 4 and k + 8 of row j's packed twelve */
+    const __m256i v0 = _mm256_loadu_si256((const __m256i *)scales);
+    const __m256i v1 = _mm256_loadu_si256((const __m256i *)(scales + 32));
+    const __m256i v2 = _mm256_loadu_si256((const __m256i *)(scales + 64));
+    const __m256i six = _mm256_set1_epi8(63), low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8((char)0xC0);
+    _mm256_storeu_si256((__m256i *)sc, _mm256_and_si256(v0, six));
+    _mm256_storeu_si256((__m256i *)mn, _mm256_and_si256(v1, six));
+    /* sub-blocks 4..7: the low (scale) or high (min) nibble of bytes 8..11 under bits 6-7 of bytes 0..3
+     * or 4..7 moved to bits 4-5 (a 16-bit shift: the masks keep bits from crossing bytes) */
+    _mm256_storeu_si256((__m256i *)(sc + 32),
+                        _mm256_or_si256(_mm256_and_si256(v2, low), _mm256_srli_epi16(_mm256_and_si256(v0, top), 2)));
+    _mm256_storeu_si256((__m256i *)(mn + 32), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v2, 4), low),
+                                                              _mm256_srli_epi16(_mm256_and_si256(v1, top), 2)));
+}
+
+/* The eight rows of an interleaved Q4_K or Q5_K group x activation rows [m, m + MR): y[r * ldy +
+ * j] for row j. Per sub-block of 32 positions, lane j gathers row j's exact integer dot product
+ * (VNNI, unsigned quants times the activations), multiplied by its 6-bit scale; the mins' term is
+ * the mins times the activations' 16-value sums, two at a time (one 16-bit multiply-add per pair:
+ * both factors fit 16 bits). Then tile_qk's float steps lane by lane, so tile_qk's bits. */
+AI void tile_qk_x8(const int qtype, const int MR, const uint8_t *group, const acts *a, int64_t m, float *y,
+                   int64_t ldy) {
+    __m256 acc[4], off[4];
+    for (int r = 0; r < MR; ++r) acc[r] = off[r] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0F), fifth = _mm256_set1_epi8(0x10);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t b = 0; b < a->nb; ++b) { /* Q5_K's block begins as Q4_K's */
+        const block_q4_kx8 *blk = (const block_q4_kx8 *)(group + b * 8 * block_bytes(qtype));
+        uint8_t sc[64], mn[64];
+        x8_q4k_scales(blk->scales, sc, mn);
+        __m256i isum[4], imin[4];
+        for (int r = 0; r < MR; ++r) isum[r] = imin[r] = _mm256_setzero_si256();
+        for (int s = 0; s < 8; ++s) {
+            __m256i w[8];
+            const uint8_t *nibbles = qtype == Q4_K ? blk->qs + 128 * s : ((const block_q5_kx8 *)blk)->q[s];
+            for (int p = 0; p < 4; ++p) { /* positions 32s + 8p .. 32s + 8p + 7 */
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(nibbles + 32 * p));
+                w[2 * p] = _mm256_and_si256(x, low);
+                w[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(x, 4), low);
+            }
+            if (qtype == Q5_K) { /* bit k of the bits' bytes to bit 4 of w[k] (16-bit shifts; the mask keeps bytes apart) */
+                const __m256i bits = _mm256_loadu_si256((const __m256i *)(nibbles + 128));
+                for (int k = 0; k < 8; ++k) {
+                    const __m256i moved = k <= 4 ? _mm256_slli_epi16(bits, 4 - k) : _mm256_srli_epi16(bits, k - 4);
+                    w[k] = _mm256_or_si256(w[k], _mm256_and_si256(moved, fifth));
+                }
+            }
+            const __m256i scale = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8 * s)));
+            const __m256i mins = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mn + 8 * s)));
+            const __m256i mins2 = _mm256_or_si256(mins, _mm256_slli_epi32(mins, 16)); /* min, min as 16-bit pairs */
+            for (int r = 0; r < MR; ++r) {
+                const __m256i part = x8_dot(w, 8, a->q + (m + r) * a->K + 256 * b + 32 * s);
+                isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(part, scale));
+                int32_t sums; /* the sub-block's two 16-value sums */
+                memcpy(&sums, a->bsum + ((m + r) * a->nb + b) * 16 + 2 * s, sizeof sums);
+                imin[r] = _mm256_add_epi32(imin[r], _mm256_madd_epi16(mins2, _mm256_set1_epi32(sums)));
+            }
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk->d));
+        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk->dmin));
+        for (int r = 0; r < MR; ++r) {
+            const __m256 da = _mm256_set1_ps(a->d[b * a->M + m + r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(dw, da), acc[r]);
+            off[r] = _mm256_fmadd_ps(_mm256_xor_ps(_mm256_mul_ps(dmin, da), sign), _mm256_cvtepi32_ps(imin[r]), off[r]);
+        }
+    }
+    for (int r = 0; r < MR; ++r) _mm256_storeu_ps(y + r * ldy, _mm256_add_ps(acc[r], off[r]));
+}
+
+/* The eight rows of an interleaved Q6_K group x activation rows [m, m + MR), as tile_qk_x8: per
+ * 16-position sub-block the exact dot products of the unsigned values (0..63) in the rows' lanes,
+ * times their scales; the offset of 32 as 32 times the scales times the activations' 16-value
+ * sums, two sub-blocks per 16-bit multiply-add. tile_q6k's float steps, so its bits. */
+AI void tile_q6k_x8(const int MR, const uint8_t *group, const acts *a, int64_t m, float *y, int64_t ldy) {
+    __m256 acc[4];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x30);
+    for (int64_t b = 0; b < a->nb; ++b) {
+        const block_q6_kx8 *blk = (const block_q6_kx8 *)group + b;
+        __m256i isum[4];
+        for (int r = 0; r < MR; ++r) { /* the offset first: scales of sub-blocks 2u, 2u + 1 as 16-bit pairs */
+            __m256i offset = _mm256_setzero_si256();
+            for (int u = 0; u < 8; ++u) {
+                const __m128i pairs = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)(blk->scales + 16 * u)),
+                                                        _mm_loadl_epi64((const __m128i *)(blk->scales + 16 * u + 8)));
+                int32_t sums;
+                memcpy(&sums, a->bsum + ((m + r) * a->nb + b) * 16 + 2 * u, sizeof sums);
+                offset = _mm256_add_epi32(offset, _mm256_madd_epi16(_mm256_cvtepi8_epi16(pairs), _mm256_set1_epi32(sums)));
+            }
+            isum[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset, 5));
+        }
+        for (int t = 0; t < 16; ++t) {
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)blk->q[t]);
+            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(blk->q[t] + 32));
+            const __m256i hv = _mm256_loadu_si256((const __m256i *)(blk->q[t] + 64));
+            /* positions 16t + 4k .. + 3: low nibbles, then bits 2k, 2k + 1 of hv moved to bits 4, 5 */
+            const __m256i w[4] = {
+                _mm256_or_si256(_mm256_and_si256(x0, low), _mm256_and_si256(_mm256_slli_epi16(hv, 4), two)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(x0, 4), low), _mm256_and_si256(_mm256_slli_epi16(hv, 2), two)),
+                _mm256_or_si256(_mm256_and_si256(x1, low), _mm256_and_si256(hv, two)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(x1, 4), low), _mm256_and_si256(_mm256_srli_epi16(hv, 2), two)),
+            };
+            const __m256i scale = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk->scales + 8 * t)));
+            for (int r = 0; r < MR; ++r) {
+                const __m256i part = x8_dot(w, 4, a->q + (m + r) * a->K + 256 * b + 16 * t);
+                isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(part, scale));
+            }
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk->d));
+        for (int r = 0; r < MR; ++r)
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(dw, _mm256_set1_ps(a->d[b * a->M + m + r])),
+                                     acc[r]);
+    }
+    for (int r = 0; r < MR; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -701,8 +979,8 @@ AI __m512 halves16(const void *lo, const void *hi) {
 /* tile_x8 for two consecutive 8-row groups at once (`group` and `group + group_bytes`), lanes
  * 0-7 the first group's rows and 8-15 the second's: one instruction does the work of two on
  * 256-bit registers where the machine has full 512-bit units. Every lane goes through tile_x8's
- * operations (the exact block sum, then the same float steps), so the bits are tile_x8's. Signed
- * quants: |w| times the activations negated where w < 0 (a mask; AVX-512 has no byte sign). */
+ * operations (the exact block sum, then the same float steps), so the bits are tile_x8's; the
+ * quants as tile_x8's unsigned bytes (this build has VNNI). */
 AI void tile_x8_pair(const int base, const int MR, const uint8_t *group, int64_t group_bytes, const acts *a,
                      int64_t m, float *y, int64_t ldy) {
     const int64_t gbytes = 8 * block_bytes(base);
@@ -711,39 +989,30 @@ AI void tile_x8_pair(const int base, const int MR, const uint8_t *group, int64_t
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int64_t b = 0; b < a->nb; ++b) {
         const uint8_t *lo = group + b * gbytes, *hi = lo + group_bytes;
-        __m512i w[8];
+        __m512i u[8];
         if (base == Q8_0) {
             const int8_t *ql = ((const block_q8_0x8 *)lo)->qs, *qh = ((const block_q8_0x8 *)hi)->qs;
-            for (int k = 0; k < 8; ++k) w[k] = join256(ql + 32 * k, qh + 32 * k);
+            for (int k = 0; k < 8; ++k) u[k] = _mm512_xor_si512(join256(ql + 32 * k, qh + 32 * k), _mm512_set1_epi8((char)0x80));
         } else {
             const uint8_t *ql = base == Q4_0 ? ((const block_q4_0x8 *)lo)->qs : ((const block_q4_1x8 *)lo)->qs;
             const uint8_t *qh = base == Q4_0 ? ((const block_q4_0x8 *)hi)->qs : ((const block_q4_1x8 *)hi)->qs;
             for (int p = 0; p < 4; ++p) {
                 const __m512i x = join256(ql + 32 * p, qh + 32 * p);
-                w[2 * p] = _mm512_and_si512(x, low);
-                w[2 * p + 1] = _mm512_and_si512(_mm512_srli_epi16(x, 4), low);
+                u[2 * p] = _mm512_and_si512(x, low);
+                u[2 * p + 1] = _mm512_and_si512(_mm512_srli_epi16(x, 4), low);
             }
-            if (base == Q4_0)
-                for (int k = 0; k < 8; ++k) w[k] = _mm512_sub_epi8(w[k], _mm512_set1_epi8(8));
-        }
-        __m512i u[8];
-        __mmask64 negative[8];
-        for (int k = 0; k < 8; ++k) {
-            u[k] = base == Q4_1 ? w[k] : _mm512_abs_epi8(w[k]);
-            negative[k] = base == Q4_1 ? 0 : _mm512_movepi8_mask(w[k]);
         }
         const __m512 dw = halves16(lo, hi); /* d[8] leads each struct */
         const __m512 mw = base == Q4_1 ? halves16(((const block_q4_1x8 *)lo)->m, ((const block_q4_1x8 *)hi)->m)
                                        : _mm512_setzero_ps();
         for (int r = 0; r < MR; ++r) {
             const int8_t *aq = a->q + (m + r) * a->K + 32 * b;
-            __m512i isum = _mm512_setzero_si512();
+            __m512i isum = base == Q4_1 ? _mm512_setzero_si512()
+                                        : _mm512_set1_epi32(-(base == Q4_0 ? 8 : 128) * a->qsum[b * a->M + m + r]);
             for (int k = 0; k < 8; ++k) {
                 int32_t four;
                 memcpy(&four, aq + 4 * k, sizeof four);
-                __m512i s = _mm512_set1_epi32(four);
-                if (base != Q4_1) s = _mm512_mask_sub_epi8(s, negative[k], _mm512_setzero_si512(), s);
-                isum = _mm512_dpbusd_epi32(isum, u[k], s);
+                isum = _mm512_dpbusd_epi32(isum, u[k], _mm512_set1_epi32(four));
             }
             const __m512 da = _mm512_set1_ps(a->d[b * a->M + m + r]);
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, da), acc[r]);
@@ -776,6 +1045,9 @@ static void run_tile_x8_pair(int qtype, int mr, const uint8_t *group, int64_t gr
 
 static void run_tile_x8(int qtype, int mr, const uint8_t *group, const acts *a, int64_t m, float *y, int64_t ldy) {
     switch (interleaved_base(qtype)) {
+    case Q4_K: mr == 4 ? tile_qk_x8(Q4_K, 4, group, a, m, y, ldy) : tile_qk_x8(Q4_K, 1, group, a, m, y, ldy); break;
+    case Q5_K: mr == 4 ? tile_qk_x8(Q5_K, 4, group, a, m, y, ldy) : tile_qk_x8(Q5_K, 1, group, a, m, y, ldy); break;
+    case Q6_K: mr == 4 ? tile_q6k_x8(4, group, a, m, y, ldy) : tile_q6k_x8(1, group, a, m, y, ldy); break;
     case Q4_0: mr == 4 ? tile_x8(Q4_0, 4, group, a, m, y, ldy) : tile_x8(Q4_0, 1, group, a, m, y, ldy); break;
     case Q4_1: mr == 4 ? tile_x8(Q4_1, 4, group, a, m, y, ldy) : tile_x8(Q4_1, 1, group, a, m, y, ldy); break;
     default: mr == 4 ? tile_x8(Q8_0, 4, group, a, m, y, ldy) : tile_x8(Q8_0, 1, group, a, m, y, ldy); break;
@@ -1008,7 +1280,9 @@ static int amx_self_check(void) {
     float d[NB * M], s[NB * M];
     for (int i = 0; i < M * K; ++i) q[i] = (int8_t)((int)(NEXT() % 255) - 127);
     for (int i = 0; i < NB * M; ++i) d[i] = (float)(NEXT() % 1000 + 1) / 8192.0f, s[i] = (float)((int)(NEXT() % 2001) - 1000) / 64.0f;
-    const acts a = {.q = q, .d = d, .s = s, .bsum = NULL, .M = M, .K = K, .nb = NB};
+    int32_t qsum[NB * M] = {0};
+    for (int i = 0; i < M * K; ++i) qsum[i % K / 32 * M + i / K] += q[i];
+    const acts a = {.q = q, .d = d, .s = s, .qsum = qsum, .bsum = NULL, .M = M, .K = K, .nb = NB};
     uint8_t weights[2 * NB * sizeof(block_q8_0x8)];
     int8_t tiles[NB][8][64];
     float tiled[M * 16], vnni[M * 16];
@@ -1104,39 +1378,101 @@ int64_t gguf_block_bytes(int qtype) { return block_bytes(qtype); }
 
 /* The interleaved type of a rows x K matrix of `qtype`, 0 when it has none. */
 int gguf_interleaved_type(int qtype, int64_t rows, int64_t K) {
-    return (qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0) && rows % 8 == 0 && K % 32 == 0 ? X8 + qtype : 0;
+    return (qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0 || qtype == Q4_K || qtype == Q5_K || qtype == Q6_K) &&
+                   rows % 8 == 0 &&
+                   K % block_elems(qtype) == 0
+               ? X8 + qtype
+               : 0;
 }
 
-/* dst = src (rows x K of a 32-wide format, the file's blocks) with every eight rows interleaved
- * (block_q4_0x8 and kin, same size); returns the interleaved type, or 0 (nothing written) when
- * the format has no interleaved form or rows is not a multiple of 8. */
+/* dst = src (rows x K of Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K, the file's blocks) with every eight rows
+ * interleaved (block_q4_0x8 and kin, same size); returns the interleaved type, or 0 (nothing
+ * written) when the format has no interleaved form or rows is not a multiple of 8. */
 int gguf_interleave(int qtype, const void *src, int64_t rows, int64_t K, void *dst) {
     if (!gguf_interleaved_type(qtype, rows, K)) return 0;
-    const int64_t nb = K / 32, bb = block_bytes(qtype);
+    const int64_t nb = K / block_elems(qtype), bb = block_bytes(qtype);
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < rows / 8; ++g) {
         for (int64_t b = 0; b < nb; ++b) {
             uint8_t *out = (uint8_t *)dst + (g * nb + b) * 8 * bb;
             for (int j = 0; j < 8; ++j) {
                 const uint8_t *blk = (const uint8_t *)src + ((8 * g + j) * nb + b) * bb;
+                uint8_t v[256]; /* the block's values in position order (Q6_K's less nothing, 0..63) */
                 if (qtype == Q8_0) {
-                    ((block_q8_0x8 *)out)->d[j] = ((const block_q8_0 *)blk)->d;
-                    for (int i = 0; i < 32; ++i)
-                        ((block_q8_0x8 *)out)->qs[x8_q8_at(j, i)] = ((const block_q8_0 *)blk)->qs[i];
-                    continue;
-                }
-                const uint8_t *qs = qtype == Q4_0 ? ((const block_q4_0 *)blk)->qs : ((const block_q4_1 *)blk)->qs;
-                uint8_t *xs = qtype == Q4_0 ? ((block_q4_0x8 *)out)->qs : ((block_q4_1x8 *)out)->qs;
-                for (int i = 0; i < 32; ++i) {
-                    const int v = i < 16 ? qs[i] & 0x0F : qs[i - 16] >> 4; /* the file's position i */
-                    uint8_t *byte = xs + x8_nibble_at(j, i);
-                    *byte = i % 8 < 4 ? (uint8_t)((*byte & 0xF0) | v) : (uint8_t)((*byte & 0x0F) | v << 4);
-                }
-                if (qtype == Q4_0) {
-                    ((block_q4_0x8 *)out)->d[j] = ((const block_q4_0 *)blk)->d;
-                } else {
-                    ((block_q4_1x8 *)out)->d[j] = ((const block_q4_1 *)blk)->d;
-                    ((block_q4_1x8 *)out)->m[j] = ((const block_q4_1 *)blk)->m;
+                    block_q8_0x8 *x = (block_q8_0x8 *)out;
+                    x->d[j] = ((const block_q8_0 *)blk)->d;
+                    for (int k = 0; k < 8; ++k) memcpy(x->qs + x8_q8_at(j, 4 * k), ((const block_q8_0 *)blk)->qs + 4 * k, 4);
+                } else if (qtype == Q6_K) {
+                    const block_q6_k *k6 = (const block_q6_k *)blk;
+                    block_q6_kx8 *x = (block_q6_kx8 *)out;
+                    x->d[j] = k6->d;
+                    for (int h = 0; h < 2; ++h)
+                        for (int l = 0; l < 32; ++l) { /* the four positions of byte l (q6k_store's places) */
+                            const uint8_t ql0 = k6->ql[64 * h + l], ql1 = k6->ql[64 * h + 32 + l], qh = k6->qh[32 * h + l];
+                            v[128 * h + l] = (uint8_t)((ql0 & 0x0F) | (qh & 3) << 4);
+                            v[128 * h + 32 + l] = (uint8_t)((ql1 & 0x0F) | (qh >> 2 & 3) << 4);
+                            v[128 * h + 64 + l] = (uint8_t)(ql0 >> 4 | (qh >> 4 & 3) << 4);
+                            v[128 * h + 96 + l] = (uint8_t)(ql1 >> 4 | (qh >> 6) << 4);
+                        }
+                    for (int t = 0; t < 16; ++t) {
+                        x->scales[8 * t + j] = k6->scales[t];
+                        for (int i = 0; i < 4; ++i) { /* positions 16t + 4k + i */
+                            const uint8_t *w = v + 16 * t + i;
+                            x->q[t][4 * j + i] = (uint8_t)((w[0] & 0x0F) | (w[4] & 0x0F) << 4);
+                            x->q[t][32 + 4 * j + i] = (uint8_t)((w[8] & 0x0F) | (w[12] & 0x0F) << 4);
+                            x->q[t][64 + 4 * j + i] = (uint8_t)(w[0] >> 4 | (w[4] >> 4) << 2 | (w[8] >> 4) << 4 | (w[12] >> 4) << 6);
+                        }
+                    }
+                } else if (qtype == Q5_K) {
+                    const block_q5_k *k5 = (const block_q5_k *)blk;
+                    block_q5_kx8 *x = (block_q5_kx8 *)out;
+                    x->d[j] = k5->d;
+                    x->dmin[j] = k5->dmin;
+                    for (int k = 0; k < 12; ++k) x->scales[8 * k + j] = k5->scales[k];
+                    for (int c = 0; c < 4; ++c) /* qk_value's positions 64c + l and 64c + 32 + l */
+                        for (int l = 0; l < 32; ++l) {
+                            v[64 * c + l] = (uint8_t)qk_value(k5->qs, k5->qh, c, 0, l);
+                            v[64 * c + 32 + l] = (uint8_t)qk_value(k5->qs, k5->qh, c, 1, l);
+                        }
+                    for (int sub = 0; sub < 8; ++sub) {
+                        const uint8_t *w = v + 32 * sub;
+                        for (int p = 0; p < 4; ++p)
+                            for (int i = 0; i < 4; ++i)
+                                x->q[sub][32 * p + 4 * j + i] = (uint8_t)((w[8 * p + i] & 0x0F) | (w[8 * p + 4 + i] & 0x0F) << 4);
+                        for (int i = 0; i < 4; ++i) {
+                            int bits = 0;
+                            for (int k = 0; k < 8; ++k) bits |= (w[4 * k + i] >> 4) << k;
+                            x->q[sub][128 + 4 * j + i] = (uint8_t)bits;
+                        }
+                    }
+                } else { /* the nibble formats */
+                    const uint8_t *qs;
+                    uint8_t *xs;
+                    int n;
+                    if (qtype == Q4_K) {
+                        const block_q4_k *k4 = (const block_q4_k *)blk;
+                        block_q4_kx8 *x = (block_q4_kx8 *)out;
+                        x->d[j] = k4->d;
+                        x->dmin[j] = k4->dmin;
+                        for (int k = 0; k < 12; ++k) x->scales[8 * k + j] = k4->scales[k];
+                        qs = k4->qs, xs = x->qs, n = 256;
+                    } else if (qtype == Q4_0) {
+                        ((block_q4_0x8 *)out)->d[j] = ((const block_q4_0 *)blk)->d;
+                        qs = ((const block_q4_0 *)blk)->qs, xs = ((block_q4_0x8 *)out)->qs, n = 32;
+                    } else {
+                        ((block_q4_1x8 *)out)->d[j] = ((const block_q4_1 *)blk)->d;
+                        ((block_q4_1x8 *)out)->m[j] = ((const block_q4_1 *)blk)->m;
+                        qs = ((const block_q4_1 *)blk)->qs, xs = ((block_q4_1x8 *)out)->qs, n = 32;
+                    }
+                    /* the file's 32-value halves: position l low in byte l, l + half high (Q4_K per 64) */
+                    const int half = n == 256 ? 32 : 16;
+                    for (int c = 0; c < n / (2 * half); ++c)
+                        for (int l = 0; l < half; ++l) {
+                            v[2 * half * c + l] = qs[half * c + l] & 0x0F;
+                            v[2 * half * c + half + l] = qs[half * c + l] >> 4;
+                        }
+                    for (int p = 0; p < n / 8; ++p) /* positions 8p + i low, 8p + 4 + i high */
+                        for (int i = 0; i < 4; ++i) xs[32 * p + 4 * j + i] = (uint8_t)(v[8 * p + i] | v[8 * p + 4 + i] << 4);
                 }
             }
         }
@@ -1233,7 +1569,13 @@ static void matmul_team(const float *x, int64_t M, int64_t K, int64_t ldx, int64
 #endif
                 quantize_row(a, &a32, m, 32);
         }
-        if (need256) quantize_row(a, &a256, m, 256);
+        if (need256) {
+#if GGUF_SIMD
+            if (use_simd) quantize_row256_simd(a, &a256, m);
+            else
+#endif
+                quantize_row(a, &a256, m, 256);
+        }
     }
     free(row);
     /* the portable path's copy of an interleaved row in the file's blocks (at most Q8_0's size) */
@@ -1277,12 +1619,12 @@ static void matmul_team(const float *x, int64_t M, int64_t K, int64_t ldx, int64
             if (base) { /* rows come in 8-row groups (their count is a multiple of 8) */
                 for (int64_t n = n0; n < n1;) {
                     /* two groups per 512-bit tile; one row streams the weights faster a group at a time */
-                    const int wide = n + 16 <= n1;
-                    const int pair = GGUF_X8_PAIRS && M > 1 && wide;
-                    const int64_t width = wide && (pair || use_amx) ? 16 : 8;
+                    const int wide = n + 16 <= n1, wide32 = wide && block_elems(base) == 32; /* pairs, tiles: 32-wide */
+                    const int pair = GGUF_X8_PAIRS && M > 1 && wide32;
+                    const int64_t width = wide32 && (pair || use_amx) ? 16 : 8;
                     int64_t m = m0;
 #if GGUF_AMX
-                    if (use_amx && wide && m1 - m0 >= 16) { /* whole 16-row tiles; the rest below */
+                    if (use_amx && wide32 && m1 - m0 >= 16) { /* whole 16-row tiles; the rest below */
                         const int64_t whole = m0 + (m1 - m0) / 16 * 16;
                         amx_unit(base, wseg + n * w_stride, 8 * w_stride, a, m0, whole, y + m0 * ldy + col0 + n, ldy,
                                  tiles);

@@ -27,7 +27,8 @@ def test_q5_and_q3_files_load_packed_and_match_their_dequantization(newer_gguf: 
     packed = LLM(model=str(newer_gguf), quantization="gguf", num_blocks=64)
     dense = LLM(model=str(newer_gguf), quantization="none", num_blocks=64)
     first, second = packed.engine.core.loaded.model.layers
-    assert [m.qtype for m in first.self_attn.qkv_proj.group.matrices] == [13, 13, 14]  # Q5_K, Q5_K, Q6_K
+    # Q5_K, Q5_K, Q6_K (interleaved eight rows at a time)
+    assert [m.qtype for m in first.self_attn.qkv_proj.group.matrices] == [113, 113, 114]
     assert [m.qtype for m in first.mlp.gate_up_proj.group.matrices] == [11, 11]  # Q3_K
     assert first.self_attn.o_proj.group.matrices[0].qtype == 6  # Q5_0
     assert first.mlp.down_proj.group.matrices[0].qtype == 7  # Q5_1
