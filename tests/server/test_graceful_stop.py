@@ -80,7 +80,9 @@ def _blocks_in_use(server: ServerProcess) -> int:
 def test_streams_in_flight_finish_and_new_requests_get_503() -> None:
     server = ServerProcess("--log-level", "info", "--shutdown-timeout", "120").start()
     try:
-        results, refused, code, elapsed = _drain(server, max_tokens=16)
+        # long enough that the streams are still draining when the new request arrives (with 16
+        # tokens a fast build finished them, exited, and the request found no listener)
+        results, refused, code, elapsed = _drain(server, max_tokens=256)
     finally:
         server.kill()
     assert refused.status_code == 503 and refused.headers["retry-after"], refused.text
