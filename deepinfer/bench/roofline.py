@@ -118,6 +118,16 @@ def measure_memory_bandwidth(size_mib: int, threads: int, repeats: int = 5) -> t
     return 2 * nbytes / copy_s, 3 * nbytes / add_s
 
 
+def measure_read_bandwidth(size_mib: int, threads: int, repeats: int = 5) -> float:
+    """Best-of bandwidth in bytes/s of reading an fp32 buffer far larger than the caches (a sum):
+    what a batch-1 decode step does with its weights."""
+    import torch
+
+    torch.set_num_threads(threads)
+    src = torch.rand(size_mib * 1024 * 1024 // 4)
+    return src.numel() * 4 / best_time(lambda: src.sum(), repeats)
+
+
 def measure_roofline(
     sizes: Sequence[int] = DEFAULT_GEMM_SIZES, threads: int = 2, size_mib: int = 256, repeats: int = 5
 ) -> Roofline:

@@ -3,13 +3,17 @@
 Writes checkpoints of Llama-3.2-1B, a Qwen3-1.7B-like model (QK-norm) and Llama-3.1-8B without
 downloading anything: GGUF files as Q8_0, Q4_0 and Q4_K_M, and (1B and 1.7B) bf16 safetensors
 directories. Then it measures batch-1 decode time per output token (TPOT) of the GGUF files and
-sets it against this machine's memory-bandwidth roofline (deepinfer/bench/roofline.py's copy/add
-bandwidth): at batch 1 every weight byte is read once per token, so
+sets it against this machine's memory-bandwidth roofline (deepinfer/bench/roofline.py's copy, add
+and read bandwidth, the best of the three): at batch 1 every weight byte is read once per token, so
 
     roofline TPOT = (weight bytes read per token + KV bytes read per token) / bandwidth
 
 and "% of roofline" is roofline TPOT / measured TPOT. The embedding lookup reads one row and is
-not counted; a tied embedding is counted once, as the LM head.
+not counted; a tied embedding is counted once, as the LM head. A VM's bandwidth moves by as much
+as 1.7x from one minute to the next (neighbours), so each decode run gets its own roofline,
+measured in the same process just before and after it (the higher of the two), and a model's
+figure is its median run's. The read bandwidth alone (a sum over a buffer: what a decode step does
+with its weights) is reported beside it.
 
 The weights are valid blocks of random bytes with one fp16 scale per tensor, chosen so that the
 weights have a standard deviation of 0.02-0.04 (as trained models): the kernels' work and bytes are
@@ -270,9 +274,11 @@ def read_bytes_per_token(path: Path, shape: Shape, context: int, kv_bytes_per_el
     return float(total + kv)
 
 
-def measure_tpot(path: str, threads: int, prompt_len: int, output_len: int, repeats: int) -> dict[str, float]:
-    """Batch-1 decode of `output_len` tokens after a `prompt_len`-token prompt: the best of
-    `repeats` runs' time per output token after the first, and the load time."""
+def measure_tpot(
+    path: str, threads: int, prompt_len: int, output_len: int, repeats: int, bandwidth_mib: int
+) -> dict[str, Any]:
+    """Batch-1 decode of `output_len` tokens after a `prompt_len`-token prompt, `repeats` times:
+    each run's time per output token after the first, the bandwidth around it, and the load time."""
     from deepinfer import LLM, SamplingParams
 
     start = time.perf_counter()
@@ -281,14 +287,30 @@ def measure_tpot(path: str, threads: int, prompt_len: int, output_len: int, repe
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(3, 40000, prompt_len)]  # real tokens of the vocabulary
     llm.generate([prompt], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)  # warm-up
-    per_token = []
+    per_token, bandwidths, reads = [], [], []
     for _ in range(repeats):
         llm.reset_prefix_cache()
+        before = _bandwidth(bandwidth_mib, threads)
         per_token.append(ours_once(llm.engine, prompt, output_len)[1])
-    return {"tpot_s": min(per_token), "tpot_runs_s": per_token, "load_s": load_s}
+        after = _bandwidth(bandwidth_mib, threads)
+        bandwidths.append(max(*before, *after))
+        reads.append(max(before[2], after[2]))
+    return {
+        "tpot_runs_s": per_token,
+        "bandwidth_runs_bytes_per_s": bandwidths,
+        "read_bandwidth_runs_bytes_per_s": reads,
+        "load_s": load_s,
+    }
 
 
-def _in_own_process(*args: Any) -> dict[str, float]:
+def _bandwidth(size_mib: int, threads: int) -> tuple[float, float, float]:
+    """(copy, add, read) bandwidth in bytes/s."""
+    from deepinfer.bench.roofline import measure_memory_bandwidth, measure_read_bandwidth
+
+    return (*measure_memory_bandwidth(size_mib, threads), measure_read_bandwidth(size_mib, threads))
+
+
+def _in_own_process(*args: Any) -> dict[str, Any]:
     """measure_tpot in a fresh process: each model's memory (an interleaved copy of its weights)
     is returned to the system before the next loads."""
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -308,13 +330,11 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--bandwidth-mib", type=int, default=1024, help="buffer size of the bandwidth measure")
+    p.add_argument("--bandwidth-mib", type=int, default=512, help="buffer size of the bandwidth measure")
     p.add_argument("--json-out", help="write the figures here")
 
 
 def run(args: argparse.Namespace) -> int:
-    from deepinfer.bench.roofline import measure_memory_bandwidth
-
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer: dict[str, Any] | None = None
@@ -345,27 +365,36 @@ def run(args: argparse.Namespace) -> int:
         rows = []
         for shape, path in files:
             measured = _in_own_process(
-                str(path), args.threads, args.prompt_len, args.output_len, args.repeats
+                str(path), args.threads, args.prompt_len, args.output_len, args.repeats, args.bandwidth_mib
             )
-            # the roofline around each model: the machine is shared, its bandwidth moves
-            copy_bw, add_bw = measure_memory_bandwidth(args.bandwidth_mib, args.threads)
-            bandwidth = max(copy_bw, add_bw)
             context = args.prompt_len + args.output_len / 2  # the mean position read by a decode step
             nbytes = read_bytes_per_token(path, shape, int(context))
+            fractions = [
+                nbytes / bandwidth / tpot
+                for tpot, bandwidth in zip(measured["tpot_runs_s"], measured["bandwidth_runs_bytes_per_s"])
+            ]
+            median = sorted(range(len(fractions)), key=fractions.__getitem__)[len(fractions) // 2]
+            bandwidth, tpot = measured["bandwidth_runs_bytes_per_s"][median], measured["tpot_runs_s"][median]
+            read = measured["read_bandwidth_runs_bytes_per_s"][median]
             roofline_s = nbytes / bandwidth
             entry = {
                 "model": path.name,
                 **measured,
+                "tpot_s": tpot,
                 "bytes_per_token": nbytes,
                 "bandwidth_bytes_per_s": bandwidth,
                 "roofline_tpot_s": roofline_s,
-                "fraction_of_roofline": roofline_s / measured["tpot_s"],
+                "fraction_of_roofline": fractions[median],
+                "fraction_runs": fractions,
+                "fraction_of_read_roofline": nbytes / read / tpot,
                 "load_average": os.getloadavg()[0],  # a shared machine's figures need their context
             }
             record["models"].append(entry)
             rows.append([
                 path.name, f"{nbytes / 2**20:.0f}", f"{bandwidth / 1e9:.1f}", f"{roofline_s * 1e3:.1f}",
-                f"{measured['tpot_s'] * 1e3:.1f}", f"{entry['fraction_of_roofline']:.0%}", f"{entry['load_average']:.1f}",
+                f"{tpot * 1e3:.1f}", f"{entry['fraction_of_roofline']:.0%}",
+                " / ".join(f"{f:.0%}" for f in fractions), f"{read / 1e9:.1f}",
+                f"{entry['fraction_of_read_roofline']:.0%}", f"{entry['load_average']:.1f}",
             ])  # fmt: skip
             print(rows[-1])
         headers = [
@@ -374,7 +403,10 @@ def run(args: argparse.Namespace) -> int:
             "bandwidth GB/s",
             "roofline TPOT ms",
             "TPOT ms",
-            "% of roofline",
+            "% of roofline (median run)",
+            "every run",
+            "read GB/s (median run)",
+            "% of read roofline",
             "load average",
         ]
         print(markdown_table(headers, rows))
