@@ -1,7 +1,7 @@
 """Products and row lookups on GGUF-packed weights, through the C kernel gguf_matmul.c.
 
 A `PackedMatrix` is a weight matrix in the file's own blocks (a view of the memory-mapped file
-when nothing had to be reordered), or, for Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K, the same blocks with
+when nothing had to be reordered), or, where its rows are a multiple of eight, the same blocks with
 every eight rows interleaved (`GGUFKernels.interleave`: a copy the size of the file's, computed on
 1.3-3x faster (deepinfer/bench/gguf_kernels.py), with the same bits). A `PackedGroup` is one or more of them with the same number of
 columns, multiplied as if their rows were concatenated (fused q/k/v, gate/up), each in its own
@@ -37,7 +37,8 @@ _PATH_PORTABLE, _PATH_VECTOR, _PATH_TILES = 0, 1, 2  # gguf_matmul's simd, as in
 # Our ids of the formats with every eight rows interleaved (gguf_matmul.c's block_q4_0x8 and kin):
 # what the kernels compute fastest on; the same bytes, rearranged.
 INTERLEAVED_TYPES = {
-    f"{name}_X8": 100 + PACKED_TYPES[name] for name in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+    f"{name}_X8": 100 + PACKED_TYPES[name]
+    for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 }
 
 

@@ -22,7 +22,7 @@
  * separate calls of a decoder layer): RMSNorm of x + residual (the sum also written out: the new
  * residual stream), or SwiGLU of a [gate | up] row.
  * A row's result depends only on its own activations: batching, threads and tiling never change
- * a bit, nor does the layout: the 32-wide formats may be interleaved eight rows at a time
+ * a bit, nor does the layout: every format may be interleaved eight rows at a time
  * (gguf_interleave, below), which changes where the bytes lie, not the arithmetic. The AVX2,
  * AVX-512 VNNI (on 256-bit registers) and portable C paths give identical bits: the integer sums
  * are exact whatever their order, the float operations are the ones above, and the file is
@@ -44,8 +44,9 @@
 #define AI static inline __attribute__((always_inline))
 
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14 }; /* ggml ids */
-enum { X8 = 100, Q4_0_X8 = X8 + Q4_0, Q4_1_X8 = X8 + Q4_1, Q8_0_X8 = X8 + Q8_0, Q4_K_X8 = X8 + Q4_K,
-       Q5_K_X8 = X8 + Q5_K, Q6_K_X8 = X8 + Q6_K }; /* ours: below */
+enum { X8 = 100, Q4_0_X8 = X8 + Q4_0, Q4_1_X8 = X8 + Q4_1, Q5_0_X8 = X8 + Q5_0, Q5_1_X8 = X8 + Q5_1,
+       Q8_0_X8 = X8 + Q8_0, Q3_K_X8 = X8 + Q3_K, Q4_K_X8 = X8 + Q4_K, Q5_K_X8 = X8 + Q5_K,
+       Q6_K_X8 = X8 + Q6_K }; /* ours: below */
 
 /* Packed weight blocks, byte for byte as in a GGUF file. */
 typedef struct { uint16_t d; uint8_t qs[16]; } block_q4_0;                 /* (q - 8) * d */
@@ -68,6 +69,10 @@ typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d;
 typedef struct { uint16_t d[8]; uint8_t qs[128]; } block_q4_0x8;
 typedef struct { uint16_t d[8], m[8]; uint8_t qs[128]; } block_q4_1x8;
 typedef struct { uint16_t d[8]; int8_t qs[256]; } block_q8_0x8;
+/* Q5_0 and Q5_1 (the fallback of Q4_K_M and Q5_K_M files for rows not a multiple of 256 long): Q4_0's
+ * and Q4_1's nibbles after the fifth bits, that of position 4k + i of row j at bit k of qh[4j + i]. */
+typedef struct { uint16_t d[8]; uint8_t qh[32]; uint8_t qs[128]; } block_q5_0x8;
+typedef struct { uint16_t d[8], m[8]; uint8_t qh[32]; uint8_t qs[128]; } block_q5_1x8;
 /* Q4_K the same way (the k-quant of most downloaded files): the rows' d and dmin side by side,
  * byte k of row j's 12 packed scale bytes at scales[8k + j] (so one vector unpacks the 6-bit
  * scales and mins of all eight rows), the 256 positions' nibbles as the 32-wide nibble formats'
@@ -84,6 +89,12 @@ typedef struct { uint16_t d[8], dmin[8]; uint8_t scales[96]; uint8_t q[8][160]; 
  * the two streams through each block kept the hardware prefetcher from reading ahead, and a
  * product from memory took twice the file layout's time.) */
 typedef struct { uint16_t d[8]; int8_t scales[128]; uint8_t q[16][96]; } block_q6_kx8;
+/* Q3_K: the rows' d, byte k of row j's 12 packed scale bytes at scales[8k + j] (as Q4_K's), then
+ * per 32-position half s of a pair of sub-blocks 96 bytes, read in order: the low two bits of
+ * positions 32s + 4k + i (k, i < 4) of row j at bits 2k of byte 4j + i, those of 32s + 16 + 4k + i
+ * the same in bytes 32 .., and the third bit of position 32s + 4k + i (k < 8) at bit k of byte
+ * 64 + 4j + i. */
+typedef struct { uint16_t d[8]; uint8_t scales[96]; uint8_t q[8][96]; } block_q3_kx8;
 
 /* Quantized activations of M rows, in scratch: q [M][K] int8; d, s [nb][M] float (block-major,
  * so the scales of neighbouring rows load together); for 32-wide blocks qsum [nb][M], each block's
@@ -104,8 +115,8 @@ static inline float half_to_float(uint16_t h) {
 }
 
 static int block_elems(int qtype) {
-    return qtype == Q3_K || qtype == Q4_K || qtype == Q5_K || qtype == Q6_K || qtype == Q4_K_X8 || qtype == Q5_K_X8 ||
-                   qtype == Q6_K_X8
+    return qtype == Q3_K || qtype == Q4_K || qtype == Q5_K || qtype == Q6_K || qtype == Q3_K_X8 || qtype == Q4_K_X8 ||
+                   qtype == Q5_K_X8 || qtype == Q6_K_X8
                ? 256
                : 32;
 }
@@ -115,8 +126,8 @@ static inline int has_min(int qtype) { return qtype == Q4_1 || qtype == Q5_1; }
 
 /* The file format an interleaved type holds (0: not interleaved). */
 static int interleaved_base(int qtype) {
-    return qtype == Q4_0_X8 || qtype == Q4_1_X8 || qtype == Q8_0_X8 || qtype == Q4_K_X8 || qtype == Q5_K_X8 ||
-                   qtype == Q6_K_X8
+    return qtype == Q4_0_X8 || qtype == Q4_1_X8 || qtype == Q5_0_X8 || qtype == Q5_1_X8 || qtype == Q8_0_X8 ||
+                   qtype == Q3_K_X8 || qtype == Q4_K_X8 || qtype == Q5_K_X8 || qtype == Q6_K_X8
                ? qtype - X8
                : 0;
 }
@@ -184,6 +195,22 @@ static void x8_row(int qtype, const uint8_t *group, int j, int64_t nb, uint8_t *
             }
             continue;
         }
+        if (base == Q3_K) {
+            const block_q3_kx8 *x = (const block_q3_kx8 *)blk;
+            block_q3_k *o = (block_q3_k *)row + b;
+            o->d = x->d[j];
+            for (int k = 0; k < 12; ++k) o->scales[k] = x->scales[8 * k + j];
+            memset(o->qs, 0, sizeof o->qs);
+            memset(o->hmask, 0, sizeof o->hmask);
+            for (int p = 0; p < 256; ++p) { /* q3k_value's position 128h + 32c + l */
+                const int h = p / 128, c = p % 128 / 32, l = p % 32, at = p % 32;
+                const int low = (x->q[p / 32][32 * (at / 16) + 4 * j + at % 4] >> (2 * (at % 16 / 4))) & 3;
+                const int third = (x->q[p / 32][64 + 4 * j + at % 4] >> (at / 4)) & 1;
+                o->qs[32 * h + l] |= (uint8_t)(low << (2 * c));
+                o->hmask[l] |= (uint8_t)(third << (4 * h + c));
+            }
+            continue;
+        }
         if (base == Q4_K) {
             const block_q4_kx8 *x = (const block_q4_kx8 *)blk;
             block_q4_k *o = (block_q4_k *)row + b;
@@ -209,6 +236,21 @@ static void x8_row(int qtype, const uint8_t *group, int j, int64_t nb, uint8_t *
                 uint8_t *q = &o->qs[32 * c + l];
                 *q = hi ? (uint8_t)((*q & 0x0F) | nibble << 4) : (uint8_t)((*q & 0xF0) | nibble);
                 o->qh[l] |= (uint8_t)(bit << (2 * c + hi));
+            }
+            continue;
+        }
+        if (base == Q5_0 || base == Q5_1) {
+            const uint8_t *qh = base == Q5_0 ? ((const block_q5_0x8 *)blk)->qh : ((const block_q5_1x8 *)blk)->qh;
+            const uint8_t *qs = qh + 32; /* in both structs */
+            uint8_t *o = row + b * block_bytes(base); /* d (and m), qh[4], qs[16] */
+            memcpy(o, blk + 2 * j, 2);
+            if (base == Q5_1) memcpy(o + 2, ((const block_q5_1x8 *)blk)->m + j, 2);
+            uint8_t *oh = o + (base == Q5_0 ? 2 : 4), *os = oh + 4;
+            memset(oh, 0, 4);
+            for (int i = 0; i < 32; ++i) {
+                const int v = x8_nibble(qs, j, i) | ((qh[4 * j + i % 4] >> (i / 4)) & 1) << 4;
+                oh[i / 8] |= (uint8_t)((v >> 4) << (i % 8));
+                os[i % 16] = i < 16 ? (uint8_t)((os[i % 16] & 0xF0) | (v & 0x0F)) : (uint8_t)((os[i % 16] & 0x0F) | (v & 0x0F) << 4);
             }
             continue;
         }
@@ -756,9 +798,30 @@ AI void tile_q6k(const int MR, const uint8_t *w, const acts *a, int64_t m, float
         else tile32(QT, 1, 1, w, w_stride, a, m, y, ldy);                                                     \
         break;
 
+/* The quants of an interleaved 32-wide block less their offset: 8 (Q4_0), 16 (Q5_0), 128 (Q8_0 as
+ * unsigned bytes) or none (the formats with a min). */
+static inline int x8_offset(int base) { return base == Q4_0 ? 8 : base == Q5_0 ? 16 : base == Q8_0 ? 128 : 0; }
+
+/* Where an interleaved 32-wide block's nibbles lie (after the fifth bits of Q5_0's and Q5_1's). */
+AI const uint8_t *x8_nibbles(const int base, const uint8_t *blk) {
+    return base == Q4_0   ? ((const block_q4_0x8 *)blk)->qs
+           : base == Q4_1 ? ((const block_q4_1x8 *)blk)->qs
+           : base == Q5_0 ? ((const block_q5_0x8 *)blk)->qs
+                          : ((const block_q5_1x8 *)blk)->qs;
+}
+
+/* u[k] |= the fifth bits of positions 4k .. 4k+3 (bit k of each byte of qh), as 16. */
+AI void x8_fifth_bits(const uint8_t *qh, __m256i u[8]) {
+    const __m256i bits = _mm256_loadu_si256((const __m256i *)qh), sixteen = _mm256_set1_epi8(16);
+    /* a 16-bit shift moves bit k of each byte to bit 4 of the same byte (k < 4: left, else right) */
+    for (int k = 0; k < 4; ++k) u[k] = _mm256_or_si256(u[k], _mm256_and_si256(_mm256_slli_epi16(bits, 4 - k), sixteen));
+    u[4] = _mm256_or_si256(u[4], _mm256_and_si256(bits, sixteen));
+    for (int k = 5; k < 8; ++k) u[k] = _mm256_or_si256(u[k], _mm256_and_si256(_mm256_srli_epi16(bits, k - 4), sixteen));
+}
+
 /* An interleaved block's quants as unsigned bytes, u[k] holding positions 4k .. 4k+3 of its eight
- * rows (lane 4j + i: row j, position 4k + i): Q4_0's and Q4_1's nibbles (0 .. 15), Q8_0's plus
- * 128 (for GGUF_WIDE_UNSIGNED builds only). */
+ * rows (lane 4j + i: row j, position 4k + i): the nibble formats' values (0 .. 15, Q5_0's and Q5_1's
+ * 0 .. 31), Q8_0's plus 128 (for GGUF_WIDE_UNSIGNED builds only). */
 AI void x8_unsigned_quants(const int base, const uint8_t *blk, __m256i u[8]) {
     if (base == Q8_0) {
         for (int k = 0; k < 8; ++k)
@@ -767,31 +830,33 @@ AI void x8_unsigned_quants(const int base, const uint8_t *blk, __m256i u[8]) {
         return;
     }
     const __m256i low = _mm256_set1_epi8(0x0F);
-    const uint8_t *qs = base == Q4_0 ? ((const block_q4_0x8 *)blk)->qs : ((const block_q4_1x8 *)blk)->qs;
+    const uint8_t *qs = x8_nibbles(base, blk);
     for (int p = 0; p < 4; ++p) {
         const __m256i x = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
         u[2 * p] = _mm256_and_si256(x, low);
         u[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(x, 4), low);
     }
+    if (base == Q5_0 || base == Q5_1) x8_fifth_bits(qs - 32, u); /* qh precedes qs in both */
 }
 
-/* The same quants as the values they stand for: Q8_0's as stored, Q4_0's less its 8 (signed),
- * Q4_1's as they are. */
+/* The same quants as the values they stand for: Q8_0's as stored, Q4_0's less its 8 and Q5_0's less
+ * its 16 (signed), Q4_1's and Q5_1's as they are. */
 AI void x8_quants(const int base, const uint8_t *blk, __m256i w[8]) {
     if (base == Q8_0) {
         for (int k = 0; k < 8; ++k) w[k] = _mm256_loadu_si256((const __m256i *)(((const block_q8_0x8 *)blk)->qs + 32 * k));
         return;
     }
     x8_unsigned_quants(base, blk, w);
-    if (base == Q4_0)
-        for (int k = 0; k < 8; ++k) w[k] = _mm256_sub_epi8(w[k], _mm256_set1_epi8(8));
+    if (x8_offset(base))
+        for (int k = 0; k < 8; ++k) w[k] = _mm256_sub_epi8(w[k], _mm256_set1_epi8((char)x8_offset(base)));
 }
 
 /* The eight rows of an interleaved group x activation rows [m, m + MR): y[r * ldy + j] for row j.
  * Per block, lane j of the integer sums is row j's exact block dot product, then the same float
  * steps as tile32 (so the same bits). The quants multiply the activations as unsigned bytes:
- * Q4_1's as they are, Q4_0's nibbles before taking out their 8 and Q8_0's plus 128 (its sign bit
- * flipped), then 8 or 128 times the block's activation sum is taken out: the same integers as
+ * Q4_1's and Q5_1's as they are, Q4_0's and Q5_0's before taking out their 8 or 16 and Q8_0's plus
+ * 128 (its sign bit flipped), then that offset times the block's activation sum is taken out: the
+ * same integers as
  * |w| times the activations carrying w's sign, in two fewer instructions per 32 bytes (a 1.3x
  * faster product at one row). */
 AI void tile_x8(const int base, const int MR, const uint8_t *group, const acts *a, int64_t m, float *y,
@@ -809,14 +874,13 @@ AI void tile_x8(const int base, const int MR, const uint8_t *group, const acts *
             for (int k = 0; k < 8; ++k) u[k] = _mm256_sign_epi8(w[k], w[k]);
         }
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk)); /* d[8] leads each struct */
-        const __m256 mw = base == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const block_q4_1x8 *)blk)->m))
-                                       : _mm256_setzero_ps();
+        /* the mins follow the scales in Q4_1's and Q5_1's structs */
+        const __m256 mw = has_min(base) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))) : _mm256_setzero_ps();
         for (int r = 0; r < MR; ++r) {
             const int8_t *aq = a->q + (m + r) * a->K + 32 * b;
-            /* the offset first: 8 (Q4_0) or 128 (Q8_0) times the activations' sum, negated */
-            __m256i isum = base == Q4_1 || !unsigned_quants
-                               ? _mm256_setzero_si256()
-                               : _mm256_set1_epi32(-(base == Q4_0 ? 8 : 128) * a->qsum[b * a->M + m + r]);
+            /* the offset first: x8_offset times the activations' sum, negated */
+            __m256i isum = unsigned_quants ? _mm256_set1_epi32(-x8_offset(base) * a->qsum[b * a->M + m + r])
+                                           : _mm256_setzero_si256();
             for (int k = 0; k < 8; ++k) {
                 int32_t four;
                 memcpy(&four, aq + 4 * k, sizeof four);
@@ -825,7 +889,7 @@ AI void tile_x8(const int base, const int MR, const uint8_t *group, const acts *
             }
             const __m256 da = _mm256_set1_ps(a->d[b * a->M + m + r]);
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, da), acc[r]);
-            if (base == Q4_1) off[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a->s[b * a->M + m + r]), off[r]);
+            if (has_min(base)) off[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a->s[b * a->M + m + r]), off[r]);
         }
     }
     for (int r = 0; r < MR; ++r) _mm256_storeu_ps(y + r * ldy, _mm256_add_ps(acc[r], off[r]));
@@ -962,6 +1026,73 @@ AI void tile_q6k_x8(const int MR, const uint8_t *group, const acts *a, int64_t m
     for (int r = 0; r < MR; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
 }
 
+/* The sixteen 6-bit scales of an interleaved Q3_K block's eight rows, less their offset of 32
+ * (q3k_scales on all of them at once): sc[8 t + j] for sub-block t of row j. */
+AI void x8_q3k_scales(const uint8_t *scales, int8_t sc[128]) {
+    /* bytes 8k + j of the three vectors: byte k, k + 4 and k + 8 of row j's packed twelve */
+    const __m256i v0 = _mm256_loadu_si256((const __m256i *)scales);
+    const __m256i v1 = _mm256_loadu_si256((const __m256i *)(scales + 32));
+    const __m256i v2 = _mm256_loadu_si256((const __m256i *)(scales + 64));
+    const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30), offset = _mm256_set1_epi8(32);
+    /* scales 4q + k: a nibble of byte k (q = 0, 2) or k + 4 (q = 1, 3), and bits 2q, 2q + 1 of
+     * byte k + 8 moved to bits 4-5 (16-bit shifts: the masks keep bits from crossing bytes) */
+    const __m256i parts[4] = {
+        _mm256_or_si256(_mm256_and_si256(v0, low), _mm256_and_si256(_mm256_slli_epi16(v2, 4), top)),
+        _mm256_or_si256(_mm256_and_si256(v1, low), _mm256_and_si256(_mm256_slli_epi16(v2, 2), top)),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v0, 4), low), _mm256_and_si256(v2, top)),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v1, 4), low), _mm256_and_si256(_mm256_srli_epi16(v2, 2), top)),
+    };
+    for (int q = 0; q < 4; ++q) _mm256_storeu_si256((__m256i *)(sc + 32 * q), _mm256_sub_epi8(parts[q], offset));
+}
+
+/* The eight rows of an interleaved Q3_K group x activation rows [m, m + MR), as tile_q6k_x8: per
+ * 16-position sub-block, lane j gathers row j's exact integer dot product of its values plus 4
+ * (0..7, unsigned) times its scale; 4 times the scales times the activations' 16-value sums is
+ * taken out first. Then tile_q3k's float steps lane by lane, so tile_q3k's bits. */
+AI void tile_q3k_x8(const int MR, const uint8_t *group, const acts *a, int64_t m, float *y, int64_t ldy) {
+    __m256 acc[4];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+    const __m256i two = _mm256_set1_epi8(3), third = _mm256_set1_epi8(4);
+    for (int64_t b = 0; b < a->nb; ++b) {
+        const block_q3_kx8 *blk = (const block_q3_kx8 *)group + b;
+        int8_t sc[128];
+        x8_q3k_scales(blk->scales, sc);
+        __m256i isum[4];
+        for (int r = 0; r < MR; ++r) { /* the offset first: scales of sub-blocks 2u, 2u + 1 as 16-bit pairs */
+            __m256i offset = _mm256_setzero_si256();
+            for (int u = 0; u < 8; ++u) {
+                const __m128i pairs = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)(sc + 16 * u)),
+                                                        _mm_loadl_epi64((const __m128i *)(sc + 16 * u + 8)));
+                int32_t sums;
+                memcpy(&sums, a->bsum + ((m + r) * a->nb + b) * 16 + 2 * u, sizeof sums);
+                offset = _mm256_add_epi32(offset, _mm256_madd_epi16(_mm256_cvtepi8_epi16(pairs), _mm256_set1_epi32(sums)));
+            }
+            isum[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset, 2));
+        }
+        for (int t = 0; t < 16; ++t) {
+            const __m256i lo = _mm256_loadu_si256((const __m256i *)(blk->q[t / 2] + 32 * (t % 2)));
+            const __m256i hv = _mm256_loadu_si256((const __m256i *)(blk->q[t / 2] + 64));
+            /* positions 16t + 4k .. + 3: bits 2k, 2k + 1 of lo, then bit 4 (t % 2) + k of hv moved to bit 2 */
+            __m256i w[4];
+            for (int k = 0; k < 4; ++k) {
+                const int shift = 4 * (t % 2) + k - 2;
+                const __m256i high = shift >= 0 ? _mm256_srli_epi16(hv, shift) : _mm256_slli_epi16(hv, -shift);
+                w[k] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo, 2 * k), two), _mm256_and_si256(high, third));
+            }
+            const __m256i scale = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8 * t)));
+            for (int r = 0; r < MR; ++r) {
+                const __m256i part = x8_dot(w, 4, a->q + (m + r) * a->K + 256 * b + 16 * t);
+                isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(part, scale));
+            }
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk->d));
+        for (int r = 0; r < MR; ++r)
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(dw, _mm256_set1_ps(a->d[b * a->M + m + r])),
+                                     acc[r]);
+    }
+    for (int r = 0; r < MR; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define GGUF_X8_PAIRS 1
 /* Two 256-bit halves as one 512-bit vector (lo in lanes 0-7). */
@@ -993,9 +1124,13 @@ AI void tile_x8_pair(const int base, const int MR, const uint8_t *group, int64_t
         if (base == Q8_0) {
             const int8_t *ql = ((const block_q8_0x8 *)lo)->qs, *qh = ((const block_q8_0x8 *)hi)->qs;
             for (int k = 0; k < 8; ++k) u[k] = _mm512_xor_si512(join256(ql + 32 * k, qh + 32 * k), _mm512_set1_epi8((char)0x80));
+        } else if (base == Q5_0 || base == Q5_1) { /* each half as tile_x8 takes it */
+            __m256i ul[8], uh[8];
+            x8_unsigned_quants(base, lo, ul);
+            x8_unsigned_quants(base, hi, uh);
+            for (int k = 0; k < 8; ++k) u[k] = _mm512_inserti64x4(_mm512_castsi256_si512(ul[k]), uh[k], 1);
         } else {
-            const uint8_t *ql = base == Q4_0 ? ((const block_q4_0x8 *)lo)->qs : ((const block_q4_1x8 *)lo)->qs;
-            const uint8_t *qh = base == Q4_0 ? ((const block_q4_0x8 *)hi)->qs : ((const block_q4_1x8 *)hi)->qs;
+            const uint8_t *ql = x8_nibbles(base, lo), *qh = x8_nibbles(base, hi);
             for (int p = 0; p < 4; ++p) {
                 const __m512i x = join256(ql + 32 * p, qh + 32 * p);
                 u[2 * p] = _mm512_and_si512(x, low);
@@ -1003,12 +1138,10 @@ AI void tile_x8_pair(const int base, const int MR, const uint8_t *group, int64_t
             }
         }
         const __m512 dw = halves16(lo, hi); /* d[8] leads each struct */
-        const __m512 mw = base == Q4_1 ? halves16(((const block_q4_1x8 *)lo)->m, ((const block_q4_1x8 *)hi)->m)
-                                       : _mm512_setzero_ps();
+        const __m512 mw = has_min(base) ? halves16(lo + 16, hi + 16) : _mm512_setzero_ps(); /* the mins follow d */
         for (int r = 0; r < MR; ++r) {
             const int8_t *aq = a->q + (m + r) * a->K + 32 * b;
-            __m512i isum = base == Q4_1 ? _mm512_setzero_si512()
-                                        : _mm512_set1_epi32(-(base == Q4_0 ? 8 : 128) * a->qsum[b * a->M + m + r]);
+            __m512i isum = _mm512_set1_epi32(-x8_offset(base) * a->qsum[b * a->M + m + r]);
             for (int k = 0; k < 8; ++k) {
                 int32_t four;
                 memcpy(&four, aq + 4 * k, sizeof four);
@@ -1016,7 +1149,7 @@ AI void tile_x8_pair(const int base, const int MR, const uint8_t *group, int64_t
             }
             const __m512 da = _mm512_set1_ps(a->d[b * a->M + m + r]);
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, da), acc[r]);
-            if (base == Q4_1) off[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a->s[b * a->M + m + r]), off[r]);
+            if (has_min(base)) off[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a->s[b * a->M + m + r]), off[r]);
         }
     }
     for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * ldy, _mm512_add_ps(acc[r], off[r]));
@@ -1033,6 +1166,14 @@ static void run_tile_x8_pair(int qtype, int mr, const uint8_t *group, int64_t gr
         mr == 4 ? tile_x8_pair(Q4_1, 4, group, group_bytes, a, m, y, ldy)
                 : tile_x8_pair(Q4_1, 1, group, group_bytes, a, m, y, ldy);
         break;
+    case Q5_0:
+        mr == 4 ? tile_x8_pair(Q5_0, 4, group, group_bytes, a, m, y, ldy)
+                : tile_x8_pair(Q5_0, 1, group, group_bytes, a, m, y, ldy);
+        break;
+    case Q5_1:
+        mr == 4 ? tile_x8_pair(Q5_1, 4, group, group_bytes, a, m, y, ldy)
+                : tile_x8_pair(Q5_1, 1, group, group_bytes, a, m, y, ldy);
+        break;
     default:
         mr == 4 ? tile_x8_pair(Q8_0, 4, group, group_bytes, a, m, y, ldy)
                 : tile_x8_pair(Q8_0, 1, group, group_bytes, a, m, y, ldy);
@@ -1048,8 +1189,11 @@ static void run_tile_x8(int qtype, int mr, const uint8_t *group, const acts *a, 
     case Q4_K: mr == 4 ? tile_qk_x8(Q4_K, 4, group, a, m, y, ldy) : tile_qk_x8(Q4_K, 1, group, a, m, y, ldy); break;
     case Q5_K: mr == 4 ? tile_qk_x8(Q5_K, 4, group, a, m, y, ldy) : tile_qk_x8(Q5_K, 1, group, a, m, y, ldy); break;
     case Q6_K: mr == 4 ? tile_q6k_x8(4, group, a, m, y, ldy) : tile_q6k_x8(1, group, a, m, y, ldy); break;
+    case Q3_K: mr == 4 ? tile_q3k_x8(4, group, a, m, y, ldy) : tile_q3k_x8(1, group, a, m, y, ldy); break;
     case Q4_0: mr == 4 ? tile_x8(Q4_0, 4, group, a, m, y, ldy) : tile_x8(Q4_0, 1, group, a, m, y, ldy); break;
     case Q4_1: mr == 4 ? tile_x8(Q4_1, 4, group, a, m, y, ldy) : tile_x8(Q4_1, 1, group, a, m, y, ldy); break;
+    case Q5_0: mr == 4 ? tile_x8(Q5_0, 4, group, a, m, y, ldy) : tile_x8(Q5_0, 1, group, a, m, y, ldy); break;
+    case Q5_1: mr == 4 ? tile_x8(Q5_1, 4, group, a, m, y, ldy) : tile_x8(Q5_1, 1, group, a, m, y, ldy); break;
     default: mr == 4 ? tile_x8(Q8_0, 4, group, a, m, y, ldy) : tile_x8(Q8_0, 1, group, a, m, y, ldy); break;
     }
 }
@@ -1188,7 +1332,7 @@ static void amx_sums(const acts *a, int64_t m, int64_t b0, int64_t nc, int8_t (*
 }
 
 /* tile_x8's float steps for activation rows m + r0 .. m + r0 + 7, their 16 outputs and blocks
- * b0 .. b0 + nc - 1 in order: acc = fma(sum, d_w * d_a, acc), and Q4_1's min into
+ * b0 .. b0 + nc - 1 in order: acc = fma(sum, d_w * d_a, acc), and a min (base Q4_1: Q4_1's or Q5_1's) into
  * off = fma(m_w, s_a, off). Eight rows side by side: eight independent chains of FMAs hide the
  * FMA's latency, and their accumulators fit the registers. */
 AI void amx_row_steps(const int base, const int32_t c[AMX_CHUNK][16][16], const float dw[AMX_CHUNK][16],
@@ -1246,18 +1390,18 @@ static void amx_unit(int base, const uint8_t *group, int64_t group_bytes, const 
         for (int64_t b0 = 0; b0 < nb; b0 += chunk) {
             const int64_t nc = nb - b0 < chunk ? nb - b0 : chunk;
             amx_sums(a, m, b0, nc, tiles, c);
-            for (int64_t j = 0; j < nc; ++j) { /* the scales (and Q4_1's mins) lead each group's struct */
+            for (int64_t j = 0; j < nc; ++j) { /* the scales (and the mins after them) lead each group's struct */
                 const uint8_t *lo = group + (b0 + j) * gbytes, *hi = lo + group_bytes;
                 _mm256_store_ps(dw[j], _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)lo)));
                 _mm256_store_ps(dw[j] + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)hi)));
-                if (base == Q4_1) {
-                    _mm256_store_ps(mw[j], _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const block_q4_1x8 *)lo)->m)));
-                    _mm256_store_ps(mw[j] + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const block_q4_1x8 *)hi)->m)));
+                if (has_min(base)) {
+                    _mm256_store_ps(mw[j], _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(lo + 16))));
+                    _mm256_store_ps(mw[j] + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hi + 16))));
                 }
             }
             for (int r0 = 0; r0 < 16; r0 += 8) {
-                if (base == Q4_1) amx_row_steps(Q4_1, c, dw, mw, a, b0, nc, m, r0, acc, off);
-                else amx_row_steps(Q8_0, c, dw, mw, a, b0, nc, m, r0, acc, off); /* Q4_0, Q8_0: no min */
+                if (has_min(base)) amx_row_steps(Q4_1, c, dw, mw, a, b0, nc, m, r0, acc, off);
+                else amx_row_steps(Q8_0, c, dw, mw, a, b0, nc, m, r0, acc, off); /* no min */
             }
         }
         for (int r = 0; r < 16; ++r) /* the VNNI path's last step, + 0 included (it turns -0 into +0) */
@@ -1273,7 +1417,7 @@ static void amx_unit(int base, const uint8_t *group, int64_t group_bytes, const 
  * disagree falls back, which the tests would show). */
 static int amx_self_check(void) {
     enum { K = 96, NB = K / 32, M = 48 }; /* three blocks: amx_sums' pair and its odd last */
-    static const int bases[3] = {Q4_0, Q4_1, Q8_0};
+    static const int bases[5] = {Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
     uint32_t seed = 12345u;
 #define NEXT() (seed = seed * 1664525u + 1013904223u, seed >> 8)
     int8_t q[M * K];
@@ -1286,11 +1430,11 @@ static int amx_self_check(void) {
     uint8_t weights[2 * NB * sizeof(block_q8_0x8)];
     int8_t tiles[NB][8][64];
     float tiled[M * 16], vnni[M * 16];
-    for (int i = 0; i < 3; ++i) {
+    for (int i = 0; i < 5; ++i) {
         const int64_t gbytes = 8 * block_bytes(bases[i]);
         for (int64_t j = 0; j < 2 * NB * gbytes; ++j) weights[j] = (uint8_t)NEXT();
         for (int g = 0; g < 2 * NB; ++g) /* finite fp16 scales (and Q4_1's mins): 0.0039 .. 1 */
-            for (int j = 0; j < (bases[i] == Q4_1 ? 16 : 8); ++j) {
+            for (int j = 0; j < (has_min(bases[i]) ? 16 : 8); ++j) {
                 const uint16_t h = (uint16_t)(0x1C00 + NEXT() % 0x1C00);
                 memcpy(weights + g * gbytes + 2 * j, &h, sizeof h);
             }
@@ -1378,14 +1522,14 @@ int64_t gguf_block_bytes(int qtype) { return block_bytes(qtype); }
 
 /* The interleaved type of a rows x K matrix of `qtype`, 0 when it has none. */
 int gguf_interleaved_type(int qtype, int64_t rows, int64_t K) {
-    return (qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0 || qtype == Q4_K || qtype == Q5_K || qtype == Q6_K) &&
+    return block_bytes(qtype) && !interleaved_base(qtype) &&
                    rows % 8 == 0 &&
                    K % block_elems(qtype) == 0
                ? X8 + qtype
                : 0;
 }
 
-/* dst = src (rows x K of Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K, the file's blocks) with every eight rows
+/* dst = src (rows x K of any of the file formats above, the file's blocks) with every eight rows
  * interleaved (block_q4_0x8 and kin, same size); returns the interleaved type, or 0 (nothing
  * written) when the format has no interleaved form or rows is not a multiple of 8. */
 int gguf_interleave(int qtype, const void *src, int64_t rows, int64_t K, void *dst) {
@@ -1444,6 +1588,41 @@ int gguf_interleave(int qtype, const void *src, int64_t rows, int64_t K, void *d
                             for (int k = 0; k < 8; ++k) bits |= (w[4 * k + i] >> 4) << k;
                             x->q[sub][128 + 4 * j + i] = (uint8_t)bits;
                         }
+                    }
+                } else if (qtype == Q3_K) {
+                    const block_q3_k *k3 = (const block_q3_k *)blk;
+                    block_q3_kx8 *x = (block_q3_kx8 *)out;
+                    x->d[j] = k3->d;
+                    for (int k = 0; k < 12; ++k) x->scales[8 * k + j] = k3->scales[k];
+                    for (int p = 0; p < 256; ++p) /* 0..7: the value plus 4 */
+                        v[p] = (uint8_t)(q3k_value(k3, p / 128, p % 128 / 32, p % 32) + 4);
+                    for (int half = 0; half < 8; ++half) {
+                        const uint8_t *w = v + 32 * half;
+                        for (int i = 0; i < 4; ++i) {
+                            int lo0 = 0, lo1 = 0, bits = 0;
+                            for (int k = 0; k < 4; ++k) {
+                                lo0 |= (w[4 * k + i] & 3) << (2 * k);
+                                lo1 |= (w[16 + 4 * k + i] & 3) << (2 * k);
+                            }
+                            for (int k = 0; k < 8; ++k) bits |= (w[4 * k + i] >> 2) << k;
+                            x->q[half][4 * j + i] = (uint8_t)lo0;
+                            x->q[half][32 + 4 * j + i] = (uint8_t)lo1;
+                            x->q[half][64 + 4 * j + i] = (uint8_t)bits;
+                        }
+                    }
+                } else if (qtype == Q5_0 || qtype == Q5_1) {
+                    const int min = qtype == Q5_1; /* d (and m), qh[4], qs[16] */
+                    memcpy(out + 2 * j, blk, 2);
+                    if (min) memcpy(out + 16 + 2 * j, blk + 2, 2);
+                    const uint8_t *qh = blk + 2 + 2 * min, *qs = qh + 4;
+                    uint8_t *xh = out + 16 + 16 * min, *xs = xh + 32;
+                    for (int i = 0; i < 32; ++i) v[i] = (uint8_t)q5_value(qh, qs, i);
+                    for (int i = 0; i < 4; ++i) { /* positions 4k + i: nibbles as Q4_0's, fifth bits in bit k */
+                        int bits = 0;
+                        for (int k = 0; k < 8; ++k) bits |= (v[4 * k + i] >> 4) << k;
+                        xh[4 * j + i] = (uint8_t)bits;
+                        for (int p = 0; p < 4; ++p)
+                            xs[32 * p + 4 * j + i] = (uint8_t)((v[8 * p + i] & 0x0F) | (v[8 * p + 4 + i] & 0x0F) << 4);
                     }
                 } else { /* the nibble formats */
                     const uint8_t *qs;

@@ -27,12 +27,12 @@ def test_q5_and_q3_files_load_packed_and_match_their_dequantization(newer_gguf: 
     packed = LLM(model=str(newer_gguf), quantization="gguf", num_blocks=64)
     dense = LLM(model=str(newer_gguf), quantization="none", num_blocks=64)
     first, second = packed.engine.core.loaded.model.layers
-    # Q5_K, Q5_K, Q6_K (interleaved eight rows at a time)
-    assert [m.qtype for m in first.self_attn.qkv_proj.group.matrices] == [113, 113, 114]
-    assert [m.qtype for m in first.mlp.gate_up_proj.group.matrices] == [11, 11]  # Q3_K
-    assert first.self_attn.o_proj.group.matrices[0].qtype == 6  # Q5_0
-    assert first.mlp.down_proj.group.matrices[0].qtype == 7  # Q5_1
-    assert [m.qtype for m in second.mlp.gate_up_proj.group.matrices] == [6, 7]
+    # every format interleaved eight rows at a time (100 + the ggml id)
+    assert [m.qtype for m in first.self_attn.qkv_proj.group.matrices] == [113, 113, 114]  # Q5_K, Q6_K
+    assert [m.qtype for m in first.mlp.gate_up_proj.group.matrices] == [111, 111]  # Q3_K
+    assert first.self_attn.o_proj.group.matrices[0].qtype == 106  # Q5_0
+    assert first.mlp.down_proj.group.matrices[0].qtype == 107  # Q5_1
+    assert [m.qtype for m in second.mlp.gate_up_proj.group.matrices] == [106, 107]
     assert isinstance(second.mlp.down_proj, GGUFLinear)
     # a Q2_K member (no kernel): the fused q/k/v goes dense, its siblings dequantized into it
     assert isinstance(second.self_attn.qkv_proj, ColumnParallelLinear)

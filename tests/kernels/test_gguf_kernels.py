@@ -183,7 +183,7 @@ def _tile_builds(kernels: GGUFKernels) -> list[GGUFKernels]:
     return [emulated]
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_amx_tiles_give_the_vector_paths_bits(kernels, name):
     """16-row tiles (pairs of them, a remainder on the vector path, an 8-row last unit) and the
     fused RMSNorm prologue: every bit as the vector and portable paths."""

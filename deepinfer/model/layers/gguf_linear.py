@@ -1,7 +1,7 @@
 """Linear layers and embeddings that compute on GGUF-packed weights (quantization="gguf").
 
-The weights stay in the file's blocks (interleaved eight rows at a time for Q4_0/Q4_1/Q8_0/Q4_K/
-Q5_K/Q6_K, KernelLayouts: a copy at load, the same size; memory-mapped otherwise); the C kernel
+The weights stay in the file's blocks (interleaved eight rows at a time where the row count
+allows, KernelLayouts: a copy at load, the same size; memory-mapped otherwise); the C kernel
 quantizes each activation row per block and multiplies with exact integer block dot products, as
 llama.cpp does (numerics in deepinfer/kernels/gguf_matmul.c). A fused projection (q/k/v,
 gate/up) is a group of packed matrices computed in one call, each in its own format, so mixed
