@@ -90,6 +90,25 @@ def test_penalties_and_logit_bias():
     torch.testing.assert_close(out, torch.tensor(expected))
 
 
+def test_processing_never_writes_to_the_logits_it_is_given():
+    """Plain greedy rows come back as the logits themselves (no copy); a row that any step
+    changes gets a new tensor, and the input keeps its values either way."""
+    logits = torch.stack([LOGITS, LOGITS])
+    assert process_logits(logits, [row(), row(temperature=0.7)]) is logits
+    allowed = torch.tensor([False, True, True, True, True])
+    changing = [
+        row(logit_bias={4: 3.0}),
+        SamplingRow(SamplingParams(repetition_penalty=1.5), prompt_token_ids=[0], output_token_ids=[]),
+        SamplingRow(SamplingParams(frequency_penalty=0.5), prompt_token_ids=[], output_token_ids=[1]),
+        SamplingRow(SamplingParams(), prompt_token_ids=[], output_token_ids=[], masked_token_ids=[0]),
+        SamplingRow(SamplingParams(), prompt_token_ids=[], output_token_ids=[], allowed_mask=allowed),
+    ]
+    for changed in changing:
+        out = process_logits(logits, [row(), changed])
+        assert out is not logits and not torch.equal(out[1], LOGITS)
+        assert torch.equal(logits, torch.stack([LOGITS, LOGITS]))
+
+
 def test_min_tokens_masks_stop_ids():
     r = SamplingRow(SamplingParams(), prompt_token_ids=[], output_token_ids=[], masked_token_ids=[0])
     out = process_logits(LOGITS[None, :], [r])[0]
