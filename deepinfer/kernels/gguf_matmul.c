@@ -856,9 +856,8 @@ AI void x8_quants(const int base, const uint8_t *blk, __m256i w[8]) {
  * steps as tile32 (so the same bits). The quants multiply the activations as unsigned bytes:
  * Q4_1's and Q5_1's as they are, Q4_0's and Q5_0's before taking out their 8 or 16 and Q8_0's plus
  * 128 (its sign bit flipped), then that offset times the block's activation sum is taken out: the
- * same integers as
- * |w| times the activations carrying w's sign, in two fewer instructions per 32 bytes (a 1.3x
- * faster product at one row). */
+ * same integers as |w| times the activations carrying w's sign, in two fewer instructions per 32
+ * bytes (a 1.3x faster product at one row). */
 AI void tile_x8(const int base, const int MR, const uint8_t *group, const acts *a, int64_t m, float *y,
                 int64_t ldy) {
     const int64_t gbytes = 8 * block_bytes(base);
@@ -1332,8 +1331,8 @@ static void amx_sums(const acts *a, int64_t m, int64_t b0, int64_t nc, int8_t (*
 }
 
 /* tile_x8's float steps for activation rows m + r0 .. m + r0 + 7, their 16 outputs and blocks
- * b0 .. b0 + nc - 1 in order: acc = fma(sum, d_w * d_a, acc), and a min (base Q4_1: Q4_1's or Q5_1's) into
- * off = fma(m_w, s_a, off). Eight rows side by side: eight independent chains of FMAs hide the
+ * b0 .. b0 + nc - 1 in order: acc = fma(sum, d_w * d_a, acc), and with base Q4_1 (for every
+ * format with a min) off = fma(m_w, s_a, off). Eight rows side by side: eight independent chains of FMAs hide the
  * FMA's latency, and their accumulators fit the registers. */
 AI void amx_row_steps(const int base, const int32_t c[AMX_CHUNK][16][16], const float dw[AMX_CHUNK][16],
                       const float mw[AMX_CHUNK][16], const acts *a, int64_t b0, int64_t nc, int64_t m, int r0,
@@ -1433,7 +1432,7 @@ static int amx_self_check(void) {
     for (int i = 0; i < 5; ++i) {
         const int64_t gbytes = 8 * block_bytes(bases[i]);
         for (int64_t j = 0; j < 2 * NB * gbytes; ++j) weights[j] = (uint8_t)NEXT();
-        for (int g = 0; g < 2 * NB; ++g) /* finite fp16 scales (and Q4_1's mins): 0.0039 .. 1 */
+        for (int g = 0; g < 2 * NB; ++g) /* finite fp16 scales (and the mins): 0.0039 .. 1 */
             for (int j = 0; j < (has_min(bases[i]) ? 16 : 8); ++j) {
                 const uint16_t h = (uint16_t)(0x1C00 + NEXT() % 0x1C00);
                 memcpy(weights + g * gbytes + 2 * j, &h, sizeof h);
