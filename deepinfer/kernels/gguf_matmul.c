@@ -978,6 +978,42 @@ AI void tile_qk_x8(const int qtype, const int MR, const uint8_t *group, const ac
     for (int r = 0; r < MR; ++r) _mm256_storeu_ps(y + r * ldy, _mm256_add_ps(acc[r], off[r]));
 }
 
+/* The k-quants with sixteen 16-position sub-blocks (Q6_K, Q3_K), on an interleaved group: their
+ * offset's term, the sub-blocks' scaled dot products and the block's float steps. */
+
+/* -(the scales sc[8t + j] of row j times the activations' 16-value sums bsum[t]) << shift, lane j:
+ * two sub-blocks per 16-bit multiply-add (both factors fit 16 bits). */
+AI __m256i x8_offset_sum(const int8_t *sc, const int16_t *bsum, const int shift) {
+    __m256i offset = _mm256_setzero_si256();
+    for (int u = 0; u < 8; ++u) {
+        const __m128i pairs = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)(sc + 16 * u)),
+                                                _mm_loadl_epi64((const __m128i *)(sc + 16 * u + 8)));
+        int32_t sums;
+        memcpy(&sums, bsum + 2 * u, sizeof sums);
+        offset = _mm256_add_epi32(offset, _mm256_madd_epi16(_mm256_cvtepi8_epi16(pairs), _mm256_set1_epi32(sums)));
+    }
+    return _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset, shift));
+}
+
+/* isum[r] += sub-block t's dot product (its quants w, unsigned) times its scales sc[8t ..], r < MR. */
+AI void x8_sub_block(const int MR, const __m256i w[4], const int8_t *sc, const acts *a, int64_t m, int64_t b, int t,
+                     __m256i *isum) {
+    const __m256i scale = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8 * t)));
+    for (int r = 0; r < MR; ++r) {
+        const __m256i part = x8_dot(w, 4, a->q + (m + r) * a->K + 256 * b + 16 * t);
+        isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(part, scale));
+    }
+}
+
+/* acc[r] = fma(isum[r], d_w * d_a, acc[r]): tile_q6k's and tile_q3k's float step, lane by lane. */
+AI void x8_block_steps(const int MR, const uint16_t d[8], const __m256i *isum, const acts *a, int64_t m, int64_t b,
+                       __m256 *acc) {
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d));
+    for (int r = 0; r < MR; ++r)
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(dw, _mm256_set1_ps(a->d[b * a->M + m + r])),
+                                 acc[r]);
+}
+
 /* The eight rows of an interleaved Q6_K group x activation rows [m, m + MR), as tile_qk_x8: per
  * 16-position sub-block the exact dot products of the unsigned values (0..63) in the rows' lanes,
  * times their scales; the offset of 32 as 32 times the scales times the activations' 16-value
@@ -989,17 +1025,8 @@ AI void tile_q6k_x8(const int MR, const uint8_t *group, const acts *a, int64_t m
     for (int64_t b = 0; b < a->nb; ++b) {
         const block_q6_kx8 *blk = (const block_q6_kx8 *)group + b;
         __m256i isum[4];
-        for (int r = 0; r < MR; ++r) { /* the offset first: scales of sub-blocks 2u, 2u + 1 as 16-bit pairs */
-            __m256i offset = _mm256_setzero_si256();
-            for (int u = 0; u < 8; ++u) {
-                const __m128i pairs = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)(blk->scales + 16 * u)),
-                                                        _mm_loadl_epi64((const __m128i *)(blk->scales + 16 * u + 8)));
-                int32_t sums;
-                memcpy(&sums, a->bsum + ((m + r) * a->nb + b) * 16 + 2 * u, sizeof sums);
-                offset = _mm256_add_epi32(offset, _mm256_madd_epi16(_mm256_cvtepi8_epi16(pairs), _mm256_set1_epi32(sums)));
-            }
-            isum[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset, 5));
-        }
+        for (int r = 0; r < MR; ++r) /* the offset of 32 first */
+            isum[r] = x8_offset_sum(blk->scales, a->bsum + ((m + r) * a->nb + b) * 16, 5);
         for (int t = 0; t < 16; ++t) {
             const __m256i x0 = _mm256_loadu_si256((const __m256i *)blk->q[t]);
             const __m256i x1 = _mm256_loadu_si256((const __m256i *)(blk->q[t] + 32));
@@ -1011,16 +1038,9 @@ AI void tile_q6k_x8(const int MR, const uint8_t *group, const acts *a, int64_t m
                 _mm256_or_si256(_mm256_and_si256(x1, low), _mm256_and_si256(hv, two)),
                 _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(x1, 4), low), _mm256_and_si256(_mm256_srli_epi16(hv, 2), two)),
             };
-            const __m256i scale = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk->scales + 8 * t)));
-            for (int r = 0; r < MR; ++r) {
-                const __m256i part = x8_dot(w, 4, a->q + (m + r) * a->K + 256 * b + 16 * t);
-                isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(part, scale));
-            }
+            x8_sub_block(MR, w, blk->scales, a, m, b, t, isum);
         }
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk->d));
-        for (int r = 0; r < MR; ++r)
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(dw, _mm256_set1_ps(a->d[b * a->M + m + r])),
-                                     acc[r]);
+        x8_block_steps(MR, blk->d, isum, a, m, b, acc);
     }
     for (int r = 0; r < MR; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
 }
@@ -1057,17 +1077,8 @@ AI void tile_q3k_x8(const int MR, const uint8_t *group, const acts *a, int64_t m
         int8_t sc[128];
         x8_q3k_scales(blk->scales, sc);
         __m256i isum[4];
-        for (int r = 0; r < MR; ++r) { /* the offset first: scales of sub-blocks 2u, 2u + 1 as 16-bit pairs */
-            __m256i offset = _mm256_setzero_si256();
-            for (int u = 0; u < 8; ++u) {
-                const __m128i pairs = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)(sc + 16 * u)),
-                                                        _mm_loadl_epi64((const __m128i *)(sc + 16 * u + 8)));
-                int32_t sums;
-                memcpy(&sums, a->bsum + ((m + r) * a->nb + b) * 16 + 2 * u, sizeof sums);
-                offset = _mm256_add_epi32(offset, _mm256_madd_epi16(_mm256_cvtepi8_epi16(pairs), _mm256_set1_epi32(sums)));
-            }
-            isum[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset, 2));
-        }
+        for (int r = 0; r < MR; ++r) /* the offset of 4 first */
+            isum[r] = x8_offset_sum(sc, a->bsum + ((m + r) * a->nb + b) * 16, 2);
         for (int t = 0; t < 16; ++t) {
             const __m256i lo = _mm256_loadu_si256((const __m256i *)(blk->q[t / 2] + 32 * (t % 2)));
             const __m256i hv = _mm256_loadu_si256((const __m256i *)(blk->q[t / 2] + 64));
@@ -1078,16 +1089,9 @@ AI void tile_q3k_x8(const int MR, const uint8_t *group, const acts *a, int64_t m
                 const __m256i high = shift >= 0 ? _mm256_srli_epi16(hv, shift) : _mm256_slli_epi16(hv, -shift);
                 w[k] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo, 2 * k), two), _mm256_and_si256(high, third));
             }
-            const __m256i scale = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8 * t)));
-            for (int r = 0; r < MR; ++r) {
-                const __m256i part = x8_dot(w, 4, a->q + (m + r) * a->K + 256 * b + 16 * t);
-                isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(part, scale));
-            }
+            x8_sub_block(MR, w, sc, a, m, b, t, isum);
         }
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk->d));
-        for (int r = 0; r < MR; ++r)
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(dw, _mm256_set1_ps(a->d[b * a->M + m + r])),
-                                     acc[r]);
+        x8_block_steps(MR, blk->d, isum, a, m, b, acc);
     }
     for (int r = 0; r < MR; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
 }
