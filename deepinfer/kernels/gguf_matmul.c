@@ -541,7 +541,8 @@ AI __m256i dot_u8s8_acc(__m256i acc, __m256i u, __m256i s) {
 AI __m256i dot_u8s8(__m256i u, __m256i s) { return dot_u8s8_acc(_mm256_setzero_si256(), u, s); }
 
 /* Whether dot_u8s8_acc takes unsigned bytes up to 255 (VNNI sums four products in 32 bits; the
- * AVX2 form's 16-bit step saturates past 2 * 255 * 127, so there unsigned quants stay below 16). */
+ * AVX2 form's 16-bit step saturates past 2 * 255 * 127, so there unsigned quants stay below 64:
+ * 2 * 63 * 128 fits). */
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
 #define GGUF_WIDE_UNSIGNED 1
 #else
@@ -810,13 +811,14 @@ AI const uint8_t *x8_nibbles(const int base, const uint8_t *blk) {
                           : ((const block_q5_1x8 *)blk)->qs;
 }
 
-/* u[k] |= the fifth bits of positions 4k .. 4k+3 (bit k of each byte of qh), as 16. */
+/* u[k] |= the fifth bits of positions 4k .. 4k+3 (bit k of each byte of qh), as 16: Q5_0's, Q5_1's
+ * and Q5_K's interleaved bits. */
 AI void x8_fifth_bits(const uint8_t *qh, __m256i u[8]) {
     const __m256i bits = _mm256_loadu_si256((const __m256i *)qh), sixteen = _mm256_set1_epi8(16);
-    /* a 16-bit shift moves bit k of each byte to bit 4 of the same byte (k < 4: left, else right) */
-    for (int k = 0; k < 4; ++k) u[k] = _mm256_or_si256(u[k], _mm256_and_si256(_mm256_slli_epi16(bits, 4 - k), sixteen));
-    u[4] = _mm256_or_si256(u[4], _mm256_and_si256(bits, sixteen));
-    for (int k = 5; k < 8; ++k) u[k] = _mm256_or_si256(u[k], _mm256_and_si256(_mm256_srli_epi16(bits, k - 4), sixteen));
+    for (int k = 0; k < 8; ++k) { /* a 16-bit shift moves bit k of each byte to its bit 4; the mask keeps bytes apart */
+        const __m256i moved = k <= 4 ? _mm256_slli_epi16(bits, 4 - k) : _mm256_srli_epi16(bits, k - 4);
+        u[k] = _mm256_or_si256(u[k], _mm256_and_si256(moved, sixteen));
+    }
 }
 
 /* An interleaved block's quants as unsigned bytes, u[k] holding positions 4k .. 4k+3 of its eight
@@ -933,7 +935,7 @@ AI void tile_qk_x8(const int qtype, const int MR, const uint8_t *group, const ac
                    int64_t ldy) {
     __m256 acc[4], off[4];
     for (int r = 0; r < MR; ++r) acc[r] = off[r] = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi8(0x0F), fifth = _mm256_set1_epi8(0x10);
+    const __m256i low = _mm256_set1_epi8(0x0F);
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t b = 0; b < a->nb; ++b) { /* Q5_K's block begins as Q4_K's */
         const block_q4_kx8 *blk = (const block_q4_kx8 *)(group + b * 8 * block_bytes(qtype));
@@ -949,13 +951,7 @@ AI void tile_qk_x8(const int qtype, const int MR, const uint8_t *group, const ac
                 w[2 * p] = _mm256_and_si256(x, low);
                 w[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(x, 4), low);
             }
-            if (qtype == Q5_K) { /* bit k of the bits' bytes to bit 4 of w[k] (16-bit shifts; the mask keeps bytes apart) */
-                const __m256i bits = _mm256_loadu_si256((const __m256i *)(nibbles + 128));
-                for (int k = 0; k < 8; ++k) {
-                    const __m256i moved = k <= 4 ? _mm256_slli_epi16(bits, 4 - k) : _mm256_srli_epi16(bits, k - 4);
-                    w[k] = _mm256_or_si256(w[k], _mm256_and_si256(moved, fifth));
-                }
-            }
+            if (qtype == Q5_K) x8_fifth_bits(nibbles + 128, w);
             const __m256i scale = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8 * s)));
             const __m256i mins = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mn + 8 * s)));
             const __m256i mins2 = _mm256_or_si256(mins, _mm256_slli_epi32(mins, 16)); /* min, min as 16-bit pairs */
