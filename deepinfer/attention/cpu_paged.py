@@ -55,9 +55,9 @@ class CpuPagedBackend:
         self.decode_item_address = ctypes.cast(lib.paged_attention_item, ctypes.c_void_p).value
         self.decode_merge_address = ctypes.cast(lib.paged_decode_attention_merge, ctypes.c_void_p).value
         self.decode_plan_address = ctypes.cast(lib.paged_attention_plan, ctypes.c_void_p).value
-        # A bf16 cache's rows on AMX bf16 tiles (head_dim 64 or 128): 1, else why not (the C
-        # function's codes); asked here, once per process, before any parallel call.
-        self.amx_status = int(lib.paged_attention_amx_ready())
+        # A bf16 cache's rows (head_dim 64 or 128) on bf16 products: 2 AMX bf16 tiles, 1
+        # VDPBF16PS, 0 the fp32 path; asked here, once per process, before any parallel call.
+        self.bf16_path = int(lib.paged_attention_bf16_path())
 
     @staticmethod
     def supports(

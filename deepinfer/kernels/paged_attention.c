@@ -1,5 +1,5 @@
 /* Decode attention over a paged KV cache (fp32, fp16 or bf16 K/V, fp32 arithmetic; a bf16 cache on
- * AMX bf16 tiles where the CPU has them, attention_amx.h), for CPUs.
+ * AMX bf16 tiles or VDPBF16PS where the CPU has them, attention_bf16.h), for CPUs.
  *
  * One query token per sequence. Work is split over (sequence, kv head, part of the context): the
  * G query heads that share a kv head (GQA) are processed together, several per pass (a tile), so
@@ -25,6 +25,7 @@
 
 #include "paged_attention.h"
 #include "rowops.h"
+#include "transpose16.h"
 #ifdef __F16C__
 #include <immintrin.h>
 #endif
@@ -209,6 +210,68 @@ static inline __attribute__((always_inline)) void tile_scores(const int64_t D, c
     }
 }
 
+/* A row tile's rows score each block's keys side by side: 16 keys' rows transposed once (kt[d *
+ * 16 + j] = key j's dim d) serve every (row, head) of the tile, and a score needs no shuffles. Lane
+ * j of partial i is key j's lane i of tile_scores's dot: q[i] k[i], then + q[16c + i] k[16c + i]
+ * for c = 1 .. D/16 - 1, the same products and fused additions in the same order; the 16 partials
+ * are then added in sum16's order (i and i+8, then i and i+4, i and i+2, i and i+1). So every
+ * score has tile_scores's bits, and a row's bits stay those it has alone as a decode row, while
+ * sum16_x16's 45 shuffles and additions per (head, 16 keys) become 15 additions. */
+#define KEYS_SIDE_BY_SIDE 1
+
+/* kt[d * 16 + j] = row j's value d, for the 16 fp32 rows at k_rows (k_stride apart), d < D. */
+static inline __attribute__((always_inline)) void transpose_keys(const int64_t D, const float *k_rows,
+                                                                 int64_t k_stride, float *kt) {
+    for (int64_t c = 0; c < D / 16; ++c) {
+        __m512i r[16];
+        for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(k_rows + j * k_stride + 16 * c);
+        transpose16(r);
+        for (int i = 0; i < 16; ++i) _mm512_storeu_si512(kt + (16 * c + i) * 16, r[i]);
+    }
+}
+
+/* out[t] = partial i + partial i+8 of head t's 16 scores (t < T, heads qs[t * D ..]). */
+static inline __attribute__((always_inline)) void lane_pair(const int64_t D, const int T, const float *qs,
+                                                            const float *kt, int i, v16 *out) {
+    v16 lo[4], hi[4];
+    for (int t = 0; t < T; ++t) {
+        lo[t] = qs[t * D + i] * load16(kt + i * 16);
+        hi[t] = qs[t * D + i + 8] * load16(kt + (i + 8) * 16);
+    }
+    for (int64_t c = 1; c < D / 16; ++c) {
+        const v16 k_lo = load16(kt + (16 * c + i) * 16), k_hi = load16(kt + (16 * c + i + 8) * 16);
+        for (int t = 0; t < T; ++t) {
+            lo[t] += qs[t * D + 16 * c + i] * k_lo;
+            hi[t] += qs[t * D + 16 * c + i + 8] * k_hi;
+        }
+    }
+    for (int t = 0; t < T; ++t) out[t] = lo[t] + hi[t];
+}
+
+/* tile_scores's 16 scores of heads qs[t * D ..], t < T, against the keys transposed into kt, at
+ * scores[t][at ..]: the sums of pairs (0, 4), (2, 6), (1, 5), (3, 7) as they are ready, so that
+ * few partials are live at once. */
+static inline __attribute__((always_inline)) void tile_scores_kt(const int64_t D, const int T, const float *qs,
+                                                                 const float *kt, float (*scores)[SPAN_MAX],
+                                                                 int64_t at) {
+    v16 x[4], y[4], b0[4], c0[4], b1[4];
+    lane_pair(D, T, qs, kt, 0, x);
+    lane_pair(D, T, qs, kt, 4, y);
+    for (int t = 0; t < T; ++t) b0[t] = x[t] + y[t];
+    lane_pair(D, T, qs, kt, 2, x);
+    lane_pair(D, T, qs, kt, 6, y);
+    for (int t = 0; t < T; ++t) c0[t] = b0[t] + (x[t] + y[t]);
+    lane_pair(D, T, qs, kt, 1, x);
+    lane_pair(D, T, qs, kt, 5, y);
+    for (int t = 0; t < T; ++t) b1[t] = x[t] + y[t];
+    lane_pair(D, T, qs, kt, 3, x);
+    lane_pair(D, T, qs, kt, 7, y);
+    for (int t = 0; t < T; ++t) {
+        const v16 s = c0[t] + (b1[t] + (x[t] + y[t]));
+        memcpy(scores[t] + at, &s, sizeof s);
+    }
+}
+
 /* acc[t * D ..] = acc * correction[t] + sum_j weights[t][j] * value row j, for t < T and the
  * first n value rows of the span's segments, in order. */
 static inline __attribute__((always_inline)) void tile_values(const int64_t D, const int FORMAT, const int T,
@@ -248,6 +311,7 @@ static inline float exponentiate(float *s, int64_t n, float max) {
 }
 
 #else
+#define KEYS_SIDE_BY_SIDE 0 /* a block's keys are transposed with AVX-512 shuffles only */
 /* Without AVX-512 GCC lowers 16-lane vectors badly: their shuffles one element at a time, a
  * scalar times a 16-lane vector through the stack (prefill attention took ~6x as long as on
  * AVX-512). The same two functions on 8-lane halves: every lane's operations are the ones
@@ -473,6 +537,12 @@ static inline __attribute__((always_inline)) void attend_span(
     const int half_values = FORMAT != KV_FLOAT32 && R == 1 && vectors;
     float scores[TILE_QUERIES][SPAN_MAX], correction[TILE_QUERIES];
     float k_buffer[MAX_HALF_ROWS], v_buffer[MAX_HALF_ROWS]; /* fp16 rows as fp32 */
+    /* A tile of at least 8 heads shares each block's transposes (4 KB of shuffles at head_dim 64,
+     * about what sum16_x16 spends on 5 heads); a decode row's few heads keep the row form. */
+    const int side_by_side = vectors && R * group >= 8;
+#if KEYS_SIDE_BY_SIDE
+    float kt[MAX_HEAD_DIM * 16] __attribute__((aligned(64)));
+#endif
     segment values[SPAN_MAX];
     /* the first block's rows too: its values are not loaded before its scores are done */
     const int64_t first_rows = block_size - first % block_size < last - first ? block_size - first % block_size
@@ -495,15 +565,33 @@ static inline __attribute__((always_inline)) void attend_span(
             int64_t k_stride;
             const float *k_rows = block_rows(k_cache, FORMAT, base, n, slot_stride, column, D, k_buffer, &k_stride);
             const int64_t at = start - span_start;
+            /* keys 0 .. side-1 of the block are scored side by side for the rows that have them */
+            const int64_t side = KEYS_SIDE_BY_SIDE && side_by_side ? n - n % 16 : 0;
+#if KEYS_SIDE_BY_SIDE
+            for (int64_t j0 = 0; j0 < side; j0 += 16) {
+                transpose_keys(D, k_rows + j0 * k_stride, k_stride, kt);
+                for (int64_t r = 0; r < R; ++r) {
+                    if (lasts[r] - start < j0 + 16) continue;
+                    const float *qr = qs + r * group * D;
+                    for (int64_t g = 0; g < group; g += tile) {
+                        const int64_t count = group - g < tile ? group - g : tile;
+#define SCORES(T) tile_scores_kt(D, T, qr + g * D, kt, scores + r * group + g, at + j0)
+                        DISPATCH_TILE(count, SCORES)
+#undef SCORES
+                    }
+                }
+            }
+#endif
             for (int64_t r = 0; r < R; ++r) {
                 const int64_t nr = lasts[r] - start < n ? lasts[r] - start : n; /* this row's keys of the block */
                 if (nr <= 0) continue;
+                const int64_t done = nr - nr % 16 < side ? nr - nr % 16 : side; /* scored side by side */
                 const float *qr = qs + r * group * D;
                 float(*sr)[SPAN_MAX] = scores + r * group;
                 for (int64_t g = 0; g < group; g += vectors ? tile : 1) {
                     if (vectors) {
                         const int64_t count = group - g < tile ? group - g : tile;
-#define SCORES(T) tile_scores(D, T, qr + g * D, k_rows, k_stride, nr, sr + g, at)
+#define SCORES(T) tile_scores(D, T, qr + g * D, k_rows + done * k_stride, k_stride, nr - done, sr + g, at + done)
                         DISPATCH_TILE(count, SCORES)
 #undef SCORES
                     } else {
@@ -601,16 +689,17 @@ static inline int join_tile(const int64_t *block_tables, const int64_t *seq_lens
     return 1;
 }
 
-#include "attention_amx.h"
+#include "attention_bf16.h"
 
-#if ATTENTION_AMX
-/* Whether a head_dim runs on the tiles: whole sets of four 16-dim accumulator tiles. */
-static inline int amx_head_dim(int64_t head_dim) { return head_dim % 64 == 0 && head_dim <= AMX_MAX_D; }
+#if ATTENTION_BF16
+/* Whether a head_dim runs on bf16 products: whole sets of four 16-dim accumulators. */
+static inline int bf16_head_dim(int64_t head_dim) { return head_dim % 64 == 0 && head_dim <= BF16_MAX_D; }
 
-/* Whether the tiles are wired right: two rows of three heads (40 and 37 keys, one part) against
- * a double-precision softmax of the same bf16 values. Every score is exact (eighths times
- * eighths, summed), so the maxima must be equal; the outputs within the bf16 rounding of P. */
-static int amx_attention_self_check(void) {
+/* Whether the bf16 products (tiles, or VDPBF16PS) are wired right: two rows of three heads (40 and
+ * 37 keys, one part) against a double-precision softmax of the same bf16 values. Every score is
+ * exact (eighths times eighths, summed), so the maxima must be equal; the outputs within the
+ * bf16 rounding of P. */
+static int bf16_attention_check(int tiles) {
     enum { D = 64, KEYS = 40, GROUP = 3, ROWS = 2, BLOCK = 16 };
     static uint16_t k[KEYS * D], v[KEYS * D];
     float q[ROWS * GROUP * D], m[ROWS * GROUP], l[ROWS * GROUP], acc[ROWS * GROUP * D];
@@ -621,7 +710,7 @@ static int amx_attention_self_check(void) {
     for (int i = 0; i < ROWS * GROUP * D; ++i) q[i] = SMALL();
 #undef SMALL
     /* key j lives in slot table[j / 16] * 16 + j % 16 of the cache (k, v above) */
-    amx_attend(D, ROWS, GROUP, q, GROUP * D, k, v, table, 0, lasts, 0, D, BLOCK, 0.125f, m, l, acc);
+    bf16_attend(D, ROWS, GROUP, q, GROUP * D, k, v, table, 0, lasts, 0, D, BLOCK, 0.125f, m, l, acc, tiles);
     for (int r = 0; r < ROWS; ++r)
         for (int g = 0; g < GROUP; ++g) {
             const float *qg = q + (r * GROUP + g) * D;
@@ -647,19 +736,33 @@ static int amx_attention_self_check(void) {
     return 1;
 }
 
+#if ATTENTION_AMX
+static int amx_attention_check(void) { return bf16_attention_check(1); }
 static int amx_attention_state; /* 0: not yet known, else amx_status_once's answer */
-
 static int amx_attention_status(void) {
-    return amx_status_once(&amx_attention_state, amx_request_permission, amx_attention_self_check);
+    return amx_status_once(&amx_attention_state, amx_request_permission, amx_attention_check);
 }
 #endif
 
-/* 1 when a bf16 cache's attention runs on AMX bf16 tiles (head_dim 64 or 128): built for them,
- * permitted by the OS and wired right; 0 a build without tiles, -1 the OS refused them, -2 the
- * self-check failed (a defect: the fp32 path runs instead). */
-int paged_attention_amx_ready(void) {
+static int dot_permitted(void) { return 1; }
+static int dot_attention_check(void) { return bf16_attention_check(0); }
+static int dot_attention_state;
+
+/* Which bf16 products a bf16 cache's attention runs on: 2 AMX tiles, 1 VDPBF16PS (no tiles in the
+ * build, or the OS refused them), 0 neither (not built for AVX512-BF16, or the check failed: a
+ * defect, the fp32 path runs instead). Fixed for the process, so every row takes the same one. */
+static int bf16_attention_path(void) {
 #if ATTENTION_AMX
-    return amx_attention_status();
+    if (amx_attention_status() == 1) return 2;
+#endif
+    return amx_status_once(&dot_attention_state, dot_permitted, dot_attention_check) == 1;
+}
+#endif
+
+/* bf16_attention_path's answer (0 in a build without AVX512-BF16). */
+int paged_attention_bf16_path(void) {
+#if ATTENTION_BF16
+    return bf16_attention_path();
 #else
     return 0;
 #endif
@@ -690,10 +793,12 @@ static __attribute__((noinline)) void attend_run(const float *q, const void *k_c
     }
     const int64_t *table = block_tables + (s + rows - 1) * max_blocks;
     const int64_t column = kvh * head_dim;
-#if ATTENTION_AMX
-    if (kv_format == KV_BFLOAT16 && amx_head_dim(head_dim) && amx_attention_status() == 1) {
-        amx_attend(head_dim, rows, group, q + (s * num_heads + kvh * group) * head_dim, num_heads * head_dim,
-                   k_cache, v_cache, table, first, lasts, column, slot_stride, block_size, scale, m, l, acc);
+#if ATTENTION_BF16
+    const int bf16_path = kv_format == KV_BFLOAT16 && bf16_head_dim(head_dim) ? bf16_attention_path() : 0;
+    if (bf16_path) {
+        bf16_attend(head_dim, rows, group, q + (s * num_heads + kvh * group) * head_dim, num_heads * head_dim,
+                    k_cache, v_cache, table, first, lasts, column, slot_stride, block_size, scale, m, l, acc,
+                    bf16_path == 2);
     } else
 #endif
     {

@@ -22,10 +22,11 @@ KV_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 def tolerance(backend: CpuPagedBackend, kv_dtype: torch.dtype, head_dim: int = HEAD_DIM) -> dict[str, float]:
     """How far the kernel's outputs may be from an fp32 softmax of the same cache values: a few
-    fp32 ulps of each output per term; on AMX bf16 tiles (a bf16 cache, head_dim 64 or 128)
-    q and the softmax weights are rounded to bf16 (2^-9 relative each) before their products."""
-    tiles = kv_dtype is torch.bfloat16 and backend.amx_status == 1 and head_dim in (64, 128)
-    return {"atol": 1e-2, "rtol": 1e-2} if tiles else {"atol": 2e-5, "rtol": 1e-4}
+    fp32 ulps of each output per term; on bf16 products (AMX tiles or VDPBF16PS: a bf16 cache,
+    head_dim 64 or 128) q and the softmax weights are rounded to bf16 (2^-9 relative each) before
+    their products."""
+    bf16 = kv_dtype is torch.bfloat16 and backend.bf16_path > 0 and head_dim in (64, 128)
+    return {"atol": 1e-2, "rtol": 1e-2} if bf16 else {"atol": 2e-5, "rtol": 1e-4}
 
 
 def _step(
@@ -189,6 +190,22 @@ def test_row_kernel_only_is_the_same_however_a_prompt_is_chunked(
         pieces.append(backend.forward(q[start:end], k[start:end], v[start:end], cache, meta, 0.125))
         start = end
     assert torch.equal(torch.cat(pieces), whole)
+
+
+@pytest.mark.parametrize("level", [level.name for level in isa.machine_levels()])
+def test_a_bf16_cache_runs_on_bf16_products_wherever_the_level_has_them(
+    level: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From the avx512_bf16 level up a bf16 cache's attention runs on VDPBF16PS, on AMX tiles at
+    the amx level where the OS grants them (else VDPBF16PS); below, on the fp32 path. A path
+    whose self-check failed would fall back silently: this says so."""
+    monkeypatch.setenv(isa.ENV, level)
+    names = [candidate.name for candidate in isa.X86_LEVELS]
+    path = CpuPagedBackend().bf16_path
+    if names.index(level) < names.index("avx512_bf16"):
+        assert path == 0
+    else:
+        assert path in ((1, 2) if level == "amx" else (1,)), path
 
 
 @pytest.mark.parametrize("level", [level.name for level in isa.machine_levels()])
