@@ -1,5 +1,7 @@
 """Write a GGUF's values as an HF checkpoint directory (config, tokenizer, safetensors).
 
+    python -m deepinfer.bench.hf_from_gguf --dtype bfloat16   # build/peer-models/<gguf>-bfloat16
+
 Peers that read only HF checkpoints (vLLM) and our own exact-weight path need the default
 model as a directory. Nothing may be downloaded here, so the directory is made from the GGUF
 we ship: transformers dequantizes its blocks (and undoes llama.cpp's q/k row permutation),
@@ -9,6 +11,7 @@ the same numbers, those of the GGUF, not of the original bf16 release.
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -48,3 +51,26 @@ def write_hf_dir(gguf: Path, folder: Path, dtype: str = "float32") -> Path:
         json.dumps({"gguf": gguf.name, "gguf_bytes": gguf.stat().st_size, "dtype": dtype})
     )
     return folder
+
+
+def main(argv: list[str] | None = None) -> Path:
+    """Writes the directory (the embedded default model unless --gguf) and prints its path: the
+    `--hf-dir` of `deepinfer bench peers` and the `--model` of our own bf16 runs."""
+    parser = argparse.ArgumentParser(description="Write a GGUF's values as an HF checkpoint directory.")
+    parser.add_argument("--gguf", help="the GGUF file (default: the embedded default model)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    parser.add_argument("--out", help="the directory (default: build/peer-models/<gguf stem>-<dtype>)")
+    args = parser.parse_args(argv)
+    if args.gguf:
+        gguf = Path(args.gguf)
+    else:
+        from deepinfer.model.loader.source import default_model_path
+
+        gguf = default_model_path()
+    folder = write_hf_dir(gguf, Path(args.out or f"build/peer-models/{gguf.stem}-{args.dtype}"), args.dtype)
+    print(folder)
+    return folder
+
+
+if __name__ == "__main__":
+    main()

@@ -38,6 +38,7 @@ PEER_NAMES: tuple[str, ...] = (
     "deepinfer",
     "deepinfer-fp32",
     "deepinfer-int8",
+    "deepinfer-bf16kv",
     "deepinfer-offline",
     "deepinfer-hf",
     "llama.cpp",
@@ -168,6 +169,12 @@ def _ours_fp32(options: PeersOptions, gguf: Path) -> PeerOutcome:
 
 def _ours_int8(options: PeersOptions, gguf: Path) -> PeerOutcome:
     return _ours(options, gguf, "deepinfer-int8", ("--quantization", "int8", "--kv-cache-dtype", "float16"))
+
+
+def _ours_bf16_kv(options: PeersOptions, gguf: Path) -> PeerOutcome:
+    """The GGUF's own blocks over a bf16 KV cache: attention in bf16 products where the CPU has
+    them (AMX tiles, VDPBF16PS)."""
+    return _ours(options, gguf, "deepinfer-bf16kv", ("--kv-cache-dtype", "bfloat16"))
 
 
 def _repo_path(path: str | Path) -> Path:
@@ -326,6 +333,7 @@ _RUNNERS = {
     "deepinfer": _ours,
     "deepinfer-fp32": _ours_fp32,
     "deepinfer-int8": _ours_int8,
+    "deepinfer-bf16kv": _ours_bf16_kv,
     "deepinfer-offline": _ours_offline,
     "deepinfer-hf": _ours_hf,
     "llama.cpp": _llama_cpp,

@@ -15,7 +15,8 @@ from safetensors.torch import save_file
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.attention.float32_boundary import Float32Boundary
-from deepinfer.bench.hf_from_gguf import write_hf_dir
+from deepinfer.bench.hf_from_gguf import hf_dir_is_complete, write_hf_dir
+from deepinfer.bench.hf_from_gguf import main as write_hf_dir_cli
 from deepinfer.config import ConfigError, EngineConfig
 from deepinfer.kernels import isa
 from deepinfer.kernels.bf16_layers import Bf16Stack
@@ -197,7 +198,11 @@ def test_bf16_logprobs_do_not_depend_on_prompt_chunking(
         {"prompt_token_ids": tokenizer.encode(CHAT.format(f"{q} {long_question}"))} for q in QUESTIONS
     ]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
-    folder = write_hf_dir(default_model_path, tmp_path / "bf16", "bfloat16")
+    # through the module's command line, which writes the directories the benchmarks read
+    folder = write_hf_dir_cli(
+        ["--gguf", str(default_model_path), "--dtype", "bfloat16", "--out", str(tmp_path / "bf16")]
+    )
+    assert hf_dir_is_complete(folder, default_model_path, "bfloat16")
     chunked = LLM(
         model=str(folder),
         dtype="auto",
