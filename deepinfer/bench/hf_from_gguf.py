@@ -28,6 +28,11 @@ def hf_dir_is_complete(folder: Path, gguf: Path, dtype: str) -> bool:
     return record == {"gguf": gguf.name, "gguf_bytes": gguf.stat().st_size, "dtype": dtype}
 
 
+def peer_model_dir(gguf: Path, dtype: str) -> Path:
+    """Where the benchmarks keep ``gguf``'s directory in ``dtype``, relative to the checkout."""
+    return Path("build/peer-models") / f"{gguf.stem}-{dtype}"
+
+
 def write_hf_dir(gguf: Path, folder: Path, dtype: str = "float32") -> Path:
     """The HF directory of ``gguf`` in ``dtype`` ("float32" or "bfloat16"), written once."""
     if dtype not in ("float32", "bfloat16"):
@@ -67,7 +72,7 @@ def main(argv: list[str] | None = None) -> Path:
         from deepinfer.model.loader.source import default_model_path
 
         gguf = default_model_path()
-    folder = write_hf_dir(gguf, Path(args.out or f"build/peer-models/{gguf.stem}-{args.dtype}"), args.dtype)
+    folder = write_hf_dir(gguf, Path(args.out) if args.out else peer_model_dir(gguf, args.dtype), args.dtype)
     print(folder)
     return folder
 

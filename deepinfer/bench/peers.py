@@ -192,10 +192,10 @@ def _hf_dir(options: PeersOptions, gguf: Path) -> Path:
         if not (folder / "config.json").is_file():
             raise ValueError(f"--hf-dir: {folder} has no config.json")
         return folder
-    from deepinfer.bench.hf_from_gguf import write_hf_dir
+    from deepinfer.bench.hf_from_gguf import peer_model_dir, write_hf_dir
 
     # fp32 holds the GGUF's dequantized values exactly; vLLM casts them to bf16 as it loads.
-    return write_hf_dir(gguf, _repo_path(Path("build/peer-models") / f"{gguf.stem}-float32"), "float32")
+    return write_hf_dir(gguf, _repo_path(peer_model_dir(gguf, "float32")), "float32")
 
 
 def _ours_hf(options: PeersOptions, gguf: Path) -> PeerOutcome:
