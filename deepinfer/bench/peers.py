@@ -139,8 +139,19 @@ def _measure_server(
     return summary
 
 
+def our_command(options: PeersOptions, model: Path, extra: tuple[str, ...] = ()) -> list[str]:
+    """`deepinfer serve` on `model` (the GGUF every peer reads, or an HF directory), with the
+    threads the other engines get."""
+    return [
+        sys.executable, "-m", "deepinfer.cli", "serve", str(model),
+        "--port", str(options.port),
+        "--num-threads", str(options.threads),
+        *extra,
+    ]  # fmt: skip
+
+
 def _ours(
-    options: PeersOptions, gguf: Path, name: str = "deepinfer", extra: tuple[str, ...] = ()
+    options: PeersOptions, model: Path, name: str = "deepinfer", extra: tuple[str, ...] = ()
 ) -> PeerOutcome:
     if importlib.util.find_spec("deepinfer.cli") is None:
         return PeerOutcome(name, "not available", "deepinfer.cli does not exist yet (no `deepinfer serve`)")
@@ -152,7 +163,7 @@ def _ours(
     )
     if probe.returncode != 0 or "usage" not in probe.stdout.lower():
         return PeerOutcome(name, "not available", "`python -m deepinfer.cli serve` is not available yet")
-    command = [sys.executable, "-m", "deepinfer.cli", "serve", "--port", str(options.port), *extra]
+    command = our_command(options, model, extra)
     return PeerOutcome(
         name,
         "measured",
@@ -200,7 +211,7 @@ def _hf_dir(options: PeersOptions, gguf: Path) -> Path:
 
 def _ours_hf(options: PeersOptions, gguf: Path) -> PeerOutcome:
     folder = _hf_dir(options, gguf)
-    outcome = _ours(options, gguf, "deepinfer-hf", (str(folder),))
+    outcome = _ours(options, folder, "deepinfer-hf")
     outcome.detail = f"the HF directory {folder.name} (dense weights, dtype auto)"
     return outcome
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer.bench.peers import PeerOutcome, PeersOptions, format_peers, run_peers
+from deepinfer.bench.peers import PeerOutcome, PeersOptions, format_peers, our_command, run_peers
 from deepinfer.bench.report import (
     markdown_table,
     provenance,
@@ -113,3 +113,15 @@ def test_offline_peer_runs_the_server_workload_in_process(default_model_path: Pa
     # Concurrency 2: the third request starts only after one of the first two has finished.
     first_done = min(r.start_s + r.e2e_s for r in outcome.results[:2])
     assert outcome.results[2].start_s >= first_done
+
+
+def test_our_server_reads_the_model_every_peer_reads(tmp_path: Path) -> None:
+    # A --model-gguf of user shapes must reach our server too, not only llama.cpp and vLLM.
+    gguf = tmp_path / "llama-3.2-1b-Q4_K_M.gguf"
+    options = PeersOptions(model_gguf=str(gguf), threads=3, port=18999)
+    command = our_command(options, gguf, ("--kv-cache-dtype", "bfloat16"))
+    serve = command.index("serve")
+    assert command[serve + 1] == str(gguf)
+    assert command[command.index("--num-threads") + 1] == "3"
+    assert command[command.index("--port") + 1] == "18999"
+    assert command[-2:] == ["--kv-cache-dtype", "bfloat16"]
