@@ -1154,9 +1154,179 @@ AI void tile_x8_pair(const int base, const int MR, const uint8_t *group, int64_t
     for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * ldy, _mm512_add_ps(acc[r], off[r]));
 }
 
+/* Eight 6-bit scales of one 8-row group and eight of the next, as sixteen int32 lanes. */
+AI __m512i scales16(const uint8_t *lo, const uint8_t *hi, const int is_signed) {
+    const __m128i both = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)lo), _mm_loadl_epi64((const __m128i *)hi));
+    return is_signed ? _mm512_cvtepi8_epi32(both) : _mm512_cvtepu8_epi32(both);
+}
+
+/* x8_dot on two groups' quant vectors: lane j's sum is row j's exact dot product. */
+AI __m512i x8_dot_pair(const __m512i *w, const int n, const int8_t *aq) {
+    __m512i sum = _mm512_setzero_si512();
+    for (int k = 0; k < n; ++k) {
+        int32_t four;
+        memcpy(&four, aq + 4 * k, sizeof four);
+        sum = _mm512_dpbusd_epi32(sum, w[k], _mm512_set1_epi32(four));
+    }
+    return sum;
+}
+
+/* tile_qk_x8 (Q4_K, Q5_K) for two consecutive 8-row groups at once, as tile_x8_pair: every lane
+ * through tile_qk_x8's operations, so its bits, with half the instructions of two 256-bit tiles.
+ * The Q4_K_M files users download spend most of their products here and in tile_q6k_x8_pair. */
+AI void tile_qk_x8_pair(const int qtype, const int MR, const uint8_t *group, int64_t group_bytes, const acts *a,
+                        int64_t m, float *y, int64_t ldy) {
+    const int64_t gbytes = 8 * block_bytes(qtype);
+    __m512 acc[4], off[4];
+    for (int r = 0; r < MR; ++r) acc[r] = off[r] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+    for (int64_t b = 0; b < a->nb; ++b) {
+        const block_q4_kx8 *lo = (const block_q4_kx8 *)(group + b * gbytes);
+        const block_q4_kx8 *hi = (const block_q4_kx8 *)((const uint8_t *)lo + group_bytes);
+        uint8_t sc[2][64], mn[2][64];
+        x8_q4k_scales(lo->scales, sc[0], mn[0]);
+        x8_q4k_scales(hi->scales, sc[1], mn[1]);
+        __m512i isum[4], imin[4];
+        for (int r = 0; r < MR; ++r) isum[r] = imin[r] = _mm512_setzero_si512();
+        for (int s = 0; s < 8; ++s) {
+            __m512i w[8];
+            const uint8_t *ql = qtype == Q4_K ? lo->qs + 128 * s : ((const block_q5_kx8 *)lo)->q[s];
+            const uint8_t *qh = qtype == Q4_K ? hi->qs + 128 * s : ((const block_q5_kx8 *)hi)->q[s];
+            for (int p = 0; p < 4; ++p) { /* positions 32s + 8p .. 32s + 8p + 7 */
+                const __m512i x = join256(ql + 32 * p, qh + 32 * p);
+                w[2 * p] = _mm512_and_si512(x, low);
+                w[2 * p + 1] = _mm512_and_si512(_mm512_srli_epi16(x, 4), low);
+            }
+            if (qtype == Q5_K) { /* x8_fifth_bits on both groups */
+                const __m512i bits = join256(ql + 128, qh + 128);
+                for (int k = 0; k < 8; ++k) {
+                    const __m512i moved = k <= 4 ? _mm512_slli_epi16(bits, 4 - k) : _mm512_srli_epi16(bits, k - 4);
+                    w[k] = _mm512_or_si512(w[k], _mm512_and_si512(moved, sixteen));
+                }
+            }
+            const __m512i scale = scales16(sc[0] + 8 * s, sc[1] + 8 * s, 0);
+            const __m512i mins = scales16(mn[0] + 8 * s, mn[1] + 8 * s, 0);
+            const __m512i mins2 = _mm512_or_si512(mins, _mm512_slli_epi32(mins, 16)); /* min, min as 16-bit pairs */
+            for (int r = 0; r < MR; ++r) {
+                const __m512i part = x8_dot_pair(w, 8, a->q + (m + r) * a->K + 256 * b + 32 * s);
+                isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(part, scale));
+                int32_t sums; /* the sub-block's two 16-value sums */
+                memcpy(&sums, a->bsum + ((m + r) * a->nb + b) * 16 + 2 * s, sizeof sums);
+                imin[r] = _mm512_add_epi32(imin[r], _mm512_madd_epi16(mins2, _mm512_set1_epi32(sums)));
+            }
+        }
+        const __m512 dw = halves16(lo->d, hi->d), dmin = halves16(lo->dmin, hi->dmin);
+        for (int r = 0; r < MR; ++r) {
+            const __m512 da = _mm512_set1_ps(a->d[b * a->M + m + r]);
+            const __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(dmin, da)), sign));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(dw, da), acc[r]);
+            off[r] = _mm512_fmadd_ps(neg, _mm512_cvtepi32_ps(imin[r]), off[r]);
+        }
+    }
+    for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * ldy, _mm512_add_ps(acc[r], off[r]));
+}
+
+/* The pair forms of x8_offset_sum, x8_sub_block and x8_block_steps (Q6_K, Q3_K): lanes 0-7 the
+ * group whose scales are at sl (d at dl), 8-15 the next one's. */
+AI __m512i x8_offset_sum_pair(const int8_t *sl, const int8_t *sh, const int16_t *bsum, const int shift) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(x8_offset_sum(sl, bsum, shift)), x8_offset_sum(sh, bsum, shift), 1);
+}
+
+AI void x8_sub_block_pair(const int MR, const __m512i w[4], const int8_t *sl, const int8_t *sh, const acts *a,
+                          int64_t m, int64_t b, int t, __m512i *isum) {
+    const __m512i scale = scales16((const uint8_t *)sl + 8 * t, (const uint8_t *)sh + 8 * t, 1);
+    for (int r = 0; r < MR; ++r) {
+        const __m512i part = x8_dot_pair(w, 4, a->q + (m + r) * a->K + 256 * b + 16 * t);
+        isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(part, scale));
+    }
+}
+
+AI void x8_block_steps_pair(const int MR, const uint16_t *dl, const uint16_t *dh, const __m512i *isum, const acts *a,
+                            int64_t m, int64_t b, __m512 *acc) {
+    const __m512 dw = halves16(dl, dh);
+    for (int r = 0; r < MR; ++r)
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(dw, _mm512_set1_ps(a->d[b * a->M + m + r])),
+                                 acc[r]);
+}
+
+/* tile_q6k_x8 for two consecutive 8-row groups at once: every lane through its operations. */
+AI void tile_q6k_x8_pair(const int MR, const uint8_t *group, int64_t group_bytes, const acts *a, int64_t m, float *y,
+                         int64_t ldy) {
+    __m512 acc[4];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(0x30);
+    for (int64_t b = 0; b < a->nb; ++b) {
+        const block_q6_kx8 *lo = (const block_q6_kx8 *)group + b;
+        const block_q6_kx8 *hi = (const block_q6_kx8 *)(group + group_bytes) + b;
+        __m512i isum[4];
+        for (int r = 0; r < MR; ++r) /* the offset of 32 first */
+            isum[r] = x8_offset_sum_pair(lo->scales, hi->scales, a->bsum + ((m + r) * a->nb + b) * 16, 5);
+        for (int t = 0; t < 16; ++t) {
+            const __m512i x0 = join256(lo->q[t], hi->q[t]);
+            const __m512i x1 = join256(lo->q[t] + 32, hi->q[t] + 32);
+            const __m512i hv = join256(lo->q[t] + 64, hi->q[t] + 64);
+            const __m512i w[4] = {
+                _mm512_or_si512(_mm512_and_si512(x0, low), _mm512_and_si512(_mm512_slli_epi16(hv, 4), two)),
+                _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(x0, 4), low), _mm512_and_si512(_mm512_slli_epi16(hv, 2), two)),
+                _mm512_or_si512(_mm512_and_si512(x1, low), _mm512_and_si512(hv, two)),
+                _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(x1, 4), low), _mm512_and_si512(_mm512_srli_epi16(hv, 2), two)),
+            };
+            x8_sub_block_pair(MR, w, lo->scales, hi->scales, a, m, b, t, isum);
+        }
+        x8_block_steps_pair(MR, lo->d, hi->d, isum, a, m, b, acc);
+    }
+    for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
+}
+
+/* tile_q3k_x8 for two consecutive 8-row groups at once: every lane through its operations. */
+AI void tile_q3k_x8_pair(const int MR, const uint8_t *group, int64_t group_bytes, const acts *a, int64_t m, float *y,
+                         int64_t ldy) {
+    __m512 acc[4];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+    const __m512i two = _mm512_set1_epi8(3), third = _mm512_set1_epi8(4);
+    for (int64_t b = 0; b < a->nb; ++b) {
+        const block_q3_kx8 *lo = (const block_q3_kx8 *)group + b;
+        const block_q3_kx8 *hi = (const block_q3_kx8 *)(group + group_bytes) + b;
+        int8_t sl[128], sh[128];
+        x8_q3k_scales(lo->scales, sl);
+        x8_q3k_scales(hi->scales, sh);
+        __m512i isum[4];
+        for (int r = 0; r < MR; ++r) /* the offset of 4 first */
+            isum[r] = x8_offset_sum_pair(sl, sh, a->bsum + ((m + r) * a->nb + b) * 16, 2);
+        for (int t = 0; t < 16; ++t) {
+            const __m512i bits = join256(lo->q[t / 2] + 32 * (t % 2), hi->q[t / 2] + 32 * (t % 2));
+            const __m512i hv = join256(lo->q[t / 2] + 64, hi->q[t / 2] + 64);
+            __m512i w[4];
+            for (int k = 0; k < 4; ++k) {
+                const int shift = 4 * (t % 2) + k - 2;
+                const __m512i high = shift >= 0 ? _mm512_srli_epi16(hv, shift) : _mm512_slli_epi16(hv, -shift);
+                w[k] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(bits, 2 * k), two), _mm512_and_si512(high, third));
+            }
+            x8_sub_block_pair(MR, w, sl, sh, a, m, b, t, isum);
+        }
+        x8_block_steps_pair(MR, lo->d, hi->d, isum, a, m, b, acc);
+    }
+    for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
+}
+
 static void run_tile_x8_pair(int qtype, int mr, const uint8_t *group, int64_t group_bytes, const acts *a, int64_t m,
                              float *y, int64_t ldy) {
     switch (interleaved_base(qtype)) {
+    case Q4_K:
+        mr == 4 ? tile_qk_x8_pair(Q4_K, 4, group, group_bytes, a, m, y, ldy)
+                : tile_qk_x8_pair(Q4_K, 1, group, group_bytes, a, m, y, ldy);
+        break;
+    case Q5_K:
+        mr == 4 ? tile_qk_x8_pair(Q5_K, 4, group, group_bytes, a, m, y, ldy)
+                : tile_qk_x8_pair(Q5_K, 1, group, group_bytes, a, m, y, ldy);
+        break;
+    case Q6_K:
+        mr == 4 ? tile_q6k_x8_pair(4, group, group_bytes, a, m, y, ldy) : tile_q6k_x8_pair(1, group, group_bytes, a, m, y, ldy);
+        break;
+    case Q3_K:
+        mr == 4 ? tile_q3k_x8_pair(4, group, group_bytes, a, m, y, ldy) : tile_q3k_x8_pair(1, group, group_bytes, a, m, y, ldy);
+        break;
     case Q4_0:
         mr == 4 ? tile_x8_pair(Q4_0, 4, group, group_bytes, a, m, y, ldy)
                 : tile_x8_pair(Q4_0, 1, group, group_bytes, a, m, y, ldy);
@@ -1797,9 +1967,9 @@ static void matmul_team(const float *x, int64_t M, int64_t K, int64_t ldx, int64
             if (base) { /* rows come in 8-row groups (their count is a multiple of 8) */
                 for (int64_t n = n0; n < n1;) {
                     /* two groups per 512-bit tile; one row streams the weights faster a group at a time */
-                    const int wide = n + 16 <= n1, wide32 = wide && block_elems(base) == 32; /* pairs, tiles: 32-wide */
-                    const int pair = GGUF_X8_PAIRS && M > 1 && wide32;
-                    const int64_t width = wide32 && (pair || use_amx) ? 16 : 8;
+                    const int wide = n + 16 <= n1, wide32 = wide && block_elems(base) == 32; /* tiles: 32-wide */
+                    const int pair = GGUF_X8_PAIRS && M > 1 && wide;
+                    const int64_t width = pair || (wide32 && use_amx) ? 16 : 8;
                     int64_t m = m0;
 #if GGUF_AMX
                     if (use_amx && wide32 && m1 - m0 >= 16) { /* whole 16-row tiles; the rest below */
