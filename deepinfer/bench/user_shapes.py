@@ -23,7 +23,8 @@ files, and Q4_K_M gives attn_v and ffn_down Q6_K in llama.cpp's `use_more_bits` 
 
 The tokenizer is the default model's (SmolLM2's byte-level BPE), its vocabulary padded with
 unreachable tokens to the real vocabulary size, so the embedding and LM head have their real
-shapes; the safetensors directories carry the default model's tokenizer files as they are.
+shapes; the safetensors directories carry the default model's tokenizer as transformers saves it
+(tokenizer_config.json with the chat template), as a downloaded checkpoint does.
 
     .venv/bin/python -m deepinfer.cli bench user-shapes --shapes llama-3.2-1b --measure
 """
@@ -196,8 +197,9 @@ def write_bf16(directory: Path, shape: Shape, seed: int = 0) -> None:
     """A HF directory: config.json, bf16 model.safetensors, the default model's tokenizer."""
     import torch
     from safetensors.torch import save_file
+    from transformers import AutoTokenizer
 
-    from deepinfer.model.loader.source import converted_gguf_dir, default_model_path
+    from deepinfer.model.loader.source import default_model_path
 
     generator = torch.Generator().manual_seed(seed)
     h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
@@ -253,9 +255,10 @@ def write_bf16(directory: Path, shape: Shape, seed: int = 0) -> None:
         "eos_token_id": 2,
     }
     (tmp / "config.json").write_text(json.dumps(config, indent=1))
-    source = converted_gguf_dir(default_model_path())
-    for name in ("tokenizer.json", "tokenizer_meta.json"):
-        shutil.copy(source / name, tmp / name)
+    # As a downloaded checkpoint has it (tokenizer_config.json with the chat template), so vLLM
+    # and our server's chat endpoints take the directory as they take a real one.
+    gguf = default_model_path()
+    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
     shutil.rmtree(directory, ignore_errors=True)
     tmp.replace(directory)
 

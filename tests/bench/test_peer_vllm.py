@@ -9,7 +9,14 @@ import json
 from pathlib import Path
 
 from deepinfer.bench.hf_from_gguf import hf_dir_is_complete
-from deepinfer.bench.peer_vllm import VLLM_ENV, find_vllm, installed_version, vllm_command
+from deepinfer.bench.peer_vllm import (
+    MAX_MODEL_LEN,
+    VLLM_ENV,
+    bounded_model_len,
+    find_vllm,
+    installed_version,
+    vllm_command,
+)
 from deepinfer.bench.peers import PeerOutcome, PeersOptions, format_peers, run_peers
 from deepinfer.bench.report import provenance
 
@@ -45,6 +52,14 @@ def test_the_command_serves_the_directory_in_bf16_on_the_cpu(tmp_path: Path) -> 
         "4096",
     ]
     assert VLLM_ENV["VLLM_TARGET_DEVICE"] == "cpu"
+
+
+def test_a_long_context_checkpoint_is_started_with_a_bounded_context(tmp_path: Path) -> None:
+    # Llama-3.2-1B's 131,072 positions need all of vLLM's 4 GiB KV space for one request, and it
+    # refuses to start; SmolLM2's 8,192 keep vLLM's own choice (and its compiled-model cache).
+    for context, expected in ((131072, MAX_MODEL_LEN), (8192, None), (None, None)):
+        (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": context}))
+        assert bounded_model_len(tmp_path) == expected, context
 
 
 def test_a_missing_venv_is_reported_with_how_to_install_it(tmp_path: Path) -> None:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
 
-from deepinfer.bench.user_shapes import SHAPES, random_blocks, tensor_plan
+from deepinfer import LLM, SamplingParams
+from deepinfer.bench.user_shapes import SHAPES, Shape, random_blocks, tensor_plan, write_bf16
+from deepinfer.recipe import ModelInfo
 
 
 def test_q4_k_m_gives_q6_k_where_llama_cpp_does():
@@ -28,3 +32,15 @@ def test_random_blocks_decode_to_weights_of_a_trained_scale(kind):
     values = quants.dequantize(blocks, GGMLQuantizationType[kind])
     assert values.shape == (64, 2048) and np.isfinite(values).all()
     assert 0.01 < values.std() < 0.04 and abs(values.mean()) < 0.01
+
+
+def test_a_bf16_directory_serves_chat_like_a_downloaded_checkpoint(tmp_path):
+    # vLLM and our chat endpoints read the template from tokenizer_config.json (or its .jinja):
+    # a directory without it served no chat request, so the 32-stream peers could not run on it.
+    tiny = Shape("llama", 64, 128, 2, 4, 2, 16, 49152, True, False, 10000.0, 2048)
+    folder = tmp_path / "tiny-bf16"
+    write_bf16(folder, tiny)
+    info = ModelInfo.from_hf_dir(folder)
+    assert info.chat_template and "<|im_start|>" in info.chat_template
+    assert json.loads((folder / "config.json").read_text())["vocab_size"] == 49152
+    assert LLM(str(folder)).generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
