@@ -926,6 +926,42 @@ AI void x8_q4k_scales(const uint8_t *scales, uint8_t sc[64], uint8_t mn[64]) {
                                                               _mm256_srli_epi16(_mm256_and_si256(v1, top), 2)));
 }
 
+/* Sub-block s of an interleaved k-quant block as its tile reads it: w[k] holds positions P s + 4k ..
+ * P s + 4k + 3 of the eight rows (lane 4j + i: row j, position P s + 4k + i) as unsigned values,
+ * with P = 32 for Q4_K and Q5_K (k < 8) and 16 for Q6_K (0..63) and Q3_K (0..7) (k < 4). */
+AI void x8_k_sub_block(const int base, const uint8_t *blk, const int s, __m256i *w) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    if (base == Q4_K || base == Q5_K) {
+        const uint8_t *nibbles = base == Q4_K ? ((const block_q4_kx8 *)blk)->qs + 128 * s : ((const block_q5_kx8 *)blk)->q[s];
+        for (int p = 0; p < 4; ++p) { /* positions 32s + 8p .. 32s + 8p + 7 */
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(nibbles + 32 * p));
+            w[2 * p] = _mm256_and_si256(x, low);
+            w[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(x, 4), low);
+        }
+        if (base == Q5_K) x8_fifth_bits(nibbles + 128, w);
+    } else if (base == Q6_K) {
+        const uint8_t *q = ((const block_q6_kx8 *)blk)->q[s];
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)q), x1 = _mm256_loadu_si256((const __m256i *)(q + 32));
+        const __m256i hv = _mm256_loadu_si256((const __m256i *)(q + 64)), two = _mm256_set1_epi8(0x30);
+        /* positions 16s + 4k .. + 3: low nibbles, then bits 2k, 2k + 1 of hv moved to bits 4, 5 */
+        w[0] = _mm256_or_si256(_mm256_and_si256(x0, low), _mm256_and_si256(_mm256_slli_epi16(hv, 4), two));
+        w[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(x0, 4), low), _mm256_and_si256(_mm256_slli_epi16(hv, 2), two));
+        w[2] = _mm256_or_si256(_mm256_and_si256(x1, low), _mm256_and_si256(hv, two));
+        w[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(x1, 4), low), _mm256_and_si256(_mm256_srli_epi16(hv, 2), two));
+    } else { /* Q3_K */
+        const uint8_t *q = ((const block_q3_kx8 *)blk)->q[s / 2];
+        const __m256i lo = _mm256_loadu_si256((const __m256i *)(q + 32 * (s % 2)));
+        const __m256i hv = _mm256_loadu_si256((const __m256i *)(q + 64));
+        const __m256i two = _mm256_set1_epi8(3), third = _mm256_set1_epi8(4);
+        /* positions 16s + 4k .. + 3: bits 2k, 2k + 1 of lo, then bit 4 (s % 2) + k of hv moved to bit 2 */
+        for (int k = 0; k < 4; ++k) {
+            const int shift = 4 * (s % 2) + k - 2;
+            const __m256i high = shift >= 0 ? _mm256_srli_epi16(hv, shift) : _mm256_slli_epi16(hv, -shift);
+            w[k] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo, 2 * k), two), _mm256_and_si256(high, third));
+        }
+    }
+}
+
 /* The eight rows of an interleaved Q4_K or Q5_K group x activation rows [m, m + MR): y[r * ldy +
  * j] for row j. Per sub-block of 32 positions, lane j gathers row j's exact integer dot product
  * (VNNI, unsigned quants times the activations), multiplied by its 6-bit scale; the mins' term is
@@ -935,7 +971,6 @@ AI void tile_qk_x8(const int qtype, const int MR, const uint8_t *group, const ac
                    int64_t ldy) {
     __m256 acc[4], off[4];
     for (int r = 0; r < MR; ++r) acc[r] = off[r] = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi8(0x0F);
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t b = 0; b < a->nb; ++b) { /* Q5_K's block begins as Q4_K's */
         const block_q4_kx8 *blk = (const block_q4_kx8 *)(group + b * 8 * block_bytes(qtype));
@@ -945,13 +980,7 @@ AI void tile_qk_x8(const int qtype, const int MR, const uint8_t *group, const ac
         for (int r = 0; r < MR; ++r) isum[r] = imin[r] = _mm256_setzero_si256();
         for (int s = 0; s < 8; ++s) {
             __m256i w[8];
-            const uint8_t *nibbles = qtype == Q4_K ? blk->qs + 128 * s : ((const block_q5_kx8 *)blk)->q[s];
-            for (int p = 0; p < 4; ++p) { /* positions 32s + 8p .. 32s + 8p + 7 */
-                const __m256i x = _mm256_loadu_si256((const __m256i *)(nibbles + 32 * p));
-                w[2 * p] = _mm256_and_si256(x, low);
-                w[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(x, 4), low);
-            }
-            if (qtype == Q5_K) x8_fifth_bits(nibbles + 128, w);
+            x8_k_sub_block(qtype, (const uint8_t *)blk, s, w);
             const __m256i scale = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8 * s)));
             const __m256i mins = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mn + 8 * s)));
             const __m256i mins2 = _mm256_or_si256(mins, _mm256_slli_epi32(mins, 16)); /* min, min as 16-bit pairs */
@@ -1017,23 +1046,14 @@ AI void x8_block_steps(const int MR, const uint16_t d[8], const __m256i *isum, c
 AI void tile_q6k_x8(const int MR, const uint8_t *group, const acts *a, int64_t m, float *y, int64_t ldy) {
     __m256 acc[4];
     for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x30);
     for (int64_t b = 0; b < a->nb; ++b) {
         const block_q6_kx8 *blk = (const block_q6_kx8 *)group + b;
         __m256i isum[4];
         for (int r = 0; r < MR; ++r) /* the offset of 32 first */
             isum[r] = x8_offset_sum(blk->scales, a->bsum + ((m + r) * a->nb + b) * 16, 5);
         for (int t = 0; t < 16; ++t) {
-            const __m256i x0 = _mm256_loadu_si256((const __m256i *)blk->q[t]);
-            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(blk->q[t] + 32));
-            const __m256i hv = _mm256_loadu_si256((const __m256i *)(blk->q[t] + 64));
-            /* positions 16t + 4k .. + 3: low nibbles, then bits 2k, 2k + 1 of hv moved to bits 4, 5 */
-            const __m256i w[4] = {
-                _mm256_or_si256(_mm256_and_si256(x0, low), _mm256_and_si256(_mm256_slli_epi16(hv, 4), two)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(x0, 4), low), _mm256_and_si256(_mm256_slli_epi16(hv, 2), two)),
-                _mm256_or_si256(_mm256_and_si256(x1, low), _mm256_and_si256(hv, two)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(x1, 4), low), _mm256_and_si256(_mm256_srli_epi16(hv, 2), two)),
-            };
+            __m256i w[4];
+            x8_k_sub_block(Q6_K, (const uint8_t *)blk, t, w);
             x8_sub_block(MR, w, blk->scales, a, m, b, t, isum);
         }
         x8_block_steps(MR, blk->d, isum, a, m, b, acc);
@@ -1067,7 +1087,6 @@ AI void x8_q3k_scales(const uint8_t *scales, int8_t sc[128]) {
 AI void tile_q3k_x8(const int MR, const uint8_t *group, const acts *a, int64_t m, float *y, int64_t ldy) {
     __m256 acc[4];
     for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
-    const __m256i two = _mm256_set1_epi8(3), third = _mm256_set1_epi8(4);
     for (int64_t b = 0; b < a->nb; ++b) {
         const block_q3_kx8 *blk = (const block_q3_kx8 *)group + b;
         int8_t sc[128];
@@ -1076,15 +1095,8 @@ AI void tile_q3k_x8(const int MR, const uint8_t *group, const acts *a, int64_t m
         for (int r = 0; r < MR; ++r) /* the offset of 4 first */
             isum[r] = x8_offset_sum(sc, a->bsum + ((m + r) * a->nb + b) * 16, 2);
         for (int t = 0; t < 16; ++t) {
-            const __m256i lo = _mm256_loadu_si256((const __m256i *)(blk->q[t / 2] + 32 * (t % 2)));
-            const __m256i hv = _mm256_loadu_si256((const __m256i *)(blk->q[t / 2] + 64));
-            /* positions 16t + 4k .. + 3: bits 2k, 2k + 1 of lo, then bit 4 (t % 2) + k of hv moved to bit 2 */
             __m256i w[4];
-            for (int k = 0; k < 4; ++k) {
-                const int shift = 4 * (t % 2) + k - 2;
-                const __m256i high = shift >= 0 ? _mm256_srli_epi16(hv, shift) : _mm256_slli_epi16(hv, -shift);
-                w[k] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo, 2 * k), two), _mm256_and_si256(high, third));
-            }
+            x8_k_sub_block(Q3_K, (const uint8_t *)blk, t, w);
             x8_sub_block(MR, w, sc, a, m, b, t, isum);
         }
         x8_block_steps(MR, blk->d, isum, a, m, b, acc);
@@ -1375,8 +1387,9 @@ static void run_tile_x8(int qtype, int mr, const uint8_t *group, const acts *a, 
  * the instruction wants its second operand (four consecutive positions of each row side by
  * side), so a block's tile is two groups' quants placed side by side (nibbles unpacked, Q4_0's 8
  * taken out). The sums are the same integers as the VNNI path's and the float steps per (row,
- * output, block) are tile_x8's, so the bits are too. Rows past the last whole 16 and units of
- * fewer than 16 outputs take the VNNI path.
+ * output, block) are tile_x8's, so the bits are too; the k-quants the same way per sub-block
+ * (amx_unit_k). Rows past the last whole 16 and units of fewer than 16 outputs take the VNNI
+ * path.
  *
  * GGUF_AMX_EMULATE builds the same code with the tile instructions done in C from their
  * definitions (Intel SDM, AMX), which is how a machine without AMX tests it; the real build is
@@ -1581,6 +1594,144 @@ static void amx_unit(int base, const uint8_t *group, int64_t group_bytes, const 
     TILE_RELEASE();
 }
 
+/* ---- the k-quants on the tiles */
+
+/* Sixteen lanes (outputs n0 .. n0+15) as GCC vectors: 512-bit registers where the build has
+ * them, two 256-bit halves elsewhere, the same operation lane by lane either way. */
+typedef int32_t i32x16 __attribute__((vector_size(64), aligned(64)));
+typedef float f32x16 __attribute__((vector_size(64), aligned(64)));
+
+AI f32x16 fma16(f32x16 a, f32x16 b, f32x16 c) {
+#ifdef __AVX512F__
+    return (f32x16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#else
+    union { f32x16 v; __m256 h[2]; } x = {a}, y = {b}, z = {c}, out;
+    for (int h = 0; h < 2; ++h) out.h[h] = _mm256_fmadd_ps(x.h[h], y.h[h], z.h[h]);
+    return out.v;
+#endif
+}
+
+/* Eight fp16 values of one group and eight of the next as sixteen floats. */
+AI f32x16 halves_f32x16(const uint16_t *lo, const uint16_t *hi) {
+    union { f32x16 v; __m256 h[2]; } out;
+    out.h[0] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)lo));
+    out.h[1] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)hi));
+    return out.v;
+}
+
+/* Positions per sub-block: one tile product each. */
+static inline int k_sub_len(int base) { return base == Q4_K || base == Q5_K ? 32 : 16; }
+
+static const tile_config amx_config16 = { /* TILE_A* 16 rows x 16 positions, TILE_W* 4 x 64 */
+    .palette = 1,
+    .colsb = {[TILE_W0] = 64, [TILE_A0] = 16, [TILE_C0] = 64, [TILE_W1] = 64, [TILE_A1] = 16, [TILE_C1] = 64},
+    .rows = {[TILE_W0] = 4, [TILE_A0] = 16, [TILE_C0] = 16, [TILE_W1] = 4, [TILE_A1] = 16, [TILE_C1] = 16},
+};
+
+/* Per block of a k-quant unit: the sub-blocks' scales (and Q4_K's and Q5_K's mins) of its 16
+ * outputs, as the VNNI kernels multiply them. */
+typedef struct {
+    i32x16 scale[16], min[8];
+    f32x16 d, dmin;
+} k_block_scales;
+
+/* Lanes 8h .. 8h + 7 of v = the eight bytes at p, widened (signed or not). */
+AI void widen8(i32x16 *v, int h, const void *p, int is_signed) {
+    const __m128i bytes = _mm_loadl_epi64((const __m128i *)p);
+    const __m256i lanes = is_signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
+    memcpy((int32_t *)v + 8 * h, &lanes, sizeof lanes);
+}
+
+static void k_scales(int base, const uint8_t *lo, const uint8_t *hi, k_block_scales *out) {
+    const uint8_t *blk[2] = {lo, hi};
+    for (int h = 0; h < 2; ++h) {
+        if (base == Q4_K || base == Q5_K) {
+            uint8_t sc[64], mn[64];
+            x8_q4k_scales(((const block_q4_kx8 *)blk[h])->scales, sc, mn);
+            for (int t = 0; t < 8; ++t) widen8(&out->scale[t], h, sc + 8 * t, 0), widen8(&out->min[t], h, mn + 8 * t, 0);
+        } else {
+            int8_t q3[128];
+            if (base == Q3_K) x8_q3k_scales(((const block_q3_kx8 *)blk[h])->scales, q3);
+            const int8_t *sc = base == Q3_K ? q3 : ((const block_q6_kx8 *)blk[h])->scales;
+            for (int t = 0; t < 16; ++t) widen8(&out->scale[t], h, sc + 8 * t, 1);
+        }
+    }
+    /* d leads every k-quant group's struct, dmin follows it in Q4_K's and Q5_K's */
+    out->d = halves_f32x16((const uint16_t *)lo, (const uint16_t *)hi);
+    if (base == Q4_K || base == Q5_K) out->dmin = halves_f32x16((const uint16_t *)lo + 8, (const uint16_t *)hi + 8);
+}
+
+/* amx_unit for the k-quants (Q3_K, Q4_K, Q5_K, Q6_K). Per 16 activation rows and block, one
+ * product per sub-block gives its exact 16 x 16 sums; each row then takes the VNNI kernels'
+ * integer steps (times the sub-block scales; the mins' or the offset's term from the activations'
+ * 16-value sums) and their float steps per block in order: the same integers and the same float
+ * operations, so tile_qk_x8's, tile_q6k_x8's and tile_q3k_x8's bits. `tiles` holds the unit's
+ * weight tiles, K * 16 bytes: sub-block g of the unit at g * (P / 4) * 64. */
+static void amx_unit_k(int base, const uint8_t *group, int64_t group_bytes, const acts *a, int64_t m_begin,
+                       int64_t m_end, float *y, int64_t ldy, uint8_t *tiles) {
+    const int64_t gbytes = 8 * block_bytes(base), nb = a->nb;
+    const int P = k_sub_len(base), subs = 256 / P, tile_bytes = P / 4 * 64;
+    for (int64_t b = 0; b < nb; ++b)
+        for (int t = 0; t < subs; ++t) {
+            uint8_t *tile = tiles + (b * subs + t) * tile_bytes;
+            for (int h = 0; h < 2; ++h) {
+                __m256i w[8];
+                x8_k_sub_block(base, group + h * group_bytes + b * gbytes, t, w);
+                for (int r = 0; r < P / 4; ++r) _mm256_storeu_si256((__m256i *)(tile + 64 * r + 32 * h), w[r]);
+            }
+        }
+    TILE_CONFIG(P == 32 ? &amx_config : &amx_config16);
+    int32_t c[16][16][16] __attribute__((aligned(64))); /* [sub-block][row][output] */
+    k_block_scales sc;
+    f32x16 acc[16], off[16];
+    const i32x16 zero = {0};
+    for (int64_t m = m_begin; m < m_end; m += 16) {
+        for (int r = 0; r < 16; ++r) acc[r] = off[r] = (f32x16){0};
+        for (int64_t b = 0; b < nb; ++b) {
+            const int8_t *q = a->q + m * a->K + 256 * b;
+            const uint8_t *w = tiles + b * subs * tile_bytes;
+            for (int t = 0; t < subs; t += 2) { /* two products in flight, as amx_sums */
+                TILE_LOAD(TILE_W0, w + t * tile_bytes, 64);
+                TILE_LOAD(TILE_A0, q + P * t, a->K);
+                TILE_ZERO(TILE_C0);
+                TILE_DPBSSD(TILE_C0, TILE_A0, TILE_W0);
+                TILE_LOAD(TILE_W1, w + (t + 1) * tile_bytes, 64);
+                TILE_LOAD(TILE_A1, q + P * (t + 1), a->K);
+                TILE_ZERO(TILE_C1);
+                TILE_DPBSSD(TILE_C1, TILE_A1, TILE_W1);
+                TILE_STORE(TILE_C0, c[t], 64);
+                TILE_STORE(TILE_C1, c[t + 1], 64);
+            }
+            k_scales(base, group + b * gbytes, group + group_bytes + b * gbytes, &sc);
+            for (int r = 0; r < 16; ++r) {
+                const int16_t *bsum = a->bsum + ((m + r) * nb + b) * 16;
+                i32x16 isum = zero, imin = zero;
+                if (P == 16) { /* the offset first: 32 (Q6_K) or 4 (Q3_K) times the scaled 16-value sums */
+                    for (int t = 0; t < 16; ++t) imin += sc.scale[t] * bsum[t];
+                    isum = zero - (imin << (base == Q6_K ? 5 : 2));
+                }
+                for (int t = 0; t < subs; ++t) {
+                    i32x16 sums;
+                    memcpy(&sums, c[t][r], sizeof sums);
+                    isum += sums * sc.scale[t];
+                }
+                const f32x16 da = (f32x16){0} + a->d[b * a->M + m + r];
+                acc[r] = fma16(__builtin_convertvector(isum, f32x16), sc.d * da, acc[r]);
+                if (P == 32) {
+                    imin = zero;
+                    for (int t = 0; t < 8; ++t) imin += sc.min[t] * (bsum[2 * t] + bsum[2 * t + 1]);
+                    off[r] = fma16(-(sc.dmin * da), __builtin_convertvector(imin, f32x16), off[r]);
+                }
+            }
+        }
+        for (int r = 0; r < 16; ++r) { /* Q4_K's and Q5_K's last step adds the mins' term */
+            const f32x16 out = P == 32 ? acc[r] + off[r] : acc[r];
+            memcpy(y + (m - m_begin + r) * ldy, &out, sizeof out);
+        }
+    }
+    TILE_RELEASE();
+}
+
 /* Whether this process may use the tiles: permission, then the tiles' products of a fixed
  * pseudo-random case against the VNNI path's, bit for bit (once per process; a build whose tiles
  * disagree falls back, which the tests would show). */
@@ -1611,6 +1762,28 @@ static int amx_self_check(void) {
         for (int h = 0; h < 2; ++h)
             for (int64_t m = 0; m < M; ++m)
                 run_tile_x8(X8 + bases[i], 1, weights + h * NB * gbytes, &a, m, vnni + m * 16 + 8 * h, 16);
+        if (memcmp(tiled, vnni, sizeof tiled) != 0) return 0;
+    }
+    /* the k-quants: one block of 256 positions, the activations' 16-value sums from their quants */
+    static const int kbases[4] = {Q3_K, Q4_K, Q5_K, Q6_K};
+    int8_t qk[M * 256];
+    int16_t bsum[M * 16] = {0};
+    for (int i = 0; i < M * 256; ++i) qk[i] = (int8_t)((int)(NEXT() % 255) - 127), bsum[i / 16] += qk[i];
+    const acts ak = {.q = qk, .d = d, .s = s, .qsum = NULL, .bsum = bsum, .M = M, .K = 256, .nb = 1};
+    uint8_t kweights[2 * sizeof(block_q6_kx8)], ktiles[256 * 16];
+    for (int i = 0; i < 4; ++i) {
+        const int base = kbases[i];
+        const int64_t gbytes = 8 * block_bytes(base);
+        for (int64_t j = 0; j < 2 * gbytes; ++j) kweights[j] = (uint8_t)NEXT();
+        for (int g = 0; g < 2; ++g) /* finite d (and dmin): 0.0039 .. 1 */
+            for (int j = 0; j < (base == Q4_K || base == Q5_K ? 16 : 8); ++j) {
+                const uint16_t h = (uint16_t)(0x1C00 + NEXT() % 0x1C00);
+                memcpy(kweights + g * gbytes + 2 * j, &h, sizeof h);
+            }
+        amx_unit_k(base, kweights, gbytes, &ak, 0, M, tiled, 16, ktiles);
+        for (int h = 0; h < 2; ++h)
+            for (int64_t m = 0; m < M; ++m)
+                run_tile_x8(X8 + base, 1, kweights + h * gbytes, &ak, m, vnni + m * 16 + 8 * h, 16);
         if (memcmp(tiled, vnni, sizeof tiled) != 0) return 0;
     }
 #undef NEXT
@@ -1929,8 +2102,8 @@ static void matmul_team(const float *x, int64_t M, int64_t K, int64_t ldx, int64
     /* the portable path's copy of an interleaved row in the file's blocks (at most Q8_0's size) */
     uint8_t *unpacked = use_simd ? NULL : malloc((K / 32 + 1) * sizeof(block_q8_0));
 #if GGUF_AMX
-    /* tiles for a whole 16 activation rows at least; a unit's weight tiles, 512 bytes a block */
-    const int use_amx = simd == PATH_TILES && need32 && M >= 16 && amx_ready();
+    /* tiles for a whole 16 activation rows at least; a unit's weight tiles, 16 bytes a position */
+    const int use_amx = simd == PATH_TILES && M >= 16 && amx_ready();
     int8_t(*tiles)[8][64] = use_amx ? aligned_alloc(64, (K / 32) * sizeof *tiles) : NULL;
 #else
     enum { use_amx = 0 }; /* a build without tiles */
@@ -1967,15 +2140,17 @@ static void matmul_team(const float *x, int64_t M, int64_t K, int64_t ldx, int64
             if (base) { /* rows come in 8-row groups (their count is a multiple of 8) */
                 for (int64_t n = n0; n < n1;) {
                     /* two groups per 512-bit tile; one row streams the weights faster a group at a time */
-                    const int wide = n + 16 <= n1, wide32 = wide && block_elems(base) == 32; /* tiles: 32-wide */
+                    const int wide = n + 16 <= n1;
                     const int pair = GGUF_X8_PAIRS && M > 1 && wide;
-                    const int64_t width = pair || (wide32 && use_amx) ? 16 : 8;
+                    const int64_t width = pair || (wide && use_amx) ? 16 : 8;
                     int64_t m = m0;
 #if GGUF_AMX
-                    if (use_amx && wide32 && m1 - m0 >= 16) { /* whole 16-row tiles; the rest below */
+                    if (use_amx && wide && m1 - m0 >= 16) { /* whole 16-row tiles; the rest below */
                         const int64_t whole = m0 + (m1 - m0) / 16 * 16;
-                        amx_unit(base, wseg + n * w_stride, 8 * w_stride, a, m0, whole, y + m0 * ldy + col0 + n, ldy,
-                                 tiles);
+                        const uint8_t *group = wseg + n * w_stride;
+                        float *out = y + m0 * ldy + col0 + n;
+                        if (block_elems(base) == 32) amx_unit(base, group, 8 * w_stride, a, m0, whole, out, ldy, tiles);
+                        else amx_unit_k(base, group, 8 * w_stride, a, m0, whole, out, ldy, (uint8_t *)tiles);
                         m = whole;
                     }
 #endif

@@ -183,10 +183,11 @@ def _tile_builds(kernels: GGUFKernels) -> list[GGUFKernels]:
     return [emulated]
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 def test_amx_tiles_give_the_vector_paths_bits(kernels, name):
     """16-row tiles (pairs of them, a remainder on the vector path, an 8-row last unit) and the
-    fused RMSNorm prologue: every bit as the vector and portable paths."""
+    fused RMSNorm prologue: every bit as the vector and portable paths. The k-quants take one
+    product per sub-block (32 or 16 positions) and the VNNI kernels' integer steps."""
     rng = _rng("amx", name)
     matrix = kernels.interleave(random_packed(name, 40, COLS, rng))  # units of 16, 16 and 8 rows
     q8 = random_packed("Q8_0", 8, COLS, rng)  # a segment in the file's layout beside it
