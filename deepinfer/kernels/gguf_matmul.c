@@ -896,14 +896,21 @@ AI void tile_x8(const int base, const int MR, const uint8_t *group, const acts *
     for (int r = 0; r < MR; ++r) _mm256_storeu_ps(y + r * ldy, _mm256_add_ps(acc[r], off[r]));
 }
 
+/* Four activation bytes read as one int32 (any alignment, any declared type). */
+typedef int32_t int32_unaligned __attribute__((may_alias, aligned(1)));
+
 /* The sums of n interleaved quant vectors w[k] (lane 4j + i: row j, position 4k + i, unsigned)
  * times an activation row's bytes aq[4k .. 4k+3]: lane j's sum is row j's exact dot product. */
 AI __m256i x8_dot(const __m256i *w, const int n, const int8_t *aq) {
     __m256i sum = _mm256_setzero_si256();
     for (int k = 0; k < n; ++k) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) /* x8_dot_pair's broadcast operand */
+        __asm__("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(sum) : "v"(w[k]), "m"(((const int32_unaligned *)aq)[k]));
+#else
         int32_t four;
         memcpy(&four, aq + 4 * k, sizeof four);
         sum = dot_u8s8_acc(sum, w[k], _mm256_set1_epi32(four));
+#endif
     }
     return sum;
 }
@@ -1118,6 +1125,15 @@ AI __m512 halves16(const void *lo, const void *hi) {
                                                    _mm_loadu_si128((const __m128i *)hi), 1));
 }
 
+/* sum + x8_dot on two groups' quant vectors: lane j gains row j's exact dot product. The
+ * activations' four bytes are the instruction's broadcast operand, one instruction where the
+ * compiler emits a broadcast and a product (1.04-1.14x on a Q4_K product, Zen 4). */
+AI __m512i x8_dot_pair(__m512i sum, const __m512i *w, const int n, const int8_t *aq) {
+    for (int k = 0; k < n; ++k)
+        __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(sum) : "v"(w[k]), "m"(((const int32_unaligned *)aq)[k]));
+    return sum;
+}
+
 /* tile_x8 for two consecutive 8-row groups at once (`group` and `group + group_bytes`), lanes
  * 0-7 the first group's rows and 8-15 the second's: one instruction does the work of two on
  * 256-bit registers where the machine has full 512-bit units. Every lane goes through tile_x8's
@@ -1152,12 +1168,7 @@ AI void tile_x8_pair(const int base, const int MR, const uint8_t *group, int64_t
         const __m512 mw = has_min(base) ? halves16(lo + 16, hi + 16) : _mm512_setzero_ps(); /* the mins follow d */
         for (int r = 0; r < MR; ++r) {
             const int8_t *aq = a->q + (m + r) * a->K + 32 * b;
-            __m512i isum = _mm512_set1_epi32(-x8_offset(base) * a->qsum[b * a->M + m + r]);
-            for (int k = 0; k < 8; ++k) {
-                int32_t four;
-                memcpy(&four, aq + 4 * k, sizeof four);
-                isum = _mm512_dpbusd_epi32(isum, u[k], _mm512_set1_epi32(four));
-            }
+            const __m512i isum = x8_dot_pair(_mm512_set1_epi32(-x8_offset(base) * a->qsum[b * a->M + m + r]), u, 8, aq);
             const __m512 da = _mm512_set1_ps(a->d[b * a->M + m + r]);
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, da), acc[r]);
             if (has_min(base)) off[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a->s[b * a->M + m + r]), off[r]);
@@ -1170,17 +1181,6 @@ AI void tile_x8_pair(const int base, const int MR, const uint8_t *group, int64_t
 AI __m512i scales16(const uint8_t *lo, const uint8_t *hi, const int is_signed) {
     const __m128i both = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)lo), _mm_loadl_epi64((const __m128i *)hi));
     return is_signed ? _mm512_cvtepi8_epi32(both) : _mm512_cvtepu8_epi32(both);
-}
-
-/* x8_dot on two groups' quant vectors: lane j's sum is row j's exact dot product. */
-AI __m512i x8_dot_pair(const __m512i *w, const int n, const int8_t *aq) {
-    __m512i sum = _mm512_setzero_si512();
-    for (int k = 0; k < n; ++k) {
-        int32_t four;
-        memcpy(&four, aq + 4 * k, sizeof four);
-        sum = _mm512_dpbusd_epi32(sum, w[k], _mm512_set1_epi32(four));
-    }
-    return sum;
 }
 
 /* tile_qk_x8 (Q4_K, Q5_K) for two consecutive 8-row groups at once, as tile_x8_pair: every lane
@@ -1221,7 +1221,7 @@ AI void tile_qk_x8_pair(const int qtype, const int MR, const uint8_t *group, int
             const __m512i mins = scales16(mn[0] + 8 * s, mn[1] + 8 * s, 0);
             const __m512i mins2 = _mm512_or_si512(mins, _mm512_slli_epi32(mins, 16)); /* min, min as 16-bit pairs */
             for (int r = 0; r < MR; ++r) {
-                const __m512i part = x8_dot_pair(w, 8, a->q + (m + r) * a->K + 256 * b + 32 * s);
+                const __m512i part = x8_dot_pair(_mm512_setzero_si512(), w, 8, a->q + (m + r) * a->K + 256 * b + 32 * s);
                 isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(part, scale));
                 int32_t sums; /* the sub-block's two 16-value sums */
                 memcpy(&sums, a->bsum + ((m + r) * a->nb + b) * 16 + 2 * s, sizeof sums);
@@ -1249,7 +1249,7 @@ AI void x8_sub_block_pair(const int MR, const __m512i w[4], const int8_t *sl, co
                           int64_t m, int64_t b, int t, __m512i *isum) {
     const __m512i scale = scales16((const uint8_t *)sl + 8 * t, (const uint8_t *)sh + 8 * t, 1);
     for (int r = 0; r < MR; ++r) {
-        const __m512i part = x8_dot_pair(w, 4, a->q + (m + r) * a->K + 256 * b + 16 * t);
+        const __m512i part = x8_dot_pair(_mm512_setzero_si512(), w, 4, a->q + (m + r) * a->K + 256 * b + 16 * t);
         isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(part, scale));
     }
 }
