@@ -1322,44 +1322,36 @@ AI void tile_q3k_x8_pair(const int MR, const uint8_t *group, int64_t group_bytes
     for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
 }
 
+/* A case of run_tile_x8_pair: `call` with the format and the row count (4 or 1) constants, so each
+ * is compiled for its shape. */
+#define PAIR_CASE(QT, call)                                                                                   \
+    case QT:                                                                                                  \
+        mr == 4 ? call(QT, 4) : call(QT, 1);                                                                  \
+        break;
+
 static void run_tile_x8_pair(int qtype, int mr, const uint8_t *group, int64_t group_bytes, const acts *a, int64_t m,
                              float *y, int64_t ldy) {
+#define QK(QT, MR) tile_qk_x8_pair(QT, MR, group, group_bytes, a, m, y, ldy)
+#define Q6K(QT, MR) tile_q6k_x8_pair(MR, group, group_bytes, a, m, y, ldy)
+#define Q3K(QT, MR) tile_q3k_x8_pair(MR, group, group_bytes, a, m, y, ldy)
+#define X32(QT, MR) tile_x8_pair(QT, MR, group, group_bytes, a, m, y, ldy)
     switch (interleaved_base(qtype)) {
-    case Q4_K:
-        mr == 4 ? tile_qk_x8_pair(Q4_K, 4, group, group_bytes, a, m, y, ldy)
-                : tile_qk_x8_pair(Q4_K, 1, group, group_bytes, a, m, y, ldy);
-        break;
-    case Q5_K:
-        mr == 4 ? tile_qk_x8_pair(Q5_K, 4, group, group_bytes, a, m, y, ldy)
-                : tile_qk_x8_pair(Q5_K, 1, group, group_bytes, a, m, y, ldy);
-        break;
-    case Q6_K:
-        mr == 4 ? tile_q6k_x8_pair(4, group, group_bytes, a, m, y, ldy) : tile_q6k_x8_pair(1, group, group_bytes, a, m, y, ldy);
-        break;
-    case Q3_K:
-        mr == 4 ? tile_q3k_x8_pair(4, group, group_bytes, a, m, y, ldy) : tile_q3k_x8_pair(1, group, group_bytes, a, m, y, ldy);
-        break;
-    case Q4_0:
-        mr == 4 ? tile_x8_pair(Q4_0, 4, group, group_bytes, a, m, y, ldy)
-                : tile_x8_pair(Q4_0, 1, group, group_bytes, a, m, y, ldy);
-        break;
-    case Q4_1:
-        mr == 4 ? tile_x8_pair(Q4_1, 4, group, group_bytes, a, m, y, ldy)
-                : tile_x8_pair(Q4_1, 1, group, group_bytes, a, m, y, ldy);
-        break;
-    case Q5_0:
-        mr == 4 ? tile_x8_pair(Q5_0, 4, group, group_bytes, a, m, y, ldy)
-                : tile_x8_pair(Q5_0, 1, group, group_bytes, a, m, y, ldy);
-        break;
-    case Q5_1:
-        mr == 4 ? tile_x8_pair(Q5_1, 4, group, group_bytes, a, m, y, ldy)
-                : tile_x8_pair(Q5_1, 1, group, group_bytes, a, m, y, ldy);
-        break;
+        PAIR_CASE(Q4_K, QK)
+        PAIR_CASE(Q5_K, QK)
+        PAIR_CASE(Q6_K, Q6K)
+        PAIR_CASE(Q3_K, Q3K)
+        PAIR_CASE(Q4_0, X32)
+        PAIR_CASE(Q4_1, X32)
+        PAIR_CASE(Q5_0, X32)
+        PAIR_CASE(Q5_1, X32)
     default:
-        mr == 4 ? tile_x8_pair(Q8_0, 4, group, group_bytes, a, m, y, ldy)
-                : tile_x8_pair(Q8_0, 1, group, group_bytes, a, m, y, ldy);
+        mr == 4 ? X32(Q8_0, 4) : X32(Q8_0, 1);
         break;
     }
+#undef QK
+#undef Q6K
+#undef Q3K
+#undef X32
 }
 #else
 #define GGUF_X8_PAIRS 0
