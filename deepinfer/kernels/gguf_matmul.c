@@ -1658,12 +1658,13 @@ static void k_scales(int base, const uint8_t *lo, const uint8_t *hi, k_block_sca
  * integer steps (times the sub-block scales; the mins' or the offset's term from the activations'
  * 16-value sums) and their float steps per block in order: the same integers and the same float
  * operations, so tile_qk_x8's, tile_q6k_x8's and tile_q3k_x8's bits. `tiles` holds the unit's
- * weight tiles, K * 16 bytes: sub-block g of the unit at g * (P / 4) * 64. */
+ * weight tiles, K * 16 bytes: sub-block g of the unit at g * (P / 4) * 64; `scales` its blocks'
+ * scales (K / 256 of them), both staged once per unit for every 16 rows. */
 static void amx_unit_k(int base, const uint8_t *group, int64_t group_bytes, const acts *a, int64_t m_begin,
-                       int64_t m_end, float *y, int64_t ldy, uint8_t *tiles) {
+                       int64_t m_end, float *y, int64_t ldy, uint8_t *tiles, k_block_scales *scales) {
     const int64_t gbytes = 8 * block_bytes(base), nb = a->nb;
     const int P = k_sub_len(base), subs = 256 / P, tile_bytes = P / 4 * 64;
-    for (int64_t b = 0; b < nb; ++b)
+    for (int64_t b = 0; b < nb; ++b) {
         for (int t = 0; t < subs; ++t) {
             uint8_t *tile = tiles + (b * subs + t) * tile_bytes;
             for (int h = 0; h < 2; ++h) {
@@ -1672,9 +1673,10 @@ static void amx_unit_k(int base, const uint8_t *group, int64_t group_bytes, cons
                 for (int r = 0; r < P / 4; ++r) _mm256_storeu_si256((__m256i *)(tile + 64 * r + 32 * h), w[r]);
             }
         }
+        k_scales(base, group + b * gbytes, group + group_bytes + b * gbytes, &scales[b]);
+    }
     TILE_CONFIG(P == 32 ? &amx_config : &amx_config16);
     int32_t c[16][16][16] __attribute__((aligned(64))); /* [sub-block][row][output] */
-    k_block_scales sc;
     f32x16 acc[16], off[16];
     const i32x16 zero = {0};
     for (int64_t m = m_begin; m < m_end; m += 16) {
@@ -1694,25 +1696,25 @@ static void amx_unit_k(int base, const uint8_t *group, int64_t group_bytes, cons
                 TILE_STORE(TILE_C0, c[t], 64);
                 TILE_STORE(TILE_C1, c[t + 1], 64);
             }
-            k_scales(base, group + b * gbytes, group + group_bytes + b * gbytes, &sc);
+            const k_block_scales *sc = &scales[b];
             for (int r = 0; r < 16; ++r) {
                 const int16_t *bsum = a->bsum + ((m + r) * nb + b) * 16;
                 i32x16 isum = zero, imin = zero;
                 if (P == 16) { /* the offset first: 32 (Q6_K) or 4 (Q3_K) times the scaled 16-value sums */
-                    for (int t = 0; t < 16; ++t) imin += sc.scale[t] * bsum[t];
+                    for (int t = 0; t < 16; ++t) imin += sc->scale[t] * bsum[t];
                     isum = zero - (imin << (base == Q6_K ? 5 : 2));
                 }
                 for (int t = 0; t < subs; ++t) {
                     i32x16 sums;
                     memcpy(&sums, c[t][r], sizeof sums);
-                    isum += sums * sc.scale[t];
+                    isum += sums * sc->scale[t];
                 }
                 const f32x16 da = (f32x16){0} + a->d[b * a->M + m + r];
-                acc[r] = fma16(__builtin_convertvector(isum, f32x16), sc.d * da, acc[r]);
+                acc[r] = fma16(__builtin_convertvector(isum, f32x16), sc->d * da, acc[r]);
                 if (P == 32) {
                     imin = zero;
-                    for (int t = 0; t < 8; ++t) imin += sc.min[t] * (bsum[2 * t] + bsum[2 * t + 1]);
-                    off[r] = fma16(-(sc.dmin * da), __builtin_convertvector(imin, f32x16), off[r]);
+                    for (int t = 0; t < 8; ++t) imin += sc->min[t] * (bsum[2 * t] + bsum[2 * t + 1]);
+                    off[r] = fma16(-(sc->dmin * da), __builtin_convertvector(imin, f32x16), off[r]);
                 }
             }
         }
@@ -1763,6 +1765,7 @@ static int amx_self_check(void) {
     for (int i = 0; i < M * 256; ++i) qk[i] = (int8_t)((int)(NEXT() % 255) - 127), bsum[i / 16] += qk[i];
     const acts ak = {.q = qk, .d = d, .s = s, .qsum = NULL, .bsum = bsum, .M = M, .K = 256, .nb = 1};
     uint8_t kweights[2 * sizeof(block_q6_kx8)], ktiles[256 * 16];
+    k_block_scales kscales[1];
     for (int i = 0; i < 4; ++i) {
         const int base = kbases[i];
         const int64_t gbytes = 8 * block_bytes(base);
@@ -1772,7 +1775,7 @@ static int amx_self_check(void) {
                 const uint16_t h = (uint16_t)(0x1C00 + NEXT() % 0x1C00);
                 memcpy(kweights + g * gbytes + 2 * j, &h, sizeof h);
             }
-        amx_unit_k(base, kweights, gbytes, &ak, 0, M, tiled, 16, ktiles);
+        amx_unit_k(base, kweights, gbytes, &ak, 0, M, tiled, 16, ktiles, kscales);
         for (int h = 0; h < 2; ++h)
             for (int64_t m = 0; m < M; ++m)
                 run_tile_x8(X8 + base, 1, kweights + h * gbytes, &ak, m, vnni + m * 16 + 8 * h, 16);
@@ -2097,6 +2100,7 @@ static void matmul_team(const float *x, int64_t M, int64_t K, int64_t ldx, int64
     /* tiles for a whole 16 activation rows at least; a unit's weight tiles, 16 bytes a position */
     const int use_amx = simd == PATH_TILES && M >= 16 && amx_ready();
     int8_t(*tiles)[8][64] = use_amx ? aligned_alloc(64, (K / 32) * sizeof *tiles) : NULL;
+    k_block_scales *kscales = use_amx && need256 ? aligned_alloc(64, (K / 256) * sizeof *kscales) : NULL;
 #else
     enum { use_amx = 0 }; /* a build without tiles */
 #endif
@@ -2142,7 +2146,7 @@ static void matmul_team(const float *x, int64_t M, int64_t K, int64_t ldx, int64
                         const uint8_t *group = wseg + n * w_stride;
                         float *out = y + m0 * ldy + col0 + n;
                         if (block_elems(base) == 32) amx_unit(base, group, 8 * w_stride, a, m0, whole, out, ldy, tiles);
-                        else amx_unit_k(base, group, 8 * w_stride, a, m0, whole, out, ldy, (uint8_t *)tiles);
+                        else amx_unit_k(base, group, 8 * w_stride, a, m0, whole, out, ldy, (uint8_t *)tiles, kscales);
                         m = whole;
                     }
 #endif
@@ -2178,6 +2182,7 @@ static void matmul_team(const float *x, int64_t M, int64_t K, int64_t ldx, int64
     free(unpacked);
 #if GGUF_AMX
     free(tiles);
+    free(kscales);
 #endif
 }
 
