@@ -1,5 +1,5 @@
 /* A 16 x 16 transpose of 32-bit lanes on AVX-512 registers, shared by paged_attention.c (a block's
- * fp32 keys side by side for a row tile's scores) and attention_amx.h (K^T's bf16 pairs for the
+ * fp32 keys side by side for a row tile's scores) and attention_bf16.h (K^T's bf16 pairs for the
  * tiles). */
 #ifndef DEEPINFER_TRANSPOSE16_H
 #define DEEPINFER_TRANSPOSE16_H
