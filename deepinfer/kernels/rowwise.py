@@ -1,5 +1,5 @@
 """ctypes binding of rowwise.c: RMSNorm (with the residual add) and rotary embedding for fp32 rows,
-SwiGLU for bf16 rows, and the greedy argmax of fp32 logits.
+SwiGLU for bf16 rows, and the greedy argmax of fp32 logits and draws from them at a temperature.
 
 Callers use these for contiguous fp32 CPU tensors and PyTorch otherwise; `rowwise_kernels()` is
 None when no C compiler is available.
@@ -32,6 +32,9 @@ class RowwiseKernels:
         self._argmax = lib.argmax_rows
         self._argmax.argtypes = [ptr, i64, i64, i64, ptr]
         self._argmax.restype = None
+        self._draw = lib.draw_rows
+        self._draw.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, ptr]
+        self._draw.restype = None
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
@@ -84,6 +87,31 @@ class RowwiseKernels:
             x = x.contiguous()
         out = torch.empty(x.shape[0], dtype=torch.int64)
         self._argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
+        return out.tolist()
+
+    def draw(
+        self, x: torch.Tensor, rows: list[int], temperatures: list[float], uniforms: list[float]
+    ) -> list[int]:
+        """For each t, an inverse-CDF draw from softmax(x[rows[t]] / temperatures[t]) with
+        uniforms[t] in [0, 1): the first token whose running share of the row's mass reaches it
+        (tokens whose logit lies more than 87 temperatures below the best, -inf among them, have
+        none). fp32 CPU rows x [N, V] (values contiguous); reads x only."""
+        if x.dtype is not torch.float32 or x.dim() != 2 or not x.is_cpu or x.shape[1] == 0:
+            raise ValueError(f"expected float32 CPU rows [N, V > 0], got {x.dtype} {tuple(x.shape)}")
+        if not all(0 <= r < x.shape[0] for r in rows):
+            raise IndexError(f"rows {rows} outside 0..{x.shape[0] - 1}")
+        if not all(t > 0 for t in temperatures):
+            raise ValueError(f"temperatures must be positive, got {temperatures}")
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        index = torch.tensor(rows, dtype=torch.int64)
+        temps = torch.tensor(temperatures, dtype=torch.float32)
+        draws = torch.tensor(uniforms, dtype=torch.float64)
+        out = torch.empty(len(rows), dtype=torch.int64)
+        self._draw(
+            x.data_ptr(), x.stride(0), index.data_ptr(), len(rows), x.shape[1], temps.data_ptr(), draws.data_ptr(),
+            out.data_ptr(),
+        )  # fmt: skip
         return out.tolist()
 
 
