@@ -62,6 +62,7 @@ class PeersOptions:
     agent_turns: int = 6
     agent_user_len: int = 64
     seed: int = 0
+    temperature: float = 0.0  # the servers' sampling; the in-process peers stay greedy
     threads: int = 2
     port: int = 18731
     llama_server: str | None = None
@@ -105,6 +106,7 @@ def _serve_options(options: PeersOptions, base_url: str, extra_body: dict[str, A
         agent_user_len=options.agent_user_len,
         seed=options.seed,
         max_concurrency=options.max_concurrency,
+        temperature=options.temperature,
         extra_body=extra_body,
         show_progress=options.show_progress,
     )
@@ -422,6 +424,7 @@ def format_peers(outcomes: list[PeerOutcome], options: PeersOptions, header: dic
         "",
         f"Workload: {prompts}, "
         f"{options.output_len} output tokens each (ignore EOS), at most {options.max_concurrency} in flight, "
+        f"{f'temperature {options.temperature}' if options.temperature else 'greedy'}, "
         f"seed {options.seed}, {options.threads} threads, model `{header['model']}`. "
         "\"vs us\" is the peer's value divided by DeepInfer's.",
         "",
@@ -507,6 +510,12 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--agent-turns", type=int, default=6, help="agent: turns per session")
     p.add_argument("--agent-user-len", type=int, default=64, help="agent: words per user turn")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="the servers' sampling temperature (default 0: greedy; the in-process peers are greedy)",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--port", type=int, default=18731, help="port for the servers started")
     p.add_argument("--llama-server", help="a llama-server binary (default: on PATH, else llama-cpp-python)")
@@ -537,6 +546,7 @@ def run(args: argparse.Namespace) -> int:
         agent_turns=args.agent_turns,
         agent_user_len=args.agent_user_len,
         seed=args.seed,
+        temperature=args.temperature,
         threads=args.threads,
         port=args.port,
         llama_server=args.llama_server,

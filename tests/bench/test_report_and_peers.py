@@ -125,3 +125,10 @@ def test_our_server_reads_the_model_every_peer_reads(tmp_path: Path) -> None:
     assert command[command.index("--num-threads") + 1] == "3"
     assert command[command.index("--port") + 1] == "18999"
     assert command[-2:] == ["--kv-cache-dtype", "bfloat16"]
+
+
+def test_servers_are_asked_for_the_temperature_the_run_names() -> None:
+    from deepinfer.bench.peers import _serve_options
+
+    assert _serve_options(PeersOptions(), "http://x", {}).temperature == 0.0
+    assert _serve_options(PeersOptions(temperature=1.0), "http://x", {}).temperature == 1.0
