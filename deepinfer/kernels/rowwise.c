@@ -8,6 +8,7 @@
  * the number of rows or threads, so results never depend on the batch.
  */
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "rowops.h"
 
@@ -124,23 +125,41 @@ void swiglu_rows_bf16(const uint16_t *gate_up, int64_t ld, uint16_t *out, int64_
 }
 
 /* Values per step of a draw's running sum: pass one sums each span of the row, pass two walks the
- * spans' sums and then one span's values, so no probability is stored. */
+ * spans' sums and then one span's values, so the walk reads the row about once more. */
 #define DRAW_SPAN 1024
+/* Buckets of a threshold's search: the top 12 bits of an order-preserving key (sign, exponent and
+ * three bits of mantissa), one pass over the row to find the bucket, then its values sorted. */
+#define DRAW_BUCKETS 4096
 
 typedef double draw_d8 __attribute__((vector_size(64)));
 
-/* e^(x[i] / temperature - top) for i in span [lo, hi) of a row, into e[0 .. hi-lo): 0 where that
- * exponent is below -87 (the -inf of a masked token among them), so a masked token is never drawn
- * and the sum never counts it. Returns their sum in double, 8 lanes then in lane order. */
-static double draw_span(const float *x, int64_t lo, int64_t hi, float temperature, float top, float *e) {
+/* An unsigned key whose order is x's (no NaN), and its bucket. */
+static inline uint32_t draw_key(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    return bits >> 31 ? ~bits : bits | 0x80000000u;
+}
+static inline int draw_bucket(float x) { return (int)(draw_key(x) >> 20); }
+
+static int descending(const void *a, const void *b) {
+    const float x = *(const float *)a, y = *(const float *)b;
+    return (x < y) - (x > y);
+}
+
+/* The weights e^(x[i] / temperature - top) of span [lo, hi) of a row, into e[0 .. hi-lo), and their
+ * sum in double (8 lanes, then in lane order). A token weighs 0 where its scaled logit lies below
+ * kth (top-k) or more than 87 below top (the -inf of a masked token among them, so a masked token
+ * is never drawn) or its weight below `floor` (top-p, min-p). */
+static double draw_span(const float *x, int64_t lo, int64_t hi, float temperature, float top, float kth, float floor,
+                        float *e) {
     draw_d8 lanes = {0};
     int64_t i = lo;
     for (; i + 16 <= hi; i += 16) {
         rowops_f16 v;
         memcpy(&v, x + i, sizeof v);
-        const rowops_f16 s = v / temperature - top;
-        const rowops_i16 kept = s >= -87.0f;
-        const rowops_f16 p = (rowops_f16)((rowops_i16)exp16_clamped(s) & kept);
+        const rowops_f16 scaled = v / temperature, s = scaled - top;
+        const rowops_f16 w = (rowops_f16)((rowops_i16)exp16_clamped(s) & (s >= -87.0f) & (scaled >= kth));
+        const rowops_f16 p = (rowops_f16)((rowops_i16)w & (w >= floor));
         memcpy(e + (i - lo), &p, sizeof p);
         lanes += __builtin_convertvector(__builtin_shufflevector(p, p, 0, 1, 2, 3, 4, 5, 6, 7), draw_d8) +
                  __builtin_convertvector(__builtin_shufflevector(p, p, 8, 9, 10, 11, 12, 13, 14, 15), draw_d8);
@@ -148,31 +167,89 @@ static double draw_span(const float *x, int64_t lo, int64_t hi, float temperatur
     double sum = 0.0;
     for (int lane = 0; lane < 8; ++lane) sum += lanes[lane];
     for (; i < hi; ++i) {
-        const float s = x[i] / temperature - top;
-        e[i - lo] = s >= -87.0f ? exp_clamped(s) : 0.0f;
+        const float scaled = x[i] / temperature, s = scaled - top;
+        const float w = s >= -87.0f && scaled >= kth ? exp_clamped(s) : 0.0f;
+        e[i - lo] = w >= floor ? w : 0.0f;
         sum += e[i - lo];
     }
     return sum;
 }
 
-/* One inverse-CDF draw from softmax(x / temperature) (n values) with uniform u in [0, 1): the
- * first token whose running sum of e^(x / temperature - max) reaches u times their total. The
- * running sum steps over whole spans (their sums from the first pass) and then over the chosen
- * span's values one by one, so the row is read about once and nothing [n] is allocated. A row
- * with a NaN or +inf draws what greedy sampling picks there; a row of -inf draws token 0. */
-static int64_t draw_row(const float *x, int64_t n, float temperature, double u) {
+/* The k-th largest of x[i] / temperature (0 < k < n, no NaN): the bucket holding it by counting,
+ * then that bucket's values sorted (in `scratch`, n floats). */
+static float kth_scaled(const float *x, int64_t n, float temperature, int64_t k, float *scratch) {
+    int64_t counts[DRAW_BUCKETS] = {0};
+    for (int64_t i = 0; i < n; ++i) ++counts[draw_bucket(x[i] / temperature)];
+    int bucket = DRAW_BUCKETS - 1;
+    int64_t above = 0;
+    while (above + counts[bucket] < k) above += counts[bucket--];
+    int64_t m = 0;
+    for (int64_t i = 0; i < n; ++i)
+        if (draw_bucket(x[i] / temperature) == bucket) scratch[m++] = x[i] / temperature;
+    qsort(scratch, m, sizeof *scratch, descending);
+    return scratch[k - above - 1];
+}
+
+/* The smallest weight top-p keeps of e[0 .. n) (non-negative, `total` their sum): a token stays
+ * while the weight of the tokens strictly heavier than it is below top_p x total, so tokens of
+ * equal weight stay or go together (a sort would keep some of a tie, in its own order). The
+ * bucket where that mass is reached by summing, then that bucket's weights sorted (in `scratch`). */
+static float nucleus_floor(const float *e, int64_t n, double total, float top_p, float *scratch) {
+    const double limit = (double)top_p * total;
+    double mass[DRAW_BUCKETS] = {0};
+    for (int64_t i = 0; i < n; ++i)
+        if (e[i] > 0.0f) mass[draw_bucket(e[i])] += e[i];
+    double above = 0.0;
+    int bucket = DRAW_BUCKETS - 1;
+    while (bucket >= 0 && above + mass[bucket] < limit) above += mass[bucket--];
+    if (bucket < 0) return 0.0f; /* rounding left the whole mass under the limit: keep every token */
+    int64_t m = 0;
+    for (int64_t i = 0; i < n; ++i)
+        if (e[i] > 0.0f && draw_bucket(e[i]) == bucket) scratch[m++] = e[i];
+    qsort(scratch, m, sizeof *scratch, descending);
+    /* heaviest first: a weight stays while what precedes it is under the limit, so the first
+     * token of a tie (preceded by the heavier tokens only) decides for all of it, `floor` being a
+     * weight; the last weight that stays is the floor */
+    float floor = scratch[0];
+    for (int64_t j = 0; j < m && above < limit; ++j) {
+        floor = scratch[j];
+        above += scratch[j];
+    }
+    return floor;
+}
+
+/* Sampling parameters of a drawn row: top_k 0, top_p 1 and min_p 0 truncate nothing. */
+typedef struct {
+    float temperature, top_p, min_p;
+    int64_t top_k;
+} draw_params;
+
+/* One inverse-CDF draw with uniform u in [0, 1) from softmax(x / temperature) (n values) after
+ * top-k, top-p and min-p: the first token whose running sum of kept weights reaches u times their
+ * total. The running sum steps over whole spans (their sums from the first pass) and then over the
+ * chosen span's weights one by one. `scratch` (2n floats) is needed only to truncate. A row with a
+ * NaN or +inf draws what greedy sampling picks there; a row of -inf draws token 0. */
+static int64_t draw_row(const float *x, int64_t n, draw_params p, double u, float *scratch) {
     int has_nan;
     const float largest = row_max(x, n, &has_nan);
     if (has_nan || largest == INFINITY) return argmax_row(x, n);
     if (largest == -INFINITY) return 0;
     /* max(x / t) is max(x) / t: rounding a quotient keeps the order of its dividends */
-    const float top = largest / temperature;
+    const float top = largest / p.temperature;
     if (top == INFINITY) return argmax_row(x, n); /* a temperature so small that it overflows */
+    const float kth = p.top_k > 0 && p.top_k < n ? kth_scaled(x, n, p.temperature, p.top_k, scratch) : -INFINITY;
+    float floor = p.min_p > 0.0f ? p.min_p : 0.0f; /* min_p of the top weight, e^0 = 1 */
+    if (p.top_p < 1.0f) {
+        const double total = draw_span(x, 0, n, p.temperature, top, kth, 0.0f, scratch);
+        const float nucleus = nucleus_floor(scratch, n, total, p.top_p, scratch + n);
+        floor = nucleus > floor ? nucleus : floor;
+    }
     const int64_t spans = (n + DRAW_SPAN - 1) / DRAW_SPAN;
     double sums[spans], total = 0.0;
     float e[DRAW_SPAN];
     for (int64_t c = 0; c < spans; ++c) {
-        sums[c] = draw_span(x, c * DRAW_SPAN, (c + 1) * DRAW_SPAN < n ? (c + 1) * DRAW_SPAN : n, temperature, top, e);
+        const int64_t lo = c * DRAW_SPAN, hi = lo + DRAW_SPAN < n ? lo + DRAW_SPAN : n;
+        sums[c] = draw_span(x, lo, hi, p.temperature, top, kth, floor, e);
         total += sums[c];
     }
     const double target = u * total;
@@ -185,7 +262,7 @@ static int64_t draw_row(const float *x, int64_t n, float temperature, double u) 
             continue;
         }
         const int64_t lo = c * DRAW_SPAN, hi = lo + DRAW_SPAN < n ? lo + DRAW_SPAN : n;
-        draw_span(x, lo, hi, temperature, top, e);
+        draw_span(x, lo, hi, p.temperature, top, kth, floor, e);
         for (int64_t i = lo; i < hi; ++i) {
             if (e[i - lo] == 0.0f) continue;
             last = i;
@@ -197,13 +274,26 @@ static int64_t draw_row(const float *x, int64_t n, float temperature, double u) 
     return last;
 }
 
-/* out[t] = a draw from softmax(x[rows[t]] / temperatures[t]) with uniforms[t], for t < count (x
- * rows `ld` floats apart, `cols` values each): sampling at a temperature with no top-k, top-p or
- * min-p, one pass over each row. torch's softmax, float64 cumsum and searchsorted took ~8 ms
- * for 32 rows of a 49k vocabulary on Zen 4 (2 threads), mostly in faulting in their [32, V]
- * results. Each row is drawn on its own, so a row's token does not depend on the batch. */
+/* out[t] = a draw from row rows[t] of x (rows `ld` floats apart, `cols` values each) at
+ * temperatures[t] > 0 after top_k[t], top_p[t] and min_p[t], with uniforms[t], for t < count; -1
+ * where a row's scratch could not be allocated. torch's softmax, float64 cumsum and searchsorted
+ * took ~15 ms for 32 rows of a 49k vocabulary on Zen 4 (2 threads), mostly faulting in their
+ * [32, V] results, and top-p's sort ~70 ms. Each row is drawn on its own, so a row's token does
+ * not depend on the batch. */
 void draw_rows(const float *x, int64_t ld, const int64_t *rows, int64_t count, int64_t cols,
-               const float *temperatures, const double *uniforms, int64_t *out) {
-#pragma omp parallel for schedule(static) if (count * cols > 65536)
-    for (int64_t t = 0; t < count; ++t) out[t] = draw_row(x + rows[t] * ld, cols, temperatures[t], uniforms[t]);
+               const float *temperatures, const int64_t *top_k, const float *top_p, const float *min_p,
+               const double *uniforms, int64_t *out) {
+    int truncates = 0;
+    for (int64_t t = 0; t < count; ++t) truncates |= (top_k[t] > 0 && top_k[t] < cols) || top_p[t] < 1.0f;
+#pragma omp parallel if (count * cols > 65536)
+    {
+        float *scratch = truncates ? malloc(2 * cols * sizeof(float)) : NULL;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < count; ++t) {
+            const draw_params p = {temperatures[t], top_p[t], min_p[t], top_k[t]};
+            const int needs = (p.top_k > 0 && p.top_k < cols) || p.top_p < 1.0f;
+            out[t] = needs && scratch == NULL ? -1 : draw_row(x + rows[t] * ld, cols, p, uniforms[t], scratch);
+        }
+        free(scratch);
+    }
 }

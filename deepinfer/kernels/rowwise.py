@@ -33,7 +33,7 @@ class RowwiseKernels:
         self._argmax.argtypes = [ptr, i64, i64, i64, ptr]
         self._argmax.restype = None
         self._draw = lib.draw_rows
-        self._draw.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, ptr]
+        self._draw.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr]
         self._draw.restype = None
 
     def rms_norm(
@@ -90,29 +90,42 @@ class RowwiseKernels:
         return out.tolist()
 
     def draw(
-        self, x: torch.Tensor, rows: list[int], temperatures: list[float], uniforms: list[float]
+        self,
+        x: torch.Tensor,
+        rows: list[int],
+        params: list[tuple[float, int, float, float]],
+        uniforms: list[float],
     ) -> list[int]:
-        """For each t, an inverse-CDF draw from softmax(x[rows[t]] / temperatures[t]) with
-        uniforms[t] in [0, 1): the first token whose running share of the row's mass reaches it
-        (tokens whose logit lies more than 87 temperatures below the best, -inf among them, have
-        none). fp32 CPU rows x [N, V] (values contiguous); reads x only."""
+        """For each t, an inverse-CDF draw with uniforms[t] in [0, 1) from row rows[t] of x,
+        params[t] = (temperature > 0, top_k, top_p, min_p): softmax(x / temperature) over the
+        tokens at or above the top_k-th largest (0: all), then the tokens whose strictly heavier
+        tokens hold less than top_p of the mass (ties stay together), then those of at least min_p
+        times the top probability; the first token whose running share of what is kept reaches the
+        uniform. Tokens more than 87 temperatures below the best (-inf among them) weigh nothing.
+        fp32 CPU rows x [N, V] (values contiguous); reads x only."""
         if x.dtype is not torch.float32 or x.dim() != 2 or not x.is_cpu or x.shape[1] == 0:
             raise ValueError(f"expected float32 CPU rows [N, V > 0], got {x.dtype} {tuple(x.shape)}")
         if not all(0 <= r < x.shape[0] for r in rows):
             raise IndexError(f"rows {rows} outside 0..{x.shape[0] - 1}")
-        if not all(t > 0 for t in temperatures):
-            raise ValueError(f"temperatures must be positive, got {temperatures}")
+        if not all(setting[0] > 0 for setting in params):
+            raise ValueError(f"temperatures must be positive, got {[setting[0] for setting in params]}")
         if x.stride(1) != 1:
             x = x.contiguous()
         index = torch.tensor(rows, dtype=torch.int64)
-        temps = torch.tensor(temperatures, dtype=torch.float32)
+        temperature = torch.tensor([setting[0] for setting in params], dtype=torch.float32)
+        top_k = torch.tensor([setting[1] for setting in params], dtype=torch.int64)
+        top_p = torch.tensor([setting[2] for setting in params], dtype=torch.float32)
+        min_p = torch.tensor([setting[3] for setting in params], dtype=torch.float32)
         draws = torch.tensor(uniforms, dtype=torch.float64)
         out = torch.empty(len(rows), dtype=torch.int64)
         self._draw(
-            x.data_ptr(), x.stride(0), index.data_ptr(), len(rows), x.shape[1], temps.data_ptr(), draws.data_ptr(),
-            out.data_ptr(),
+            x.data_ptr(), x.stride(0), index.data_ptr(), len(rows), x.shape[1], temperature.data_ptr(),
+            top_k.data_ptr(), top_p.data_ptr(), min_p.data_ptr(), draws.data_ptr(), out.data_ptr(),
         )  # fmt: skip
-        return out.tolist()
+        picks = out.tolist()
+        if any(pick < 0 for pick in picks):
+            raise MemoryError("no scratch for a truncated row's draw")
+        return picks
 
 
 def fits(x: torch.Tensor) -> bool:

@@ -209,33 +209,20 @@ def sample_rows_on_triton(logits: torch.Tensor, rows: list[SamplingRow]) -> list
     return draw(probs, uniforms).tolist()
 
 
-def temperature_only(params: SamplingParams) -> bool:
-    """Whether a drawn row's distribution is softmax(logits / temperature) untruncated."""
-    return params.top_k <= 0 and params.top_p >= 1.0 and params.min_p <= 0.0
-
-
 def draw_tokens(logits: torch.Tensor, rows: list[SamplingRow], drawn: list[int]) -> dict[int, int]:
-    """Step 6 for the non-greedy rows `drawn` of logits [N, V] off Triton: {row: token}. CPU rows
-    sampled at a temperature alone (the API default) are drawn by the C kernel, one pass over each row
-    and no [N, V] temporaries (torch's softmax and float64 cumsum cost ~8 ms a step at 32 rows of
-    a 49k vocabulary, Zen 4); truncated rows, and every row without a C compiler, take
-    truncated_probs_batch and sample_rows. Either way one uniform per row, from its own generator."""
+    """Step 6 for the non-greedy rows `drawn` of logits [N, V] off Triton: {row: token}. fp32 CPU
+    rows are drawn by rowwise.c's `draw_rows`, a few passes over each row and no [N, V]
+    temporaries (32 rows of a 49k vocabulary on Zen 4: torch's softmax, float64 cumsum and
+    searchsorted took ~15 ms a step, mostly faulting in their results, and top-p's sort ~70 ms);
+    without a C compiler, truncated_probs_batch and sample_rows. Either way one uniform per row,
+    from its own generator."""
     kernels = rowwise_kernels()
-    plain = (
-        [i for i in drawn if temperature_only(rows[i].params)]
-        if kernels is not None and logits.is_cpu and logits.dtype is torch.float32 and logits.dim() == 2
-        else []
-    )
-    picks: dict[int, int] = {}
-    if plain:
-        uniforms = uniforms_for([rows[i].generator for i in plain])
-        temperatures = [rows[i].params.temperature for i in plain]
-        picks.update(zip(plain, kernels.draw(logits, plain, temperatures, uniforms)))
-    rest = [i for i in drawn if i not in picks]
-    if rest:
-        probs = truncated_probs_batch(logits[rest], [rows[i].params for i in rest])
-        picks.update(zip(rest, sample_rows(probs, [rows[i].generator for i in rest])))
-    return picks
+    if kernels is not None and logits.is_cpu and logits.dtype is torch.float32 and logits.dim() == 2:
+        uniforms = uniforms_for([rows[i].generator for i in drawn])
+        settings = [(p.temperature, p.top_k, p.top_p, p.min_p) for p in (rows[i].params for i in drawn)]
+        return dict(zip(drawn, kernels.draw(logits, drawn, settings, uniforms)))
+    probs = truncated_probs_batch(logits[drawn], [rows[i].params for i in drawn])
+    return dict(zip(drawn, sample_rows(probs, [rows[i].generator for i in drawn])))
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
