@@ -2013,6 +2013,16 @@ int64_t gguf_scratch_bytes(int64_t M, int64_t K, int64_t nseg, const int32_t *qt
     return need32 * acts_bytes(M, K, 0) + need256 * acts_bytes(M, K, 1);
 }
 
+/* Ask for part `part` of `parts` of a unit's weights (`bytes` at `w`) to come into L2. A unit's
+ * products reuse its weights from L1 over the activation rows; meanwhile the next unit's arrive,
+ * a slice per pass of activation rows, so few requests are outstanding at once. The hardware
+ * prefetchers alone brought them late: 32 rows over a matrix past the last-level cache ran at
+ * 80-90% of the rate over a cached one. */
+static inline void prefetch_part(const uint8_t *w, int64_t bytes, int64_t part, int64_t parts) {
+    for (int64_t b = bytes * part / parts / 64 * 64; b < bytes * (part + 1) / parts; b += 64)
+        __builtin_prefetch(w + b, 0, 2);
+}
+
 enum { PROLOGUE_NONE = 0, PROLOGUE_RMS_NORM = 1, PROLOGUE_SWIGLU = 2 };
 enum { PATH_PORTABLE = 0, PATH_VECTOR = 1, PATH_TILES = 2 }; /* gguf_matmul's simd */
 
@@ -2118,6 +2128,11 @@ static void matmul_team(const float *x, int64_t M, int64_t K, int64_t ldx, int64
         const int64_t w_stride = a->nb * block_bytes(qtype);
         const int64_t n0 = first * UNIT, n1 = n0 + UNIT < rows[s] ? n0 + UNIT : rows[s];
         const uint8_t *wseg = (const uint8_t *)weights[s];
+        /* the next unit of this segment, prefetched over this unit's passes (a few rows: no need) */
+        const uint8_t *next = wseg + n1 * w_stride;
+        const int64_t next_bytes = M >= 8 ? ((n1 + UNIT < rows[s] ? n1 + UNIT : rows[s]) - n1) * w_stride : 0;
+        const int64_t passes = (M + 3) / 4;
+        int64_t pass = 0;
         for (int64_t m0 = 0; m0 < M; m0 += m_chunk) {
             const int64_t m1 = m0 + m_chunk < M ? m0 + m_chunk : M;
             if (!use_simd) {
@@ -2143,6 +2158,8 @@ static void matmul_team(const float *x, int64_t M, int64_t K, int64_t ldx, int64
 #if GGUF_AMX
                     if (use_amx && wide && m1 - m0 >= 16) { /* whole 16-row tiles; the rest below */
                         const int64_t whole = m0 + (m1 - m0) / 16 * 16;
+                        prefetch_part(next, next_bytes, pass, passes);
+                        pass = passes; /* tiles take all of it at once: the rest of the passes ask for nothing */
                         const uint8_t *group = wseg + n * w_stride;
                         float *out = y + m0 * ldy + col0 + n;
                         if (block_elems(base) == 32) amx_unit(base, group, 8 * w_stride, a, m0, whole, out, ldy, tiles);
@@ -2153,6 +2170,7 @@ static void matmul_team(const float *x, int64_t M, int64_t K, int64_t ldx, int64
                     for (; m < m1;) {
                         const int tile_cols = m + 4 <= m1 ? 4 : 1;
                         const uint8_t *group = wseg + n * w_stride;
+                        if (n == n0) prefetch_part(next, next_bytes, pass++, passes);
                         float *out = y + m * ldy + col0 + n;
 #if GGUF_X8_PAIRS
                         if (pair) run_tile_x8_pair(qtype, tile_cols, group, 8 * w_stride, a, m, out, ldy);
