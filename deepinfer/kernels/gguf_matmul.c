@@ -2131,7 +2131,8 @@ static void matmul_team(const float *x, int64_t M, int64_t K, int64_t ldx, int64
         /* the next unit of this segment, prefetched over this unit's passes (a few rows: no need) */
         const uint8_t *next = wseg + n1 * w_stride;
         const int64_t next_bytes = M >= 8 ? ((n1 + UNIT < rows[s] ? n1 + UNIT : rows[s]) - n1) * w_stride : 0;
-        const int64_t passes = (M + 3) / 4;
+        /* a pass asks for at most 8 KB: more at once (a unit of a long row, few passes) was slower */
+        const int64_t passes = (M + 3) / 4 > (next_bytes >> 13) + 1 ? (M + 3) / 4 : (next_bytes >> 13) + 1;
         int64_t pass = 0;
         for (int64_t m0 = 0; m0 < M; m0 += m_chunk) {
             const int64_t m1 = m0 + m_chunk < M ? m0 + m_chunk : M;
