@@ -2160,7 +2160,7 @@ static void matmul_team(const float *x, int64_t M, int64_t K, int64_t ldx, int64
                     if (use_amx && wide && m1 - m0 >= 16) { /* whole 16-row tiles; the rest below */
                         const int64_t whole = m0 + (m1 - m0) / 16 * 16;
                         prefetch_part(next, next_bytes, pass, passes);
-                        pass = passes; /* tiles take all of it at once: the rest of the passes ask for nothing */
+                        pass = passes; /* one slice before the tiles' single call, none after (untimed on AMX) */
                         const uint8_t *group = wseg + n * w_stride;
                         float *out = y + m0 * ldy + col0 + n;
                         if (block_elems(base) == 32) amx_unit(base, group, 8 * w_stride, a, m0, whole, out, ldy, tiles);
