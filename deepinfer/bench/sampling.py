@@ -1,10 +1,12 @@
-"""Step 6 of sampling on the CPU: one decode step's draws for a batch of rows, through the
-sampler as the engine calls it (rowwise.c's `draw_rows`) and through the torch path it replaced
-(`truncated_probs_batch` then `sample_rows`, which still runs without a C compiler).
+"""Steps 5 and 6 of sampling on the CPU: one decode step's tokens (and logprobs) for a batch of
+rows, through the sampler as the engine calls it (rowwise.c's `draw_rows` and `logprob_rows`) and
+through the torch path they replaced (`truncated_probs_batch` then `sample_rows`, which still run
+without a C compiler; log_softmax, a rank and a topk per row).
 
     .venv/bin/python -m deepinfer.bench.sampling [--rows 32] [--vocab 49152] [--repeats 30]
 
-Each setting (a temperature alone, then top-p, top-k and min-p on top of it) prints the mean
+Each setting (a temperature alone, then top-p, top-k and min-p on top of it; greedy rows that ask
+for 5 logprobs, rowwise.c's `logprob_rows` against torch's log_softmax, rank and topk) prints the mean
 milliseconds per step of both paths, alternated in one process, and their ratio. The logits are
 random normal times 3, SmolLM2's vocabulary by default; nothing else runs.
 """
@@ -26,6 +28,7 @@ SETTINGS: dict[str, dict[str, float | int]] = {
     "+ top_p 0.95": {"temperature": 0.8, "top_p": 0.95},
     "+ top_k 40": {"temperature": 0.8, "top_k": 40},
     "+ min_p 0.05": {"temperature": 0.8, "min_p": 0.05},
+    "greedy, logprobs 5": {"temperature": 0.0, "logprobs": 5},
 }
 
 
@@ -38,7 +41,17 @@ def _mean_ms(action: Callable[[], object], repeats: int) -> float:
 
 
 def _torch_path(logits: torch.Tensor, params: list[SamplingParams]) -> list[int]:
-    return sample_rows(truncated_probs_batch(logits, params), [None] * len(params))
+    """Step 6 as torch ran it: greedy rows' argmax, or truncation then the float64 CDF's draw;
+    then the logprobs rows' log_softmax, rank and top-k, one row at a time."""
+    if params[0].greedy:
+        tokens = logits.argmax(dim=-1).tolist()
+    else:
+        tokens = sample_rows(truncated_probs_batch(logits, params), [None] * len(params))
+    if params[0].logprobs is not None:
+        logprobs = torch.log_softmax(logits, dim=-1)
+        for i, token in enumerate(tokens):
+            _ = int((logprobs[i] > logprobs[i, token]).sum()) + 1, torch.topk(logprobs[i], params[i].logprobs)
+    return tokens
 
 
 def main() -> None:
@@ -52,7 +65,7 @@ def main() -> None:
     logits = torch.randn(args.rows, args.vocab, generator=torch.Generator().manual_seed(0)) * 3.0
     sampler = Sampler()
     print(f"{args.rows} rows x {args.vocab} logits, {args.threads} threads: ms per step")
-    print("| setting | torch path | the sampler (draw_rows) | ratio |")
+    print("| setting | torch path | the sampler | ratio |")
     print("| --- | --- | --- | --- |")
     for name, setting in SETTINGS.items():
         rows = [SamplingRow(SamplingParams(**setting), [], []) for _ in range(args.rows)]

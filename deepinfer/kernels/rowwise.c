@@ -61,6 +61,13 @@ static inline int any_lane(argmax_i16 mask) {
     return memcmp(&mask, &none, sizeof mask) != 0;
 }
 
+/* The number of lanes set in a comparison's mask, as a negative count (true lanes are -1). */
+static inline int64_t lane_count(argmax_i16 mask) {
+    int64_t total = 0;
+    for (int lane = 0; lane < 16; ++lane) total += mask[lane];
+    return total;
+}
+
 /* The largest of a row's values other than NaNs (-inf if none), and whether it holds a NaN: 16
  * lanes at a time. */
 static float row_max(const float *x, int64_t n, int *has_nan) {
@@ -295,5 +302,86 @@ void draw_rows(const float *x, int64_t ld, const int64_t *rows, int64_t count, i
             out[t] = needs && scratch == NULL ? -1 : draw_row(x + rows[t] * ld, cols, p, uniforms[t], scratch);
         }
         free(scratch);
+    }
+}
+
+/* The most logprobs a row asks for (the APIs' top_logprobs limit). */
+#define LOGPROB_TOP 20
+
+/* Logprobs of one row at a temperature: lp_i = (x_i / t - m) - log(sum_j e^(x_j / t - m)), m the
+ * largest x / t, in float as log_softmax computes them (the sum of the exponentials in double).
+ * Writes the token's lp, its rank (1 + the number of strictly larger lp) and the k largest lp with
+ * their positions (larger first, the lower position first among equal ones). Returns 0, or -1
+ * for a row holding a NaN or +inf (torch answers those rows). */
+static int logprob_row(const float *x, int64_t n, float temperature, int64_t token, int64_t k, float *lp,
+                       int64_t *rank, int64_t *top_ids, float *top_values) {
+    int has_nan;
+    const float largest = row_max(x, n, &has_nan);
+    if (has_nan || largest == INFINITY || largest == -INFINITY) return -1;
+    const float m = largest / temperature;
+    if (m == INFINITY) return -1;
+    /* the exponentials on 16 lanes (rowops.h's, relative error ~2e-7), summed in double per lane */
+    draw_d8 lanes = {0};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        rowops_f16 v;
+        memcpy(&v, x + i, sizeof v);
+        const rowops_f16 shifted = v / temperature - m; /* exp16_clamped(-inf) is NaN: a -inf weighs 0 */
+        const rowops_f16 e = (rowops_f16)((rowops_i16)exp16_clamped(shifted) & (shifted >= -87.0f));
+        lanes += __builtin_convertvector(__builtin_shufflevector(e, e, 0, 1, 2, 3, 4, 5, 6, 7), draw_d8) +
+                 __builtin_convertvector(__builtin_shufflevector(e, e, 8, 9, 10, 11, 12, 13, 14, 15), draw_d8);
+    }
+    double sum = 0.0;
+    for (int lane = 0; lane < 8; ++lane) sum += lanes[lane];
+    for (; i < n; ++i) sum += x[i] / temperature - m >= -87.0f ? exp_clamped(x[i] / temperature - m) : 0.0f;
+    const float log_sum = (float)log(sum);
+    const float chosen = (x[token] / temperature - m) - log_sum;
+    /* the rank's count and the top k: 16 values at a time, one by one only where a lane could
+     * enter the top k (above its smallest, or while it is not full) */
+    int64_t above = 0, kept = 0;
+    for (i = 0; i < n; i += 16) {
+        const int64_t width = n - i < 16 ? n - i : 16;
+        rowops_f16 v;
+        if (width == 16) {
+            memcpy(&v, x + i, sizeof v);
+            v = v / temperature - m - log_sum;
+            above -= lane_count((argmax_i16)(v > chosen));
+            if (k == 0 || (kept == k && !any_lane((argmax_i16)(v > top_values[k - 1])))) continue;
+        } else {
+            for (int j = 0; j < width; ++j) {
+                v[j] = (x[i + j] / temperature - m) - log_sum;
+                above += v[j] > chosen;
+            }
+        }
+        for (int j = 0; j < width && k > 0; ++j) {
+            if (kept == k && !(v[j] > top_values[k - 1])) continue;
+            int64_t at = kept < k ? kept++ : k - 1; /* insert v[j], keeping the k largest in order */
+            for (; at > 0 && v[j] > top_values[at - 1]; --at) {
+                top_values[at] = top_values[at - 1];
+                top_ids[at] = top_ids[at - 1];
+            }
+            top_values[at] = v[j];
+            top_ids[at] = i + j;
+        }
+    }
+    *lp = chosen;
+    *rank = above + 1;
+    return 0;
+}
+
+/* For t < count: the logprobs of row rows[t] of x (rows `ld` floats apart, `cols` values) at
+ * temperatures[t] > 0, for its token tokens[t] and its k[t] <= LOGPROB_TOP most likely tokens:
+ * lp[t], rank[t] (-1 where torch must answer the row) and top_ids / top_values [t * LOGPROB_TOP ..].
+ * log_softmax, a rank and a top-k per row through torch took ~10 ms for 32 rows of a 49k
+ * vocabulary (Zen 4), mostly faulting in new [32, V] tensors. */
+void logprob_rows(const float *x, int64_t ld, const int64_t *rows, int64_t count, int64_t cols,
+                  const float *temperatures, const int64_t *tokens, const int64_t *k, float *lp, int64_t *rank,
+                  int64_t *top_ids, float *top_values) {
+#pragma omp parallel for schedule(dynamic, 1) if (count * cols > 65536)
+    for (int64_t t = 0; t < count; ++t) {
+        const int64_t want = k[t] < LOGPROB_TOP ? k[t] : LOGPROB_TOP;
+        if (logprob_row(x + rows[t] * ld, cols, temperatures[t], tokens[t], want, lp + t, rank + t,
+                        top_ids + t * LOGPROB_TOP, top_values + t * LOGPROB_TOP))
+            rank[t] = -1;
     }
 }

@@ -15,6 +15,8 @@ import torch
 from deepinfer.kernels import isa
 from deepinfer.kernels.build import load_kernel_library
 
+_LOGPROB_TOP = 20  # rowwise.c's LOGPROB_TOP: the most logprobs a row asks for
+
 
 class RowwiseKernels:
     def __init__(self, lib: ctypes.CDLL) -> None:
@@ -35,6 +37,9 @@ class RowwiseKernels:
         self._draw = lib.draw_rows
         self._draw.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr]
         self._draw.restype = None
+        self._logprobs = lib.logprob_rows
+        self._logprobs.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
+        self._logprobs.restype = None
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
@@ -126,6 +131,39 @@ class RowwiseKernels:
         if any(pick < 0 for pick in picks):
             raise MemoryError("no scratch for a truncated row's draw")
         return picks
+
+    def logprobs(
+        self, x: torch.Tensor, rows: list[int], temperatures: list[float], tokens: list[int], tops: list[int]
+    ) -> list[tuple[float, int, list[tuple[int, float]]] | None]:
+        """For each t: row rows[t] of x's log_softmax at temperatures[t] > 0, as (the logprob of
+        tokens[t], its rank: 1 + the tokens strictly more likely, the tops[t] <= 20 most likely
+        (token, logprob), the more likely first and the lower token first among equals); None
+        for a row holding a NaN or +inf. fp32 CPU rows x [N, V] (values contiguous); reads x only."""
+        if x.dtype is not torch.float32 or x.dim() != 2 or not x.is_cpu or x.shape[1] == 0:
+            raise ValueError(f"expected float32 CPU rows [N, V > 0], got {x.dtype} {tuple(x.shape)}")
+        if not all(0 <= r < x.shape[0] for r in rows) or not all(0 <= t < x.shape[1] for t in tokens):
+            raise IndexError(f"rows {rows} or tokens {tokens} outside {tuple(x.shape)}")
+        if not all(t > 0 for t in temperatures) or not all(0 <= k <= _LOGPROB_TOP for k in tops):
+            raise ValueError(f"temperatures must be positive and tops 0..{_LOGPROB_TOP}")
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        count = len(rows)
+        lp, rank = torch.empty(count, dtype=torch.float32), torch.empty(count, dtype=torch.int64)
+        top_ids = torch.empty(count, _LOGPROB_TOP, dtype=torch.int64)
+        top_values = torch.empty(count, _LOGPROB_TOP, dtype=torch.float32)
+        index = torch.tensor(rows, dtype=torch.int64)  # kept alive until the call returns
+        temps = torch.tensor(temperatures, dtype=torch.float32)
+        chosen = torch.tensor(tokens, dtype=torch.int64)
+        wanted = torch.tensor(tops, dtype=torch.int64)
+        self._logprobs(
+            x.data_ptr(), x.stride(0), index.data_ptr(), count, x.shape[1], temps.data_ptr(), chosen.data_ptr(),
+            wanted.data_ptr(), lp.data_ptr(), rank.data_ptr(), top_ids.data_ptr(), top_values.data_ptr(),
+        )  # fmt: skip
+        answers: list[tuple[float, int, list[tuple[int, float]]] | None] = []
+        for t, (value, place, k) in enumerate(zip(lp.tolist(), rank.tolist(), tops)):
+            top = list(zip(top_ids[t, :k].tolist(), top_values[t, :k].tolist()))
+            answers.append(None if place < 0 else (value, place, top))
+        return answers
 
 
 def fits(x: torch.Tensor) -> bool:
