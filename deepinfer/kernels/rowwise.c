@@ -1,6 +1,6 @@
 /* Row-wise operations of a decoder layer, for CPUs: RMSNorm (optionally fused with the residual
  * add before it) and rotary embedding in place on fp32 rows, SwiGLU on bf16 rows; and the
- * sampler's greedy argmax and its draws at a temperature.
+ * sampler's greedy argmax, its draws (temperature, top-k, top-p, min-p) and its logprobs.
  *
  * At batch 1 a decode step runs them 90 times on rows of a few hundred values, where PyTorch's
  * per-operator overhead (tens of microseconds each here) costs more than the arithmetic; one call

@@ -1,5 +1,6 @@
 """ctypes binding of rowwise.c: RMSNorm (with the residual add) and rotary embedding for fp32 rows,
-SwiGLU for bf16 rows, and the greedy argmax of fp32 logits and draws from them at a temperature.
+SwiGLU for bf16 rows; and for the sampler, fp32 logits' greedy argmax, their draws (temperature,
+top-k, top-p, min-p) and their logprobs.
 
 Callers use these for contiguous fp32 CPU tensors and PyTorch otherwise; `rowwise_kernels()` is
 None when no C compiler is available.
