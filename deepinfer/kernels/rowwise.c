@@ -231,6 +231,11 @@ typedef struct {
     int64_t top_k;
 } draw_params;
 
+/* Whether a row's draw truncates by rank or mass (top-k or top-p): what needs `scratch`. */
+static inline int draw_truncates(draw_params p, int64_t n) {
+    return (p.top_k > 0 && p.top_k < n) || p.top_p < 1.0f;
+}
+
 /* One inverse-CDF draw with uniform u in [0, 1) from softmax(x / temperature) (n values) after
  * top-k, top-p and min-p: the first token whose running sum of kept weights reaches u times their
  * total. The running sum steps over whole spans (their sums from the first pass) and then over the
@@ -291,15 +296,17 @@ void draw_rows(const float *x, int64_t ld, const int64_t *rows, int64_t count, i
                const float *temperatures, const int64_t *top_k, const float *top_p, const float *min_p,
                const double *uniforms, int64_t *out) {
     int truncates = 0;
-    for (int64_t t = 0; t < count; ++t) truncates |= (top_k[t] > 0 && top_k[t] < cols) || top_p[t] < 1.0f;
+    for (int64_t t = 0; t < count; ++t)
+        truncates |= draw_truncates((draw_params){.top_p = top_p[t], .top_k = top_k[t]}, cols);
 #pragma omp parallel if (count * cols > 65536)
     {
         float *scratch = truncates ? malloc(2 * cols * sizeof(float)) : NULL;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < count; ++t) {
             const draw_params p = {temperatures[t], top_p[t], min_p[t], top_k[t]};
-            const int needs = (p.top_k > 0 && p.top_k < cols) || p.top_p < 1.0f;
-            out[t] = needs && scratch == NULL ? -1 : draw_row(x + rows[t] * ld, cols, p, uniforms[t], scratch);
+            out[t] = draw_truncates(p, cols) && scratch == NULL
+                         ? -1
+                         : draw_row(x + rows[t] * ld, cols, p, uniforms[t], scratch);
         }
         free(scratch);
     }
@@ -320,26 +327,17 @@ static int logprob_row(const float *x, int64_t n, float temperature, int64_t tok
     if (has_nan || largest == INFINITY || largest == -INFINITY) return -1;
     const float m = largest / temperature;
     if (m == INFINITY) return -1;
-    /* the exponentials on 16 lanes (rowops.h's, relative error ~2e-7), summed in double per lane */
-    draw_d8 lanes = {0};
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        rowops_f16 v;
-        memcpy(&v, x + i, sizeof v);
-        const rowops_f16 shifted = v / temperature - m; /* exp16_clamped(-inf) is NaN: a -inf weighs 0 */
-        const rowops_f16 e = (rowops_f16)((rowops_i16)exp16_clamped(shifted) & (shifted >= -87.0f));
-        lanes += __builtin_convertvector(__builtin_shufflevector(e, e, 0, 1, 2, 3, 4, 5, 6, 7), draw_d8) +
-                 __builtin_convertvector(__builtin_shufflevector(e, e, 8, 9, 10, 11, 12, 13, 14, 15), draw_d8);
-    }
+    /* the exponentials' sum: a draw's weights with nothing truncated, span by span */
     double sum = 0.0;
-    for (int lane = 0; lane < 8; ++lane) sum += lanes[lane];
-    for (; i < n; ++i) sum += x[i] / temperature - m >= -87.0f ? exp_clamped(x[i] / temperature - m) : 0.0f;
+    float e[DRAW_SPAN];
+    for (int64_t lo = 0; lo < n; lo += DRAW_SPAN)
+        sum += draw_span(x, lo, lo + DRAW_SPAN < n ? lo + DRAW_SPAN : n, temperature, m, -INFINITY, 0.0f, e);
     const float log_sum = (float)log(sum);
     const float chosen = (x[token] / temperature - m) - log_sum;
     /* the rank's count and the top k: 16 values at a time, one by one only where a lane could
      * enter the top k (above its smallest, or while it is not full) */
     int64_t above = 0, kept = 0;
-    for (i = 0; i < n; i += 16) {
+    for (int64_t i = 0; i < n; i += 16) {
         const int64_t width = n - i < 16 ? n - i : 16;
         rowops_f16 v;
         if (width == 16) {
