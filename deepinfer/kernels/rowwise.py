@@ -87,10 +87,7 @@ class RowwiseKernels:
     def argmax(self, x: torch.Tensor) -> list[int]:
         """torch.argmax(x, dim=-1).tolist() for fp32 CPU rows x [N, V] (values contiguous): the first
         largest value's position, the first NaN's where a row has one. Reads x only."""
-        if x.dtype is not torch.float32 or x.dim() != 2 or not x.is_cpu or x.shape[1] == 0:
-            raise ValueError(f"expected float32 CPU rows [N, V > 0], got {x.dtype} {tuple(x.shape)}")
-        if x.stride(1) != 1:
-            x = x.contiguous()
+        x = _logit_rows(x)
         out = torch.empty(x.shape[0], dtype=torch.int64)
         self._argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
         return out.tolist()
@@ -109,14 +106,11 @@ class RowwiseKernels:
         times the top probability; the first token whose running share of what is kept reaches the
         uniform. Tokens more than 87 temperatures below the best (-inf among them) weigh nothing.
         fp32 CPU rows x [N, V] (values contiguous); reads x only."""
-        if x.dtype is not torch.float32 or x.dim() != 2 or not x.is_cpu or x.shape[1] == 0:
-            raise ValueError(f"expected float32 CPU rows [N, V > 0], got {x.dtype} {tuple(x.shape)}")
+        x = _logit_rows(x)
         if not all(0 <= r < x.shape[0] for r in rows):
             raise IndexError(f"rows {rows} outside 0..{x.shape[0] - 1}")
         if not all(setting[0] > 0 for setting in params):
             raise ValueError(f"temperatures must be positive, got {[setting[0] for setting in params]}")
-        if x.stride(1) != 1:
-            x = x.contiguous()
         index = torch.tensor(rows, dtype=torch.int64)
         temperature = torch.tensor([setting[0] for setting in params], dtype=torch.float32)
         top_k = torch.tensor([setting[1] for setting in params], dtype=torch.int64)
@@ -140,14 +134,11 @@ class RowwiseKernels:
         tokens[t], its rank: 1 + the tokens strictly more likely, the tops[t] <= 20 most likely
         (token, logprob), the more likely first and the lower token first among equals); None
         for a row holding a NaN or +inf. fp32 CPU rows x [N, V] (values contiguous); reads x only."""
-        if x.dtype is not torch.float32 or x.dim() != 2 or not x.is_cpu or x.shape[1] == 0:
-            raise ValueError(f"expected float32 CPU rows [N, V > 0], got {x.dtype} {tuple(x.shape)}")
+        x = _logit_rows(x)
         if not all(0 <= r < x.shape[0] for r in rows) or not all(0 <= t < x.shape[1] for t in tokens):
             raise IndexError(f"rows {rows} or tokens {tokens} outside {tuple(x.shape)}")
         if not all(t > 0 for t in temperatures) or not all(0 <= k <= _LOGPROB_TOP for k in tops):
             raise ValueError(f"temperatures must be positive and tops 0..{_LOGPROB_TOP}")
-        if x.stride(1) != 1:
-            x = x.contiguous()
         count = len(rows)
         lp, rank = torch.empty(count, dtype=torch.float32), torch.empty(count, dtype=torch.int64)
         top_ids = torch.empty(count, _LOGPROB_TOP, dtype=torch.int64)
@@ -165,6 +156,14 @@ class RowwiseKernels:
             top = list(zip(top_ids[t, :k].tolist(), top_values[t, :k].tolist()))
             answers.append(None if place < 0 else (value, place, top))
         return answers
+
+
+def _logit_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the sampler's kernels read it: fp32 CPU rows [N, V > 0] with contiguous values (a
+    copy where they are not); ValueError for anything else."""
+    if x.dtype is not torch.float32 or x.dim() != 2 or not x.is_cpu or x.shape[1] == 0:
+        raise ValueError(f"expected float32 CPU rows [N, V > 0], got {x.dtype} {tuple(x.shape)}")
+    return x if x.stride(1) == 1 else x.contiguous()
 
 
 def fits(x: torch.Tensor) -> bool:
