@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deepinfer.kernels.rowwise import rowwise_kernels
+from deepinfer.kernels.rowwise import RowwiseKernels, rowwise_kernels
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.structured.bitmask import apply_bitmask_
 
@@ -209,6 +209,14 @@ def sample_rows_on_triton(logits: torch.Tensor, rows: list[SamplingRow]) -> list
     return draw(probs, uniforms).tolist()
 
 
+def _row_kernels(logits: torch.Tensor) -> RowwiseKernels | None:
+    """rowwise.c's kernels where they take these logits (fp32 CPU rows [N, V > 0] and a C
+    compiler), else None: torch answers."""
+    if logits.is_cpu and logits.dtype is torch.float32 and logits.dim() == 2 and logits.shape[1]:
+        return rowwise_kernels()
+    return None
+
+
 def draw_tokens(logits: torch.Tensor, rows: list[SamplingRow], drawn: list[int]) -> dict[int, int]:
     """Step 6 for the non-greedy rows `drawn` of logits [N, V] off Triton: {row: token}. fp32 CPU
     rows are drawn by rowwise.c's `draw_rows`, a few passes over each row and no [N, V]
@@ -216,8 +224,8 @@ def draw_tokens(logits: torch.Tensor, rows: list[SamplingRow], drawn: list[int])
     searchsorted took ~15 ms a step, mostly faulting in their results, and top-p's sort ~70 ms);
     without a C compiler, truncated_probs_batch and sample_rows. Either way one uniform per row,
     from its own generator."""
-    kernels = rowwise_kernels()
-    if kernels is not None and logits.is_cpu and logits.dtype is torch.float32 and logits.dim() == 2:
+    kernels = _row_kernels(logits)
+    if kernels is not None:
         uniforms = uniforms_for([rows[i].generator for i in drawn])
         settings = [(p.temperature, p.top_k, p.top_p, p.min_p) for p in (rows[i].params for i in drawn)]
         return dict(zip(drawn, kernels.draw(logits, drawn, settings, uniforms)))
@@ -228,16 +236,8 @@ def draw_tokens(logits: torch.Tensor, rows: list[SamplingRow], drawn: list[int])
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
     """Each row's argmax (the first largest value, a NaN first): the C kernel for fp32 CPU rows,
     torch.argmax elsewhere (the same answer)."""
-    kernels = rowwise_kernels()
-    if (
-        kernels is not None
-        and logits.is_cpu
-        and logits.dtype is torch.float32
-        and logits.dim() == 2
-        and logits.shape[1]
-    ):
-        return kernels.argmax(logits)
-    return logits.argmax(dim=-1).tolist()
+    kernels = _row_kernels(logits)
+    return kernels.argmax(logits) if kernels is not None else logits.argmax(dim=-1).tolist()
 
 
 class Sampler:
@@ -285,9 +285,9 @@ def add_logprobs(
     (log_softmax, a rank and a top-k per row through torch took ~10 ms for 32 rows of a 49k
     vocabulary on Zen 4); a row it leaves (a NaN or +inf among its logits) and other devices
     through torch."""
-    kernels = rowwise_kernels()
+    kernels = _row_kernels(processed)
     answers: list[tuple[float, int, list[tuple[int, float]]] | None] = [None] * len(wanted)
-    if kernels is not None and processed.is_cpu and processed.dtype is torch.float32 and processed.dim() == 2:
+    if kernels is not None:
         answers = kernels.logprobs(
             processed,
             wanted,
