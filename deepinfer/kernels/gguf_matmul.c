@@ -2155,13 +2155,13 @@ static void matmul_team(const float *x, int64_t M, int64_t K, int64_t ldx, int64
                     const int wide = n + 16 <= n1;
                     const int pair = GGUF_X8_PAIRS && M > 1 && wide;
                     const int64_t width = pair || (wide && use_amx) ? 16 : 8;
+                    const uint8_t *group = wseg + n * w_stride;
                     int64_t m = m0;
 #if GGUF_AMX
                     if (use_amx && wide && m1 - m0 >= 16) { /* whole 16-row tiles; the rest below */
                         const int64_t whole = m0 + (m1 - m0) / 16 * 16;
                         prefetch_part(next, next_bytes, pass, passes);
                         pass = passes; /* one slice before the tiles' single call, none after (untimed on AMX) */
-                        const uint8_t *group = wseg + n * w_stride;
                         float *out = y + m0 * ldy + col0 + n;
                         if (block_elems(base) == 32) amx_unit(base, group, 8 * w_stride, a, m0, whole, out, ldy, tiles);
                         else amx_unit_k(base, group, 8 * w_stride, a, m0, whole, out, ldy, (uint8_t *)tiles, kscales);
@@ -2170,7 +2170,6 @@ static void matmul_team(const float *x, int64_t M, int64_t K, int64_t ldx, int64
 #endif
                     for (; m < m1;) {
                         const int tile_cols = m + 4 <= m1 ? 4 : 1;
-                        const uint8_t *group = wseg + n * w_stride;
                         if (n == n0) prefetch_part(next, next_bytes, pass++, passes);
                         float *out = y + m * ldy + col0 + n;
 #if GGUF_X8_PAIRS
