@@ -40,6 +40,12 @@
 #else
 #define GGUF_SIMD 0
 #endif
+/* two 8-row groups per 512-bit tile (tile_x8_pair and its kin) */
+#if GGUF_SIMD && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define GGUF_X8_PAIRS 1
+#else
+#define GGUF_X8_PAIRS 0
+#endif
 
 #define AI static inline __attribute__((always_inline))
 
@@ -95,6 +101,11 @@ typedef struct { uint16_t d[8]; int8_t scales[128]; uint8_t q[16][96]; } block_q
  * the same in bytes 32 .., and the third bit of position 32s + 4k + i (k < 8) at bit k of byte
  * 64 + 4j + i. */
 typedef struct { uint16_t d[8]; uint8_t scales[96]; uint8_t q[8][96]; } block_q3_kx8;
+
+/* The most activation rows a pair tile takes at once: 8 for the k-quants of sixteen 16-position
+ * sub-blocks, whose unpacking and scales then serve twice the rows (Q6_K 1.03-1.11x, Q3_K
+ * 1.10-1.15x on Zen 4); 4 for the rest (8 rows of Q4_K spill registers: 0.91-0.94x). */
+static inline int pair_rows(int base) { return base == Q6_K || base == Q3_K ? 8 : 4; }
 
 /* Quantized activations of M rows, in scratch: q [M][K] int8; d, s [nb][M] float (block-major,
  * so the scales of neighbouring rows load together); for 32-wide blocks qsum [nb][M], each block's
@@ -1111,8 +1122,7 @@ AI void tile_q3k_x8(const int MR, const uint8_t *group, const acts *a, int64_t m
     for (int r = 0; r < MR; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define GGUF_X8_PAIRS 1
+#if GGUF_X8_PAIRS
 /* Two 256-bit halves as one 512-bit vector (lo in lanes 0-7). */
 AI __m512i join256(const void *lo, const void *hi) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)lo)),
@@ -1131,6 +1141,14 @@ AI __m512 halves16(const void *lo, const void *hi) {
 AI __m512i x8_dot_pair(__m512i sum, const __m512i *w, const int n, const int8_t *aq) {
     for (int k = 0; k < n; ++k)
         __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(sum) : "v"(w[k]), "m"(((const int32_unaligned *)aq)[k]));
+    return sum;
+}
+
+/* sum + v's 16-bit pairs times the pair of int16 at `pair` (as one int32, every lane), each lane
+ * gaining v's two products: VPDPWSSD with its broadcast operand, where a separate broadcast, a
+ * 16-bit multiply-add and an add took three instructions. Exact (no saturation). */
+AI __m512i dot16_pair(__m512i sum, const __m512i v, const int16_t *pair) {
+    __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(sum) : "v"(v), "m"(*(const int32_unaligned *)pair));
     return sum;
 }
 
@@ -1223,9 +1241,8 @@ AI void tile_qk_x8_pair(const int qtype, const int MR, const uint8_t *group, int
             for (int r = 0; r < MR; ++r) {
                 const __m512i part = x8_dot_pair(_mm512_setzero_si512(), w, 8, a->q + (m + r) * a->K + 256 * b + 32 * s);
                 isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(part, scale));
-                int32_t sums; /* the sub-block's two 16-value sums */
-                memcpy(&sums, a->bsum + ((m + r) * a->nb + b) * 16 + 2 * s, sizeof sums);
-                imin[r] = _mm512_add_epi32(imin[r], _mm512_madd_epi16(mins2, _mm512_set1_epi32(sums)));
+                /* the min times the sub-block's two 16-value sums */
+                imin[r] = dot16_pair(imin[r], mins2, a->bsum + ((m + r) * a->nb + b) * 16 + 2 * s);
             }
         }
         const __m512 dw = halves16(lo->d, hi->d), dmin = halves16(lo->dmin, hi->dmin);
@@ -1241,8 +1258,22 @@ AI void tile_qk_x8_pair(const int qtype, const int MR, const uint8_t *group, int
 
 /* The pair forms of x8_offset_sum, x8_sub_block and x8_block_steps (Q6_K, Q3_K): lanes 0-7 the
  * group whose scales are at sl (d at dl), 8-15 the next one's. */
-AI __m512i x8_offset_sum_pair(const int8_t *sl, const int8_t *sh, const int16_t *bsum, const int shift) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(x8_offset_sum(sl, bsum, shift)), x8_offset_sum(sh, bsum, shift), 1);
+/* isum[r] = x8_offset_sum's term for activation row m + r, r < MR: each pair of sub-blocks' scales
+ * unpacked once for all the rows, then one VPDPWSSD per pair and row (the integer sums are exact,
+ * so their order does not change them). */
+AI void x8_offset_sum_pair(const int MR, const int8_t *sl, const int8_t *sh, const acts *a, int64_t m, int64_t b,
+                           const int shift, __m512i *isum) {
+    __m512i sum[8];
+    for (int r = 0; r < MR; ++r) sum[r] = _mm512_setzero_si512();
+    for (int u = 0; u < 8; ++u) { /* lanes j, 8 + j: sub-blocks 2u and 2u + 1 of either group's row j */
+        const __m128i lo = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)(sl + 16 * u)),
+                                             _mm_loadl_epi64((const __m128i *)(sl + 16 * u + 8)));
+        const __m128i hi = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)(sh + 16 * u)),
+                                             _mm_loadl_epi64((const __m128i *)(sh + 16 * u + 8)));
+        const __m512i pairs = _mm512_cvtepi8_epi16(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
+        for (int r = 0; r < MR; ++r) sum[r] = dot16_pair(sum[r], pairs, a->bsum + ((m + r) * a->nb + b) * 16 + 2 * u);
+    }
+    for (int r = 0; r < MR; ++r) isum[r] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum[r], shift));
 }
 
 AI void x8_sub_block_pair(const int MR, const __m512i w[4], const int8_t *sl, const int8_t *sh, const acts *a,
@@ -1265,15 +1296,14 @@ AI void x8_block_steps_pair(const int MR, const uint16_t *dl, const uint16_t *dh
 /* tile_q6k_x8 for two consecutive 8-row groups at once: every lane through its operations. */
 AI void tile_q6k_x8_pair(const int MR, const uint8_t *group, int64_t group_bytes, const acts *a, int64_t m, float *y,
                          int64_t ldy) {
-    __m512 acc[4];
+    __m512 acc[8];
     for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(0x30);
     for (int64_t b = 0; b < a->nb; ++b) {
         const block_q6_kx8 *lo = (const block_q6_kx8 *)group + b;
         const block_q6_kx8 *hi = (const block_q6_kx8 *)(group + group_bytes) + b;
-        __m512i isum[4];
-        for (int r = 0; r < MR; ++r) /* the offset of 32 first */
-            isum[r] = x8_offset_sum_pair(lo->scales, hi->scales, a->bsum + ((m + r) * a->nb + b) * 16, 5);
+        __m512i isum[8];
+        x8_offset_sum_pair(MR, lo->scales, hi->scales, a, m, b, 5, isum); /* the offset of 32 first */
         for (int t = 0; t < 16; ++t) {
             const __m512i x0 = join256(lo->q[t], hi->q[t]);
             const __m512i x1 = join256(lo->q[t] + 32, hi->q[t] + 32);
@@ -1294,7 +1324,7 @@ AI void tile_q6k_x8_pair(const int MR, const uint8_t *group, int64_t group_bytes
 /* tile_q3k_x8 for two consecutive 8-row groups at once: every lane through its operations. */
 AI void tile_q3k_x8_pair(const int MR, const uint8_t *group, int64_t group_bytes, const acts *a, int64_t m, float *y,
                          int64_t ldy) {
-    __m512 acc[4];
+    __m512 acc[8];
     for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
     const __m512i two = _mm512_set1_epi8(3), third = _mm512_set1_epi8(4);
     for (int64_t b = 0; b < a->nb; ++b) {
@@ -1303,9 +1333,8 @@ AI void tile_q3k_x8_pair(const int MR, const uint8_t *group, int64_t group_bytes
         int8_t sl[128], sh[128];
         x8_q3k_scales(lo->scales, sl);
         x8_q3k_scales(hi->scales, sh);
-        __m512i isum[4];
-        for (int r = 0; r < MR; ++r) /* the offset of 4 first */
-            isum[r] = x8_offset_sum_pair(sl, sh, a->bsum + ((m + r) * a->nb + b) * 16, 2);
+        __m512i isum[8];
+        x8_offset_sum_pair(MR, sl, sh, a, m, b, 2, isum); /* the offset of 4 first */
         for (int t = 0; t < 16; ++t) {
             const __m512i bits = join256(lo->q[t / 2] + 32 * (t % 2), hi->q[t / 2] + 32 * (t % 2));
             const __m512i hv = join256(lo->q[t / 2] + 64, hi->q[t / 2] + 64);
@@ -1322,11 +1351,15 @@ AI void tile_q3k_x8_pair(const int MR, const uint8_t *group, int64_t group_bytes
     for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
 }
 
-/* A case of run_tile_x8_pair: `call` with the format and the row count (4 or 1) constants, so each
- * is compiled for its shape. */
+/* A case of run_tile_x8_pair: `call` with the format and the row count (4 or 1; 8 too for the
+ * formats of pair_rows) constants, so each is compiled for its shape. */
 #define PAIR_CASE(QT, call)                                                                                   \
     case QT:                                                                                                  \
         mr == 4 ? call(QT, 4) : call(QT, 1);                                                                  \
+        break;
+#define PAIR_CASE8(QT, call)                                                                                  \
+    case QT:                                                                                                  \
+        mr == 8 ? call(QT, 8) : mr == 4 ? call(QT, 4) : call(QT, 1);                                          \
         break;
 
 static void run_tile_x8_pair(int qtype, int mr, const uint8_t *group, int64_t group_bytes, const acts *a, int64_t m,
@@ -1338,8 +1371,8 @@ static void run_tile_x8_pair(int qtype, int mr, const uint8_t *group, int64_t gr
     switch (interleaved_base(qtype)) {
         PAIR_CASE(Q4_K, QK)
         PAIR_CASE(Q5_K, QK)
-        PAIR_CASE(Q6_K, Q6K)
-        PAIR_CASE(Q3_K, Q3K)
+        PAIR_CASE8(Q6_K, Q6K)
+        PAIR_CASE8(Q3_K, Q3K)
         PAIR_CASE(Q4_0, X32)
         PAIR_CASE(Q4_1, X32)
         PAIR_CASE(Q5_0, X32)
@@ -1353,8 +1386,6 @@ static void run_tile_x8_pair(int qtype, int mr, const uint8_t *group, int64_t gr
 #undef Q3K
 #undef X32
 }
-#else
-#define GGUF_X8_PAIRS 0
 #endif
 
 static void run_tile_x8(int qtype, int mr, const uint8_t *group, const acts *a, int64_t m, float *y, int64_t ldy) {
@@ -2131,8 +2162,11 @@ static void matmul_team(const float *x, int64_t M, int64_t K, int64_t ldx, int64
         /* the next unit of this segment, prefetched over this unit's passes (a few rows: no need) */
         const uint8_t *next = wseg + n1 * w_stride;
         const int64_t next_bytes = M >= 8 ? ((n1 + UNIT < rows[s] ? n1 + UNIT : rows[s]) - n1) * w_stride : 0;
-        /* a pass asks for at most 8 KB: more at once (a unit of a long row, few passes) was slower */
-        const int64_t passes = (M + 3) / 4 > (next_bytes >> 13) + 1 ? (M + 3) / 4 : (next_bytes >> 13) + 1;
+        /* a pass (a tile of activation rows) asks for at most 8 KB: more at once (a unit of a long
+         * row, few passes) was slower */
+        const int tile_most = GGUF_X8_PAIRS && M > 1 ? pair_rows(base) : 4;
+        const int64_t row_tiles = (M + tile_most - 1) / tile_most;
+        const int64_t passes = row_tiles > (next_bytes >> 13) + 1 ? row_tiles : (next_bytes >> 13) + 1;
         int64_t pass = 0;
         for (int64_t m0 = 0; m0 < M; m0 += m_chunk) {
             const int64_t m1 = m0 + m_chunk < M ? m0 + m_chunk : M;
@@ -2169,7 +2203,7 @@ static void matmul_team(const float *x, int64_t M, int64_t K, int64_t ldx, int64
                     }
 #endif
                     for (; m < m1;) {
-                        const int tile_cols = m + 4 <= m1 ? 4 : 1;
+                        const int tile_cols = pair && m + tile_most <= m1 ? tile_most : m + 4 <= m1 ? 4 : 1;
                         if (n == n0) prefetch_part(next, next_bytes, pass++, passes);
                         float *out = y + m * ldy + col0 + n;
 #if GGUF_X8_PAIRS
