@@ -102,20 +102,22 @@ typedef struct { uint16_t d[8]; int8_t scales[128]; uint8_t q[16][96]; } block_q
  * 64 + 4j + i. */
 typedef struct { uint16_t d[8]; uint8_t scales[96]; uint8_t q[8][96]; } block_q3_kx8;
 
-/* The most activation rows a pair tile takes at once: 8 for the k-quants of sixteen 16-position
- * sub-blocks, whose unpacking and scales then serve twice the rows (Q6_K 1.03-1.11x, Q3_K
- * 1.10-1.15x on Zen 4); 4 for the rest (8 rows of Q4_K spill registers: 0.91-0.94x). */
-static inline int pair_rows(int base) { return base == Q6_K || base == Q3_K ? 8 : 4; }
+/* The most activation rows a pair tile takes at once: 8 where one unpacking of the weights and
+ * their scales then serves twice the rows (Zen 4: Q6_K 1.03-1.11x, Q3_K 1.10-1.15x, Q4_K
+ * 1.00-1.09x once its mins took a product per two sub-blocks); 4 for the rest (Q8_0 and Q4_K
+ * before that: 0.91-0.97x, registers spilled). */
+static inline int pair_rows(int base) { return base == Q6_K || base == Q3_K || base == Q4_K ? 8 : 4; }
 
 /* Quantized activations of M rows, in scratch: q [M][K] int8; d, s [nb][M] float (block-major,
  * so the scales of neighbouring rows load together); for 32-wide blocks qsum [nb][M], each block's
  * integer sum (the vector paths' offsets: a signed quant w times q is (w + c) q less c q); for
- * 256-wide blocks bsum [M][nb][16], the sums of each 16 values. */
+ * 256-wide blocks bsum [M][nb][16], the sums of each 16 values, and bsum32 [M][nb][8], of each 32
+ * (Q4_K's and Q5_K's sub-blocks: their mins take two sub-blocks per 16-bit product). */
 typedef struct {
     int8_t *q;
     float *d, *s;
     int32_t *qsum;
-    int16_t *bsum;
+    int16_t *bsum, *bsum32;
     int64_t M, K, nb;
 } acts;
 
@@ -280,7 +282,7 @@ static void x8_row(int qtype, const uint8_t *group, int j, int64_t nb, uint8_t *
 static int64_t acts_bytes(int64_t M, int64_t K, int wide) {
     const int64_t nb = K / (wide ? 256 : 32);
     return M * K + 2 * nb * M * (int64_t)sizeof(float) +
-           (wide ? M * nb * 16 * (int64_t)sizeof(int16_t) : nb * M * (int64_t)sizeof(int32_t));
+           (wide ? M * nb * (16 + 8) * (int64_t)sizeof(int16_t) : nb * M * (int64_t)sizeof(int32_t));
 }
 
 static acts acts_at(void *base, int64_t M, int64_t K, int wide) {
@@ -291,12 +293,19 @@ static acts acts_at(void *base, int64_t M, int64_t K, int wide) {
     a.s = a.d + a.nb * M;
     a.qsum = wide ? NULL : (int32_t *)(a.s + a.nb * M);
     a.bsum = wide ? (int16_t *)(a.s + a.nb * M) : NULL;
+    a.bsum32 = wide ? a.bsum + M * a.nb * 16 : NULL;
     return a;
 }
 
 /* ---------------------------------------------------------------- activation quantization */
 
 static inline float round_to_half(float v) { return (float)(_Float16)v; } /* nearest even */
+
+/* bsum32 of block b of activation row m from its bsum (|sum| <= 32 * 127: exact in 16 bits). */
+static inline void bsum32_block(const acts *a, int64_t m, int64_t b) {
+    const int16_t *sums = a->bsum + (m * a->nb + b) * 16;
+    for (int j = 0; j < 8; ++j) a->bsum32[(m * a->nb + b) * 8 + j] = (int16_t)(sums[2 * j] + sums[2 * j + 1]);
+}
 
 static void quantize_row(const float *x, const acts *a, int64_t m, int block) {
     int8_t *q = a->q + m * a->K;
@@ -321,6 +330,7 @@ static void quantize_row(const float *x, const acts *a, int64_t m, int block) {
         a->d[b * a->M + m] = block == 32 ? round_to_half(d) : d;
         a->s[b * a->M + m] = block == 32 ? round_to_half(d * (float)sum) : d * (float)sum;
         if (a->qsum) a->qsum[b * a->M + m] = sum;
+        if (a->bsum32) bsum32_block(a, m, b);
     }
 }
 
@@ -396,6 +406,7 @@ static void quantize_row256_simd(const float *x, const acts *a, int64_t m) {
         }
         a->d[b * a->M + m] = d;
         a->s[b * a->M + m] = d * (float)sum;
+        bsum32_block(a, m, b);
     }
 }
 #endif
@@ -1201,13 +1212,22 @@ AI __m512i scales16(const uint8_t *lo, const uint8_t *hi, const int is_signed) {
     return is_signed ? _mm512_cvtepi8_epi32(both) : _mm512_cvtepu8_epi32(both);
 }
 
+/* Two sub-blocks' eight 8-bit factors per group as 16-bit pairs, lane j (8 + j): (lo[j], lo[8 + j])
+ * ((hi[j], hi[8 + j])), dot16_pair's operand. */
+AI __m512i pairs16(const uint8_t *lo, const uint8_t *hi, const int is_signed) {
+    const __m128i l = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)lo), _mm_loadl_epi64((const __m128i *)(lo + 8)));
+    const __m128i h = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)hi), _mm_loadl_epi64((const __m128i *)(hi + 8)));
+    const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(l), h, 1);
+    return is_signed ? _mm512_cvtepi8_epi16(both) : _mm512_cvtepu8_epi16(both);
+}
+
 /* tile_qk_x8 (Q4_K, Q5_K) for two consecutive 8-row groups at once, as tile_x8_pair: every lane
  * through tile_qk_x8's operations, so its bits, with half the instructions of two 256-bit tiles.
  * The Q4_K_M files users download spend most of their products here and in tile_q6k_x8_pair. */
 AI void tile_qk_x8_pair(const int qtype, const int MR, const uint8_t *group, int64_t group_bytes, const acts *a,
                         int64_t m, float *y, int64_t ldy) {
     const int64_t gbytes = 8 * block_bytes(qtype);
-    __m512 acc[4], off[4];
+    __m512 acc[8], off[8];
     for (int r = 0; r < MR; ++r) acc[r] = off[r] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
     const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
@@ -1217,7 +1237,7 @@ AI void tile_qk_x8_pair(const int qtype, const int MR, const uint8_t *group, int
         uint8_t sc[2][64], mn[2][64];
         x8_q4k_scales(lo->scales, sc[0], mn[0]);
         x8_q4k_scales(hi->scales, sc[1], mn[1]);
-        __m512i isum[4], imin[4];
+        __m512i isum[8], imin[8];
         for (int r = 0; r < MR; ++r) isum[r] = imin[r] = _mm512_setzero_si512();
         for (int s = 0; s < 8; ++s) {
             __m512i w[8];
@@ -1236,14 +1256,14 @@ AI void tile_qk_x8_pair(const int qtype, const int MR, const uint8_t *group, int
                 }
             }
             const __m512i scale = scales16(sc[0] + 8 * s, sc[1] + 8 * s, 0);
-            const __m512i mins = scales16(mn[0] + 8 * s, mn[1] + 8 * s, 0);
-            const __m512i mins2 = _mm512_or_si512(mins, _mm512_slli_epi32(mins, 16)); /* min, min as 16-bit pairs */
             for (int r = 0; r < MR; ++r) {
                 const __m512i part = x8_dot_pair(_mm512_setzero_si512(), w, 8, a->q + (m + r) * a->K + 256 * b + 32 * s);
                 isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(part, scale));
-                /* the min times the sub-block's two 16-value sums */
-                imin[r] = dot16_pair(imin[r], mins2, a->bsum + ((m + r) * a->nb + b) * 16 + 2 * s);
             }
+        }
+        for (int u = 0; u < 4; ++u) { /* the mins of sub-blocks 2u and 2u + 1 times their 32-value sums */
+            const __m512i mins = pairs16(mn[0] + 16 * u, mn[1] + 16 * u, 0);
+            for (int r = 0; r < MR; ++r) imin[r] = dot16_pair(imin[r], mins, a->bsum32 + ((m + r) * a->nb + b) * 8 + 2 * u);
         }
         const __m512 dw = halves16(lo->d, hi->d), dmin = halves16(lo->dmin, hi->dmin);
         for (int r = 0; r < MR; ++r) {
@@ -1266,11 +1286,7 @@ AI void x8_offset_sum_pair(const int MR, const int8_t *sl, const int8_t *sh, con
     __m512i sum[8];
     for (int r = 0; r < MR; ++r) sum[r] = _mm512_setzero_si512();
     for (int u = 0; u < 8; ++u) { /* lanes j, 8 + j: sub-blocks 2u and 2u + 1 of either group's row j */
-        const __m128i lo = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)(sl + 16 * u)),
-                                             _mm_loadl_epi64((const __m128i *)(sl + 16 * u + 8)));
-        const __m128i hi = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)(sh + 16 * u)),
-                                             _mm_loadl_epi64((const __m128i *)(sh + 16 * u + 8)));
-        const __m512i pairs = _mm512_cvtepi8_epi16(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
+        const __m512i pairs = pairs16((const uint8_t *)sl + 16 * u, (const uint8_t *)sh + 16 * u, 1);
         for (int r = 0; r < MR; ++r) sum[r] = dot16_pair(sum[r], pairs, a->bsum + ((m + r) * a->nb + b) * 16 + 2 * u);
     }
     for (int r = 0; r < MR; ++r) isum[r] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum[r], shift));
@@ -1369,7 +1385,7 @@ static void run_tile_x8_pair(int qtype, int mr, const uint8_t *group, int64_t gr
 #define Q3K(QT, MR) tile_q3k_x8_pair(MR, group, group_bytes, a, m, y, ldy)
 #define X32(QT, MR) tile_x8_pair(QT, MR, group, group_bytes, a, m, y, ldy)
     switch (interleaved_base(qtype)) {
-        PAIR_CASE(Q4_K, QK)
+        PAIR_CASE8(Q4_K, QK)
         PAIR_CASE(Q5_K, QK)
         PAIR_CASE8(Q6_K, Q6K)
         PAIR_CASE8(Q3_K, Q3K)

@@ -136,7 +136,7 @@ def test_interleaved_rows_give_the_same_bits(kernels, name):
     assert not np.array_equal(interleaved.data, matrix.data)
     assert kernels.interleave(random_packed(name, 70, COLS, rng)).qtype == matrix.qtype  # 70 % 8
     q8 = random_packed("Q8_0", 30, COLS, rng)  # a segment beside it in the file's layout
-    for batch in (1, 3, 4, 5, 13, 33):  # 13: a tile of 8 rows (Q6_K, Q3_K), of 4 and of 1
+    for batch in (1, 3, 4, 5, 13, 33):  # 13: a tile of 8 rows (Q3_K, Q4_K, Q6_K), of 4 and of 1
         x = rng.standard_normal((batch, COLS)).astype(np.float32)
         expected = _matmul(kernels, x, matrix, q8)
         assert np.array_equal(_matmul(kernels, x, interleaved, q8), expected), batch
