@@ -875,6 +875,25 @@ AI void x8_quants(const int base, const uint8_t *blk, __m256i w[8]) {
         for (int k = 0; k < 8; ++k) w[k] = _mm256_sub_epi8(w[k], _mm256_set1_epi8((char)x8_offset(base)));
 }
 
+/* Four activation bytes read as one int32 (any alignment, any declared type). */
+typedef int32_t int32_unaligned __attribute__((may_alias, aligned(1)));
+
+/* The sums of n interleaved quant vectors w[k] (lane 4j + i: row j, position 4k + i, unsigned)
+ * times an activation row's bytes aq[4k .. 4k+3]: lane j's sum is row j's exact dot product. */
+AI __m256i x8_dot(const __m256i *w, const int n, const int8_t *aq) {
+    __m256i sum = _mm256_setzero_si256();
+    for (int k = 0; k < n; ++k) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) /* x8_dot_pair's broadcast operand */
+        __asm__("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(sum) : "v"(w[k]), "m"(((const int32_unaligned *)aq)[k]));
+#else
+        int32_t four;
+        memcpy(&four, aq + 4 * k, sizeof four);
+        sum = dot_u8s8_acc(sum, w[k], _mm256_set1_epi32(four));
+#endif
+    }
+    return sum;
+}
+
 /* The eight rows of an interleaved group x activation rows [m, m + MR): y[r * ldy + j] for row j.
  * Per block, lane j of the integer sums is row j's exact block dot product, then the same float
  * steps as tile32 (so the same bits). The quants multiply the activations as unsigned bytes:
@@ -901,14 +920,16 @@ AI void tile_x8(const int base, const int MR, const uint8_t *group, const acts *
         const __m256 mw = has_min(base) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))) : _mm256_setzero_ps();
         for (int r = 0; r < MR; ++r) {
             const int8_t *aq = a->q + (m + r) * a->K + 32 * b;
-            /* the offset first: x8_offset times the activations' sum, negated */
-            __m256i isum = unsigned_quants ? _mm256_set1_epi32(-x8_offset(base) * a->qsum[b * a->M + m + r])
-                                           : _mm256_setzero_si256();
-            for (int k = 0; k < 8; ++k) {
-                int32_t four;
-                memcpy(&four, aq + 4 * k, sizeof four);
-                const __m256i s = _mm256_set1_epi32(four);
-                isum = dot_u8s8_acc(isum, u[k], unsigned_quants ? s : _mm256_sign_epi8(s, w[k]));
+            __m256i isum;
+            if (unsigned_quants) /* the offset first: x8_offset times the activations' sum, negated */
+                isum = _mm256_add_epi32(_mm256_set1_epi32(-x8_offset(base) * a->qsum[b * a->M + m + r]), x8_dot(u, 8, aq));
+            else {
+                isum = _mm256_setzero_si256();
+                for (int k = 0; k < 8; ++k) {
+                    int32_t four;
+                    memcpy(&four, aq + 4 * k, sizeof four);
+                    isum = dot_u8s8_acc(isum, u[k], _mm256_sign_epi8(_mm256_set1_epi32(four), w[k]));
+                }
             }
             const __m256 da = _mm256_set1_ps(a->d[b * a->M + m + r]);
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, da), acc[r]);
@@ -916,25 +937,6 @@ AI void tile_x8(const int base, const int MR, const uint8_t *group, const acts *
         }
     }
     for (int r = 0; r < MR; ++r) _mm256_storeu_ps(y + r * ldy, _mm256_add_ps(acc[r], off[r]));
-}
-
-/* Four activation bytes read as one int32 (any alignment, any declared type). */
-typedef int32_t int32_unaligned __attribute__((may_alias, aligned(1)));
-
-/* The sums of n interleaved quant vectors w[k] (lane 4j + i: row j, position 4k + i, unsigned)
- * times an activation row's bytes aq[4k .. 4k+3]: lane j's sum is row j's exact dot product. */
-AI __m256i x8_dot(const __m256i *w, const int n, const int8_t *aq) {
-    __m256i sum = _mm256_setzero_si256();
-    for (int k = 0; k < n; ++k) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__) /* x8_dot_pair's broadcast operand */
-        __asm__("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(sum) : "v"(w[k]), "m"(((const int32_unaligned *)aq)[k]));
-#else
-        int32_t four;
-        memcpy(&four, aq + 4 * k, sizeof four);
-        sum = dot_u8s8_acc(sum, w[k], _mm256_set1_epi32(four));
-#endif
-    }
-    return sum;
 }
 
 /* The 6-bit scales and mins of an interleaved Q4_K block's eight rows (q4k_scales on all of them
@@ -994,8 +996,8 @@ AI void x8_k_sub_block(const int base, const uint8_t *blk, const int s, __m256i 
 /* The eight rows of an interleaved Q4_K or Q5_K group x activation rows [m, m + MR): y[r * ldy +
  * j] for row j. Per sub-block of 32 positions, lane j gathers row j's exact integer dot product
  * (VNNI, unsigned quants times the activations), multiplied by its 6-bit scale; the mins' term is
- * the mins times the activations' 16-value sums, two at a time (one 16-bit multiply-add per pair:
- * both factors fit 16 bits). Then tile_qk's float steps lane by lane, so tile_qk's bits. */
+ * the mins times the activations' 32-value sums, two sub-blocks per 16-bit multiply-add (both
+ * factors fit 16 bits). Then tile_qk's float steps lane by lane, so tile_qk's bits. */
 AI void tile_qk_x8(const int qtype, const int MR, const uint8_t *group, const acts *a, int64_t m, float *y,
                    int64_t ldy) {
     __m256 acc[4], off[4];
@@ -1011,14 +1013,18 @@ AI void tile_qk_x8(const int qtype, const int MR, const uint8_t *group, const ac
             __m256i w[8];
             x8_k_sub_block(qtype, (const uint8_t *)blk, s, w);
             const __m256i scale = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8 * s)));
-            const __m256i mins = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mn + 8 * s)));
-            const __m256i mins2 = _mm256_or_si256(mins, _mm256_slli_epi32(mins, 16)); /* min, min as 16-bit pairs */
             for (int r = 0; r < MR; ++r) {
                 const __m256i part = x8_dot(w, 8, a->q + (m + r) * a->K + 256 * b + 32 * s);
                 isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(part, scale));
-                int32_t sums; /* the sub-block's two 16-value sums */
-                memcpy(&sums, a->bsum + ((m + r) * a->nb + b) * 16 + 2 * s, sizeof sums);
-                imin[r] = _mm256_add_epi32(imin[r], _mm256_madd_epi16(mins2, _mm256_set1_epi32(sums)));
+            }
+        }
+        for (int u = 0; u < 4; ++u) { /* the mins of sub-blocks 2u and 2u + 1 times their 32-value sums */
+            const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)(mn + 16 * u)),
+                                                                         _mm_loadl_epi64((const __m128i *)(mn + 16 * u + 8))));
+            for (int r = 0; r < MR; ++r) {
+                int32_t sums;
+                memcpy(&sums, a->bsum32 + ((m + r) * a->nb + b) * 8 + 2 * u, sizeof sums);
+                imin[r] = _mm256_add_epi32(imin[r], _mm256_madd_epi16(mins, _mm256_set1_epi32(sums)));
             }
         }
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk->d));
@@ -1805,12 +1811,12 @@ static int amx_self_check(void) {
                 run_tile_x8(X8 + bases[i], 1, weights + h * NB * gbytes, &a, m, vnni + m * 16 + 8 * h, 16);
         if (memcmp(tiled, vnni, sizeof tiled) != 0) return 0;
     }
-    /* the k-quants: one block of 256 positions, the activations' 16-value sums from their quants */
+    /* the k-quants: one block of 256 positions, the activations' 16- and 32-value sums from their quants */
     static const int kbases[4] = {Q3_K, Q4_K, Q5_K, Q6_K};
     int8_t qk[M * 256];
-    int16_t bsum[M * 16] = {0};
-    for (int i = 0; i < M * 256; ++i) qk[i] = (int8_t)((int)(NEXT() % 255) - 127), bsum[i / 16] += qk[i];
-    const acts ak = {.q = qk, .d = d, .s = s, .qsum = NULL, .bsum = bsum, .M = M, .K = 256, .nb = 1};
+    int16_t bsum[M * 16] = {0}, bsum32[M * 8] = {0};
+    for (int i = 0; i < M * 256; ++i) qk[i] = (int8_t)((int)(NEXT() % 255) - 127), bsum[i / 16] += qk[i], bsum32[i / 32] += qk[i];
+    const acts ak = {.q = qk, .d = d, .s = s, .qsum = NULL, .bsum = bsum, .bsum32 = bsum32, .M = M, .K = 256, .nb = 1};
     uint8_t kweights[2 * sizeof(block_q6_kx8)], ktiles[256 * 16];
     k_block_scales kscales[1];
     for (int i = 0; i < 4; ++i) {
