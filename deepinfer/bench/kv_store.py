@@ -14,7 +14,7 @@ _STORE_WRITER = """
 import json, sys
 from deepinfer import LLM, SamplingParams
 args = json.loads(sys.argv[1])
-llm = LLM(args["model"], kv_store=args["store"], num_threads=args["threads"])
+llm = LLM(args["model"], kv_store=args["store"], **args["options"])
 llm.generate([{"prompt_token_ids": args["prompt"]}], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
 llm.close()
 """
@@ -40,12 +40,13 @@ def run(args: argparse.Namespace) -> int:
     from deepinfer import LLM
 
     store = args.kv_store or tempfile.mkdtemp(prefix="deepinfer-kv-")
-    llm = LLM(args.model, kv_store=store, **engine_options(args))
+    options = engine_options(args)  # the writer's too: a store keeps chunks per KV dtype and block size
+    llm = LLM(args.model, kv_store=store, **options)
     tokenizer = llm.get_tokenizer()
     prompts = random_prompts(tokenizer, 2 * args.repeats, args.prefix_len, args.prefix_len, args.seed)
     suffixes = random_prompts(tokenizer, 2 * args.repeats, args.suffix_len, args.suffix_len, args.seed + 1)
     for prompt in prompts[: args.repeats]:
-        payload = {"model": args.model, "store": store, "prompt": prompt, "threads": args.threads}
+        payload = {"model": args.model, "store": store, "prompt": prompt, "options": options}
         subprocess.run([sys.executable, "-c", _STORE_WRITER, json.dumps(payload)], check=True)
     ttft(llm.engine, prompts[-1][:64])  # warm-up
     hits = [_timed(llm.engine, p + s) for p, s in zip(prompts[: args.repeats], suffixes)]
