@@ -939,6 +939,14 @@ AI void tile_x8(const int base, const int MR, const uint8_t *group, const acts *
     for (int r = 0; r < MR; ++r) _mm256_storeu_ps(y + r * ldy, _mm256_add_ps(acc[r], off[r]));
 }
 
+/* Two sub-blocks' eight 8-bit factors of an interleaved group (f[j], f[8 + j] for row j) as byte
+ * pairs, bytes 2j and 2j + 1: widened to 16 bits, the operand of one multiply-add per two
+ * sub-blocks (the k-quants' mins and offset terms). */
+AI __m128i byte_pairs(const void *f) {
+    const uint8_t *bytes = (const uint8_t *)f;
+    return _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)bytes), _mm_loadl_epi64((const __m128i *)(bytes + 8)));
+}
+
 /* The 6-bit scales and mins of an interleaved Q4_K block's eight rows (q4k_scales on all of them
  * at once): sc[8 s + j] and mn[8 s + j] for sub-block s of row j. */
 AI void x8_q4k_scales(const uint8_t *scales, uint8_t sc[64], uint8_t mn[64]) {
@@ -1019,8 +1027,7 @@ AI void tile_qk_x8(const int qtype, const int MR, const uint8_t *group, const ac
             }
         }
         for (int u = 0; u < 4; ++u) { /* the mins of sub-blocks 2u and 2u + 1 times their 32-value sums */
-            const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)(mn + 16 * u)),
-                                                                         _mm_loadl_epi64((const __m128i *)(mn + 16 * u + 8))));
+            const __m256i mins = _mm256_cvtepu8_epi16(byte_pairs(mn + 16 * u));
             for (int r = 0; r < MR; ++r) {
                 int32_t sums;
                 memcpy(&sums, a->bsum32 + ((m + r) * a->nb + b) * 8 + 2 * u, sizeof sums);
@@ -1046,11 +1053,10 @@ AI void tile_qk_x8(const int qtype, const int MR, const uint8_t *group, const ac
 AI __m256i x8_offset_sum(const int8_t *sc, const int16_t *bsum, const int shift) {
     __m256i offset = _mm256_setzero_si256();
     for (int u = 0; u < 8; ++u) {
-        const __m128i pairs = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)(sc + 16 * u)),
-                                                _mm_loadl_epi64((const __m128i *)(sc + 16 * u + 8)));
         int32_t sums;
         memcpy(&sums, bsum + 2 * u, sizeof sums);
-        offset = _mm256_add_epi32(offset, _mm256_madd_epi16(_mm256_cvtepi8_epi16(pairs), _mm256_set1_epi32(sums)));
+        offset = _mm256_add_epi32(offset,
+                                  _mm256_madd_epi16(_mm256_cvtepi8_epi16(byte_pairs(sc + 16 * u)), _mm256_set1_epi32(sums)));
     }
     return _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset, shift));
 }
@@ -1218,12 +1224,10 @@ AI __m512i scales16(const uint8_t *lo, const uint8_t *hi, const int is_signed) {
     return is_signed ? _mm512_cvtepi8_epi32(both) : _mm512_cvtepu8_epi32(both);
 }
 
-/* Two sub-blocks' eight 8-bit factors per group as 16-bit pairs, lane j (8 + j): (lo[j], lo[8 + j])
- * ((hi[j], hi[8 + j])), dot16_pair's operand. */
+/* byte_pairs of two groups as 16-bit pairs, lanes 0-7 the group at lo, 8-15 the one at hi:
+ * dot16_pair's operand. */
 AI __m512i pairs16(const uint8_t *lo, const uint8_t *hi, const int is_signed) {
-    const __m128i l = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)lo), _mm_loadl_epi64((const __m128i *)(lo + 8)));
-    const __m128i h = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)hi), _mm_loadl_epi64((const __m128i *)(hi + 8)));
-    const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(l), h, 1);
+    const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(byte_pairs(lo)), byte_pairs(hi), 1);
     return is_signed ? _mm512_cvtepi8_epi16(both) : _mm512_cvtepu8_epi16(both);
 }
 
