@@ -13,16 +13,12 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import hashlib
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
 from deepinfer.kernels import isa
-from deepinfer.utils import cache_dir
+from deepinfer.kernels.build import compile_library
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,19 +50,7 @@ def available_kinds() -> tuple[Kind, ...]:
 
 @cache
 def _library() -> ctypes.CDLL:
-    source = Path(__file__).with_name("instruction_peak.c")
-    compiler = shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
-        raise RuntimeError("instruction_peak needs a C compiler (gcc)")
-    flags = ["-O2", "-fopenmp", "-shared", "-fPIC"]
-    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
-    target = cache_dir("bench") / f"instruction_peak-{digest}.so"
-    if not target.exists():
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            subprocess.run([compiler, *flags, str(source), "-o", str(built)], check=True)
-            built.replace(target)
-    library = ctypes.CDLL(str(target))
+    library = ctypes.CDLL(str(compile_library(Path(__file__).with_name("instruction_peak.c"))))
     library.instruction_rate.restype = ctypes.c_double
     library.instruction_rate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64]
     return library
@@ -85,10 +69,8 @@ def instruction_rate(kind: Kind, threads: int, iterations: int) -> float:
 
 def best_rate(kind: Kind, threads: int, seconds: float, repeats: int) -> float:
     """The best of `repeats` timings of about `seconds` each (the first call sizes them)."""
-    probe = 1_000_000
-    iterations = max(
-        1, int(probe * seconds * instruction_rate(kind, threads, probe) / (12 * threads * probe))
-    )
+    per_thread = instruction_rate(kind, threads, 1_000_000) / threads  # instructions per second
+    iterations = max(1, int(seconds * per_thread / 12))
     return max(instruction_rate(kind, threads, iterations) for _ in range(repeats))
 
 

@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 
@@ -38,21 +39,21 @@ def load_kernel_library(
     return _load(name, extra_flags, isa.compiler_flags() if target_flags is None else target_flags)
 
 
-@cache
-def _load(name: str, extra_flags: tuple[str, ...], target_flags: tuple[str, ...]) -> ctypes.CDLL | None:
-    source = Path(__file__).with_name(f"{name}.c")
+class BuildError(RuntimeError):
+    """No C compiler here, or the compiler refused a source."""
+
+
+def compile_library(source: Path, flags: Sequence[str] = (), key: bytes = b"") -> Path:
+    """Build `source` into an OpenMP shared library (`_FLAGS`, then `flags`) under the DeepInfer
+    cache, once per (source, `key`, compiler, flags), and return its path. Raises BuildError
+    without a compiler or when the build fails (the compiler's last output in the message)."""
+    flags = [*_FLAGS, *flags]
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
-        log.warning("no C compiler found; using the PyTorch reference kernels")
-        return None
-    flags = [*_FLAGS, *target_flags, *extra_flags]
-    # A source may include headers and other sources of this folder (decode_layers.c includes
-    # gguf_matmul.c): all of them are in the key.
-    siblings = b"".join(p.read_bytes() for p in sorted(source.parent.glob("*.[ch]")) if p != source)
-    digest = hashlib.sha256(
-        source.read_bytes() + siblings + " ".join([compiler, *flags]).encode()
-    ).hexdigest()[:16]
-    target = cache_dir("kernels") / f"{name}-{digest}.so"
+        raise BuildError("no C compiler found")
+    identity = source.read_bytes() + key + " ".join([compiler, *flags]).encode()
+    digest = hashlib.sha256(identity).hexdigest()[:16]
+    target = cache_dir("kernels") / f"{source.stem}-{digest}.so"
     if not target.exists():
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
@@ -60,9 +61,19 @@ def _load(name: str, extra_flags: tuple[str, ...], target_flags: tuple[str, ...]
                 [compiler, *flags, str(source), "-o", str(built), "-lm"], capture_output=True, text=True
             )
             if result.returncode != 0:
-                log.warning(
-                    "building %s failed, using the PyTorch reference: %s", name, result.stderr[-2000:]
-                )
-                return None
+                raise BuildError(f"building {source.name} failed: {result.stderr[-2000:]}")
             os.replace(built, target)  # atomic: concurrent builders never load half a file
-    return ctypes.CDLL(str(target))
+    return target
+
+
+@cache
+def _load(name: str, extra_flags: tuple[str, ...], target_flags: tuple[str, ...]) -> ctypes.CDLL | None:
+    source = Path(__file__).with_name(f"{name}.c")
+    # A source may include headers and other sources of this folder (decode_layers.c includes
+    # gguf_matmul.c): all of them are in the key.
+    siblings = b"".join(p.read_bytes() for p in sorted(source.parent.glob("*.[ch]")) if p != source)
+    try:
+        return ctypes.CDLL(str(compile_library(source, [*target_flags, *extra_flags], siblings)))
+    except BuildError as error:
+        log.warning("%s; using the PyTorch reference kernels", error)
+        return None
