@@ -2126,38 +2126,52 @@ static void matmul_team(const float *x, int64_t M, int64_t K, int64_t ldx, int64
     int64_t m_chunk = (192 << 10) / (K + 16);
     m_chunk = m_chunk < 4 ? 4 : m_chunk - m_chunk % 4;
 
-    float *row = prologue != PROLOGUE_NONE ? malloc(K * sizeof(float)) : NULL;
+    /* RMSNorm rows go in groups: their sums of squares side by side (squares_rows) */
+    const int64_t group_rows = prologue == PROLOGUE_RMS_NORM ? SQUARES_ROWS : 1;
+    float *row = prologue != PROLOGUE_NONE ? malloc(group_rows * K * sizeof(float)) : NULL;
 #pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; ++m) {
-        const float *a = x + m * ldx;
+    for (int64_t m0 = 0; m0 < M; m0 += group_rows) {
+        const int n = M - m0 < group_rows ? (int)(M - m0) : (int)group_rows;
+        const float *v[SQUARES_ROWS]; /* the rows to normalize */
+        double squares[SQUARES_ROWS];
         if (prologue == PROLOGUE_RMS_NORM) {
-            const float *v = a;
-            if (residual) {
-                float *out = sum ? sum + m * K : row;
-                for (int64_t i = 0; i < K; ++i) out[i] = a[i] + residual[m * K + i];
-                v = out;
-            } else if (sum) {
-                memcpy(sum + m * K, a, K * sizeof(float));
+            for (int r = 0; r < n; ++r) {
+                const int64_t m = m0 + r;
+                v[r] = x + m * ldx;
+                if (residual) {
+                    float *out = sum ? sum + m * K : row + r * K;
+                    for (int64_t i = 0; i < K; ++i) out[i] = x[m * ldx + i] + residual[m * K + i];
+                    v[r] = out;
+                } else if (sum) {
+                    memcpy(sum + m * K, v[r], K * sizeof(float));
+                }
             }
-            rms_norm_row(v, norm_weight, row, K, eps);
-            a = row;
-        } else if (prologue == PROLOGUE_SWIGLU) {
-            swiglu_row(a, a + K, row, K);
-            a = row;
+            squares_rows(v, n, K, squares);
         }
-        if (need32) {
+        for (int r = 0; r < n; ++r) {
+            const int64_t m = m0 + r;
+            const float *a = x + m * ldx;
+            if (prologue == PROLOGUE_RMS_NORM) {
+                rms_norm_scaled(v[r], norm_weight, row + r * K, K, eps, squares[r]); /* in place if v[r] is there */
+                a = row + r * K;
+            } else if (prologue == PROLOGUE_SWIGLU) {
+                swiglu_row(a, a + K, row, K);
+                a = row;
+            }
+            if (need32) {
 #if GGUF_SIMD
-            if (use_simd) quantize_row32_simd(a, &a32, m);
-            else
+                if (use_simd) quantize_row32_simd(a, &a32, m);
+                else
 #endif
-                quantize_row(a, &a32, m, 32);
-        }
-        if (need256) {
+                    quantize_row(a, &a32, m, 32);
+            }
+            if (need256) {
 #if GGUF_SIMD
-            if (use_simd) quantize_row256_simd(a, &a256, m);
-            else
+                if (use_simd) quantize_row256_simd(a, &a256, m);
+                else
 #endif
-                quantize_row(a, &a256, m, 256);
+                    quantize_row(a, &a256, m, 256);
+            }
         }
     }
     free(row);

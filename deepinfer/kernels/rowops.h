@@ -1,5 +1,5 @@
 /* Row operations shared by rowwise.c, gguf_matmul.c, bf16_matmul.c and bf16_layers.c: bf16
- * conversions, RMSNorm of one row and SiLU.
+ * conversions, RMSNorm of rows and SiLU.
  * Plain loops of IEEE operations (the files are built with -ffp-contract=off): a vectorized
  * and a scalar build give the same bits. paged_attention.c uses the exponential too (built with
  * contraction, its polynomial steps become FMAs there, in its scalar and vector forms alike). */
@@ -26,11 +26,28 @@ static inline uint16_t to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-/* out = v * w / sqrt(mean(v^2) + eps): the squares in float, summed in double, the mean and
+/* Rows per call of squares_rows: eight independent sums keep the adder busy where one row's
+ * sum is a chain of dependent additions (~4 cycles each). */
+#define SQUARES_ROWS 8
+
+/* squares[r] = the sum of rows[r][i]^2 over i < dim, r < n (at most SQUARES_ROWS): each square in
+ * float, summed in double in the order i = 0, 1, ..; the rows' sums advance side by side. */
+static inline void squares_rows(const float *const *rows, int n, int64_t dim, double *squares) {
+    double sums[SQUARES_ROWS] = {0.0};
+    if (n == SQUARES_ROWS) { /* a constant count: the compiler keeps the sums in registers */
+        for (int64_t i = 0; i < dim; ++i)
+            for (int r = 0; r < SQUARES_ROWS; ++r) sums[r] += (double)(rows[r][i] * rows[r][i]);
+    } else {
+        for (int64_t i = 0; i < dim; ++i)
+            for (int r = 0; r < n; ++r) sums[r] += (double)(rows[r][i] * rows[r][i]);
+    }
+    for (int r = 0; r < n; ++r) squares[r] = sums[r];
+}
+
+/* out = v * w / sqrt(mean(v^2) + eps) given squares = the sum of v^2 (squares_rows): the mean and
  * the scale in float (GGUF files come from llama.cpp, whose RMSNorm rounds so). */
-static inline void rms_norm_row(const float *v, const float *weight, float *out, int64_t dim, float eps) {
-    double squares = 0.0;
-    for (int64_t i = 0; i < dim; ++i) squares += (double)(v[i] * v[i]);
+static inline void rms_norm_scaled(const float *v, const float *weight, float *out, int64_t dim, float eps,
+                                   double squares) {
     const float mean = (float)(squares / (double)dim);
     const float scale = 1.0f / sqrtf(mean + eps);
     for (int64_t i = 0; i < dim; ++i) out[i] = (v[i] * scale) * weight[i];

@@ -238,18 +238,19 @@ def test_bad_inputs_are_refused(kernels):
 
 
 def test_fused_prologues_equal_the_separate_steps(kernels):
-    """RMSNorm (with the residual add) and SwiGLU inside the activation pass, as a layer uses them."""
+    """RMSNorm (with the residual add) and SwiGLU inside the activation pass, as a layer uses them; 13
+    rows: a group of 8 whose sums of squares advance side by side, and 5 more."""
     rng = _rng("prologues")
     norm = RMSNorm(COLS, 1e-5)
     norm.weight.data = torch.from_numpy(rng.standard_normal(COLS).astype(np.float32))
     group = PackedGroup([random_packed("Q4_1", 40, COLS, rng), random_packed("Q4_K", 24, COLS, rng)])
-    x, residual = (torch.from_numpy(rng.standard_normal((7, COLS)).astype(np.float32)) for _ in range(2))
+    x, residual = (torch.from_numpy(rng.standard_normal((13, COLS)).astype(np.float32)) for _ in range(2))
     y, summed = kernels.matmul_rms_norm(x, residual, norm.weight, norm.eps, group)
     assert torch.equal(summed, x + residual)
     assert torch.equal(y, kernels.matmul(norm(x + residual), group))  # the same row math, same bits
     first, same = kernels.matmul_rms_norm(x, None, norm.weight, norm.eps, group)
     assert same is x and torch.equal(first, kernels.matmul(norm(x), group))
-    gate_up = torch.from_numpy(rng.standard_normal((7, 2 * COLS)).astype(np.float32))
+    gate_up = torch.from_numpy(rng.standard_normal((13, 2 * COLS)).astype(np.float32))
     fused = kernels.matmul_swiglu(gate_up, group)
     gate, up = gate_up.split(COLS, dim=-1)
     separate = kernels.matmul(torch.nn.functional.silu(gate) * up, group)
@@ -262,4 +263,4 @@ def test_fused_prologues_equal_the_separate_steps(kernels):
     ):
         batched = run(slice(None), False)
         assert torch.equal(run(slice(None), True), batched)
-        assert torch.equal(torch.cat([run(slice(i, i + 1), False) for i in range(7)]), batched)
+        assert torch.equal(torch.cat([run(slice(i, i + 1), False) for i in range(13)]), batched)

@@ -58,6 +58,38 @@ def test_swiglu_is_its_formula_bit_for_bit_at_every_level(level: isa.Level, tmp_
     assert np.array_equal(out.view(np.int32), want.view(np.int32)), np.flatnonzero(out != want)[:5]
 
 
+def _rms_norm_formula(v: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """rowops.h's RMSNorm of rows v: each square in float32, summed in float64 in index order (a
+    cumulative sum is sequential), the mean and the scale in float32."""
+    f32 = np.float32
+    squares = np.cumsum((v * v).astype(np.float64), axis=-1)[..., -1]
+    mean = (squares / v.shape[-1]).astype(np.float32)
+    scale = f32(1.0) / np.sqrt(mean + f32(eps))
+    return (v * scale[..., None]) * weight
+
+
+@pytest.mark.parametrize("level", isa.machine_levels(), ids=lambda level: level.name)
+def test_rms_norm_is_its_formula_bit_for_bit_at_every_level(level: isa.Level) -> None:
+    """Rows are normalized eight at a time, their sums of squares side by side: every row keeps its
+    own sequential sum, so its bits are the formula's alone or in any group (13 rows: a group of 8
+    and one of 5), with and without the residual add, rows of very different scales together."""
+    kernels = rowwise_kernels(level.compiler_flags)
+    assert kernels is not None
+    rng = np.random.default_rng(11)
+    dim = 577
+    x = (rng.standard_normal((13, dim)) * np.exp(rng.uniform(-9.0, 9.0, (13, 1)))).astype(np.float32)
+    residual = rng.standard_normal((13, dim)).astype(np.float32)
+    weight = rng.standard_normal(dim).astype(np.float32)
+    w = torch.from_numpy(weight)
+    out, none = kernels.rms_norm(torch.from_numpy(x), w, 1e-5)
+    assert none is None and np.array_equal(out.numpy(), _rms_norm_formula(x, weight, 1e-5))
+    out, summed = kernels.rms_norm(torch.from_numpy(x), w, 1e-5, torch.from_numpy(residual))
+    assert np.array_equal(summed.numpy(), x + residual)
+    assert np.array_equal(out.numpy(), _rms_norm_formula(x + residual, weight, 1e-5))
+    alone = [kernels.rms_norm(torch.from_numpy(x[i : i + 1]), w, 1e-5)[0] for i in range(13)]
+    assert torch.equal(torch.cat(alone), kernels.rms_norm(torch.from_numpy(x), w, 1e-5)[0])
+
+
 @pytest.mark.parametrize("level", isa.machine_levels(), ids=lambda level: level.name)
 def test_bf16_swiglu_is_the_formula_rounded_once(level: isa.Level) -> None:
     """A bf16 model's SwiGLU (rowwise.c, and bf16_layers.c through the same row function): gate and
