@@ -2126,9 +2126,11 @@ static void matmul_team(const float *x, int64_t M, int64_t K, int64_t ldx, int64
     int64_t m_chunk = (192 << 10) / (K + 16);
     m_chunk = m_chunk < 4 ? 4 : m_chunk - m_chunk % 4;
 
-    /* RMSNorm rows go in groups: their sums of squares side by side (squares_rows) */
+    /* RMSNorm rows go in groups: their sums of squares side by side (squares_rows); the scratch
+     * holds one group's rows, no more than the call has (batch 1: one row, as before groups) */
     const int64_t group_rows = prologue == PROLOGUE_RMS_NORM ? SQUARES_ROWS : 1;
-    float *row = prologue != PROLOGUE_NONE ? malloc(group_rows * K * sizeof(float)) : NULL;
+    const int64_t scratch_rows = M < group_rows ? M : group_rows;
+    float *row = prologue != PROLOGUE_NONE ? malloc(scratch_rows * K * sizeof(float)) : NULL;
 #pragma omp for schedule(static)
     for (int64_t m0 = 0; m0 < M; m0 += group_rows) {
         const int n = M - m0 < group_rows ? (int)(M - m0) : (int)group_rows;
