@@ -51,6 +51,13 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
 
 
+def _blocks(tensor: torch.Tensor, per_block: int) -> np.ndarray:
+    """A CPU cache tensor's memory as [blocks, block bytes] uint8 (a view: writes land in the
+    cache); its slot count is a whole number of blocks (a scratch block included)."""
+    assert tensor.is_contiguous()
+    return tensor.view(torch.uint8).numpy().reshape(tensor.shape[0] // per_block, -1)
+
+
 class KVCaches:
     def __init__(
         self,
@@ -126,6 +133,9 @@ class KVCaches:
         `block_ids[i]`, its slots of each of the group's tensors in order. Raw bytes, so tensors
         of different widths and dtypes (bfloat16 included) travel the same way."""
         per_block = self.layout.groups[group].entries_per_block
+        if self.device.type == "cpu":
+            ids = np.asarray(block_ids, dtype=np.int64)
+            return np.concatenate([_blocks(t, per_block)[ids] for t in self.tensors[group]], axis=1)
         slots = self._slots(block_ids, per_block)
         rows = [t[slots].view(torch.uint8).reshape(len(block_ids), -1) for t in self.tensors[group]]
         return torch.cat(rows, dim=1).cpu().numpy()
@@ -138,6 +148,17 @@ class KVCaches:
                 f"KV of {kv.dtype} {tuple(kv.shape)} does not fit {len(block_ids)} blocks of "
                 f"{layout.block_bytes} bytes"
             )
+        if self.device.type == "cpu":
+            # Straight from the payload into each tensor's blocks, one copy: through an index
+            # tensor it took three copies and torch's element-wise index_put (the 73 MiB of a
+            # 3,328-token prefix on cache pages already touched: 19.8 ms then, 8.4 ms now).
+            ids = np.asarray(block_ids, dtype=np.int64)
+            start = 0
+            for tensor in self.tensors[group]:
+                blocks = _blocks(tensor, layout.entries_per_block)
+                blocks[ids] = kv[:, start : start + blocks.shape[1]]
+                start += blocks.shape[1]
+            return
         slots = self._slots(block_ids, layout.entries_per_block)
         data = torch.from_numpy(np.array(kv)).to(self.device)  # a writable copy: store buffers are read-only
         start = 0

@@ -40,9 +40,13 @@ class KVStore(Protocol):
         """How many chunks, from the first, are available. A hint: `load` is authoritative."""
         ...
 
-    def load(self, keys: Sequence[bytes], namespace: bytes) -> Future[list[np.ndarray]]:
+    def load(
+        self, keys: Sequence[bytes], namespace: bytes, arrived: list[np.ndarray] | None = None
+    ) -> Future[list[np.ndarray]]:
         """Fetch chunks in order in the background; the result stops at the first chunk that
-        could not be delivered (it may be shorter than `lookup` promised)."""
+        could not be delivered (it may be shorter than `lookup` promised). `arrived`, if given,
+        is that result list itself: each chunk is appended as it is delivered, before the future
+        completes, so a caller can use the first chunks while later ones are read."""
         ...
 
     def save(

@@ -6,6 +6,7 @@ import logging
 import operator
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -33,6 +34,8 @@ from deepinfer.store.seal import ChunkSeal
 from deepinfer.store.write_behind import WriteBehind, WriteJob
 
 logger = logging.getLogger(__name__)
+
+READ_AHEAD = 2  # chunks of one load read at once (threads of the store's reader pool)
 
 
 class TieredKVStore:
@@ -87,6 +90,7 @@ class TieredKVStore:
             WriteBehind(self._write, write_queue_size, self.metrics, write_queue_bytes) if backend else None
         )
         self._loads = ThreadPoolExecutor(load_threads, thread_name_prefix="kv-store-load")
+        self._reads = ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="kv-store-read")
         # Lookups get their own threads so a backlog of loads never delays a lookup's answer.
         self._lookups = ThreadPoolExecutor(2, thread_name_prefix="kv-store-lookup")
         self._stop = threading.Event()
@@ -149,9 +153,11 @@ class TieredKVStore:
 
     # -- load -----------------------------------------------------------------------------
 
-    def load(self, keys: Sequence[bytes], namespace: bytes) -> Future[list[np.ndarray]]:
+    def load(
+        self, keys: Sequence[bytes], namespace: bytes, arrived: list[np.ndarray] | None = None
+    ) -> Future[list[np.ndarray]]:
         started = time.perf_counter()
-        arrays: list[np.ndarray] = []
+        arrays: list[np.ndarray] = arrived if arrived is not None else []
         for key in keys:
             array = self.host.get(key, namespace) if self.host is not None else None
             if array is None:
@@ -167,22 +173,40 @@ class TieredKVStore:
     def _load_rest(
         self, keys: list[bytes], namespace: bytes, arrays: list[np.ndarray], started: float
     ) -> list[np.ndarray]:
+        # READ_AHEAD chunks are read at once: one chunk's file read and checksum (both without
+        # the GIL) overlap the next one's, and a chunk that turns out missing wastes at most
+        # READ_AHEAD - 1 reads. Delivered in order, up to the first chunk not delivered.
+        rest = keys[len(arrays) :]
+        window: deque[Future[tuple[np.ndarray | None, str]]] = deque()
+        submitted = 0
         try:
-            for key in keys[len(arrays) :]:
-                array = self.host.get(key, namespace) if self.host is not None else None
-                if array is not None:
-                    self.metrics.add("host_hits")
-                else:
-                    array = self._read_from_store(key, namespace)
-                    if array is None:
-                        break
-                    self.metrics.add("store_hits")
+            while window or submitted < len(rest):
+                while submitted < len(rest) and len(window) < READ_AHEAD and not self._stop.is_set():
+                    window.append(self._reads.submit(self._read_chunk, rest[submitted], namespace))
+                    submitted += 1
+                if not window:
+                    break  # closing: deliver what is loaded
+                array, source = window.popleft().result()
+                if array is None:
+                    break
+                self.metrics.add(source)
                 arrays.append(array)
         except Exception:
             # A bug must not strand a waiting request: deliver what is loaded, the rest is recomputed.
-            logger.exception("kv store load failed unexpectedly")
-            self.metrics.add("errors")
+            if not self._stop.is_set():  # else closing: a read refused or cancelled by the shutdown
+                logger.exception("kv store load failed unexpectedly")
+                self.metrics.add("errors")
+        finally:
+            for future in window:
+                future.cancel()  # one already running finishes unheard
         return self._finish_load(keys, arrays, started)
+
+    def _read_chunk(self, key: bytes, namespace: bytes) -> tuple[np.ndarray | None, str]:
+        """One chunk from the host tier, else the store; with the metric its delivery counts in."""
+        array = self.host.get(key, namespace) if self.host is not None else None
+        if array is not None:
+            return array, "host_hits"
+        return self._read_from_store(key, namespace), "store_hits"
 
     def _finish_load(
         self, keys: Sequence[bytes], arrays: list[np.ndarray], started: float
@@ -382,6 +406,7 @@ class TieredKVStore:
         if self._writer is not None:
             self._writer.close(timeout)
         self._loads.shutdown(wait=False, cancel_futures=True)
+        self._reads.shutdown(wait=False, cancel_futures=True)
         self._lookups.shutdown(wait=False, cancel_futures=True)
         if self.backend is not None:
             self.backend.close()

@@ -6,12 +6,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.store import FileBackend, TieredKVStore
 
 PROMPT = (
     "<|im_start|>system\n"
@@ -60,6 +62,42 @@ def test_second_process_hits_what_the_first_prefilled(default_llm, cold, tmp_pat
     assert objects
     for path in objects:
         assert abs(path.stat().st_mtime - (time.time() + 3 * 86400)) < 3600
+    llm.close()
+
+
+def test_chunks_are_installed_while_later_ones_are_still_read(default_llm, cold, tmp_path, monkeypatch):
+    """The engine writes each chunk into its blocks as it arrives: the first is in device blocks
+    while the read of the second is held, and the request waits for the whole load."""
+    store = str(tmp_path / "kv")
+    prefill_in_another_process(store)
+    requested: list[bytes] = []
+    release = threading.Event()
+    load, get = TieredKVStore.load, FileBackend.get
+
+    def recording_load(self, keys, namespace, arrived=None):
+        requested.extend(keys)
+        return load(self, keys, namespace, arrived)
+
+    def held_get(self, key, now):
+        if len(requested) > 1 and key == requested[1]:
+            assert release.wait(timeout=60)
+        return get(self, key, now)
+
+    monkeypatch.setattr(TieredKVStore, "load", recording_load)
+    monkeypatch.setattr(FileBackend, "get", held_get)
+    llm = engine(default_llm, store)
+    outputs = []
+    worker = threading.Thread(target=lambda: outputs.extend(llm.generate(PROMPT, GREEDY, use_tqdm=False)))
+    worker.start()
+    connector = llm.engine.core.connector
+    deadline = time.monotonic() + 60
+    while connector.loaded_chunks < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(requested) == 2 and connector.loaded_chunks == 1 and worker.is_alive()
+    release.set()
+    worker.join(timeout=120)
+    assert connector.loaded_chunks == 2
+    assert outputs[0].num_cached_tokens == 2 * 16 * 16 and outputs[0].outputs[0].token_ids == cold
     llm.close()
 
 

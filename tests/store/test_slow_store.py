@@ -1,8 +1,11 @@
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from pathlib import Path
+
+import numpy as np
 
 from deepinfer.store import BreakerState, CircuitBreaker, FileBackend, ManualClock
 from tests.store.conftest import kv_chunk, tiered
@@ -101,3 +104,51 @@ def test_breaker_opens_probes_and_closes(clock: ManualClock) -> None:
     breaker.record_success()
     assert breaker.state is BreakerState.CLOSED and breaker.allow()
     assert breaker.times_opened == 1
+
+
+class GatedBackend(FileBackend):
+    """Reads that show the load's concurrency and ordering: the first two gets wait for each other
+    (a barrier: they must be in flight together, or the test fails on its timeout, not on the
+    clock), and the get of `held` waits until the test opens `release`."""
+
+    def __init__(self, root: Path, held: bytes) -> None:
+        super().__init__(root)
+        self.together = threading.Barrier(2, timeout=30)
+        self.gets = 0
+        self.held = held
+        self.release = threading.Event()
+        self._count = threading.Lock()
+
+    def get(self, key, now):
+        with self._count:
+            self.gets += 1
+            first_two = self.gets <= 2
+        if first_two:
+            self.together.wait()
+        if key == self.held:
+            assert self.release.wait(timeout=30)
+        return super().get(key, now)
+
+
+def test_a_load_reads_ahead_and_hands_over_each_chunk_as_it_arrives(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    keys = [_key(i) for i in range(4)]
+    backend = GatedBackend(tmp_path / "store", held=keys[2])
+    with tiered(backend=backend, clock=clock) as store:
+        for i, key in enumerate(keys[:3]):  # the fourth chunk was never stored
+            store.save(key, NS, kv_chunk(i), num_tokens=8, traffic_class="chat")
+        assert store.flush(timeout=10)
+        arrived: list[np.ndarray] = []
+        future = store.load(keys, NS, arrived)
+        deadline = time.monotonic() + 30
+        while len(arrived) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # Chunks 0 and 1 were read together (the barrier) and are delivered while chunk 2 is held.
+        assert [a.tobytes() for a in arrived] == [kv_chunk(0).tobytes(), kv_chunk(1).tobytes()]
+        assert not future.done()
+        backend.release.set()
+        result = future.result(timeout=30)
+        assert result is arrived  # the list handed in is the result, in order, up to the gap
+        assert [a.tobytes() for a in result] == [kv_chunk(i).tobytes() for i in range(3)]
+        assert store.metrics.store_hits == 3 and store.metrics.misses == 1

@@ -175,7 +175,8 @@ def install_chunk(
         blocks = [pool.allocate() for _ in missing]
         first = part.block_indices.start
         try:
-            transfer.write_blocks(part.group, blocks, rows[[i - first for i in missing]])
+            whole = len(missing) == len(part.block_indices)  # the usual case: no copy of the rows
+            transfer.write_blocks(part.group, blocks, rows if whole else rows[[i - first for i in missing]])
         except Exception:
             pool.release(blocks)
             raise

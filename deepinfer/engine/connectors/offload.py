@@ -48,6 +48,9 @@ class _PendingLoad:
     seq: Sequence
     first_chunk: int
     future: Future[list[np.ndarray]]
+    arrived: list[np.ndarray]  # the chunks delivered so far (the loading thread appends)
+    installed: int = 0  # how many of them are in device blocks
+    stopped: bool = False  # a chunk did not fit: none after it is installed
 
 
 class TierEvents:
@@ -116,42 +119,53 @@ class KVOffloader:
         if found == 0:
             return
         seq.num_pending += 1
-        self._pending.append(
-            _PendingLoad(seq, first, self.store.load(keys[first : first + found], namespace))
-        )
+        arrived: list[np.ndarray] = []
+        future = self.store.load(keys[first : first + found], namespace, arrived)
+        self._pending.append(_PendingLoad(seq, first, future, arrived))
 
     def poll(self) -> dict[str, str]:
-        """Install every finished load into device blocks and release its sequence (a load that
-        failed is a miss: the sequence recomputes, it never fails)."""
+        """Install the chunks delivered since the last poll into device blocks while later ones
+        are still read (a slow store's reads then overlap the copies into the cache); release
+        each sequence whose load has finished (a load that failed is a miss: the sequence
+        recomputes, it never fails)."""
         still: list[_PendingLoad] = []
         for pending in self._pending:
-            if not pending.future.done():
+            # Done is read before the arrivals: a finished load has appended all of its chunks.
+            done = pending.future.done()
+            if not pending.seq.is_finished:  # else aborted while loading: nothing to install
+                try:
+                    self._install(pending)
+                except Exception:  # the store degrades to misses; the engine recomputes
+                    log.exception("installing KV from the store failed; recomputing")
+                    pending.stopped = True
+            if not done:
                 still.append(pending)
                 continue
             pending.seq.num_pending -= 1
-            if pending.seq.is_finished:
-                continue  # aborted while loading
-            try:
-                arrays = pending.future.result()
-                self._install(pending.seq, pending.first_chunk, arrays)
-            except Exception:  # the store degrades to misses; the engine recomputes
-                log.exception("loading KV from the store failed; recomputing")
+            failure = pending.future.exception() if not pending.future.cancelled() else None
+            if failure is not None:
+                log.error("loading KV from the store failed; recomputing", exc_info=failure)
         self._pending = still
         return {}
 
-    def _install(self, seq: Sequence, first_chunk: int, arrays: list[np.ndarray]) -> None:
-        """Write each loaded chunk into free blocks of every group and index them; stops at the
-        first chunk that does not fit (never evicting running work for a prefetch) or does not
-        have the layout's size."""
-        for i, payload in enumerate(arrays):
-            chunk = first_chunk + i
+    def _install(self, pending: _PendingLoad) -> None:
+        """Write each delivered chunk not yet installed into free blocks of every group and
+        index them; stops for good at the first chunk that does not fit (never evicting running
+        work for a prefetch) or does not have the layout's size."""
+        seq = pending.seq
+        while not pending.stopped and pending.installed < len(pending.arrived):
+            chunk = pending.first_chunk + pending.installed
             try:
-                written = install_chunk(self.kv, self.transfer, seq, self.chunks.parts(chunk), payload)
+                written = install_chunk(
+                    self.kv, self.transfer, seq, self.chunks.parts(chunk), pending.arrived[pending.installed]
+                )
             except ValueError as error:
                 log.warning("a stored KV chunk does not fit: %s; recomputing", error)
-                return
+                written = None
             if written is None:
+                pending.stopped = True
                 return
+            pending.installed += 1
             seq.num_stored_chunks = chunk + 1
             self.loaded_chunks += 1
 
