@@ -90,12 +90,14 @@ def test_chunks_are_installed_while_later_ones_are_still_read(default_llm, cold,
     worker = threading.Thread(target=lambda: outputs.extend(llm.generate(PROMPT, GREEDY, use_tqdm=False)))
     worker.start()
     connector = llm.engine.core.connector
-    deadline = time.monotonic() + 60
-    while connector.loaded_chunks < 1 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert len(requested) == 2 and connector.loaded_chunks == 1 and worker.is_alive()
-    release.set()
-    worker.join(timeout=120)
+    try:
+        deadline = time.monotonic() + 60
+        while connector.loaded_chunks < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(requested) == 2 and connector.loaded_chunks == 1 and worker.is_alive()
+    finally:
+        release.set()  # a failed check must not leave the request waiting on the held read
+        worker.join(timeout=120)
     assert connector.loaded_chunks == 2
     assert outputs[0].num_cached_tokens == 2 * 16 * 16 and outputs[0].outputs[0].token_ids == cold
     llm.close()
