@@ -35,31 +35,27 @@ typedef struct {
 
 /* residual = x (first layer) or bf16(x + residual), then out = bf16(rms_norm(residual)) for
  * rows [0, M), shared out over the team in groups of SQUARES_ROWS (their sums of squares side by
- * side); `row` is the calling thread's fp32 scratch of (SQUARES_ROWS + 1) * dim. */
+ * side); `row` is the calling thread's fp32 scratch of SQUARES_ROWS * dim. */
 static void add_norm_team(const uint16_t *x, uint16_t *residual, int first, const float *weight, float eps,
                           uint16_t *out, int64_t M, int64_t dim, float *row) {
 #pragma omp for schedule(static)
     for (int64_t m0 = 0; m0 < M; m0 += SQUARES_ROWS) {
         const int n = M - m0 < SQUARES_ROWS ? (int)(M - m0) : SQUARES_ROWS;
-        const float *wide[SQUARES_ROWS];
-        double squares[SQUARES_ROWS];
+        float *wide[SQUARES_ROWS];
         for (int r = 0; r < n; ++r) {
             const uint16_t *xm = x + (m0 + r) * dim;
             uint16_t *rm = residual + (m0 + r) * dim;
-            float *w = row + r * dim;
+            wide[r] = row + r * dim;
             for (int64_t i = 0; i < dim; ++i) {
                 const uint16_t v = first ? xm[i] : to_bf16(from_bf16(xm[i]) + from_bf16(rm[i]));
                 rm[i] = v;
-                w[i] = from_bf16(v);
+                wide[r][i] = from_bf16(v);
             }
-            wide[r] = w;
         }
-        squares_rows(wide, n, dim, squares);
-        float *normed = row + SQUARES_ROWS * dim;
+        rms_norm_group((const float *const *)wide, n, dim, weight, eps, wide); /* in place */
         for (int r = 0; r < n; ++r) {
             uint16_t *om = out + (m0 + r) * dim;
-            rms_norm_scaled(wide[r], weight, normed, dim, eps, squares[r]);
-            for (int64_t i = 0; i < dim; ++i) om[i] = to_bf16(normed[i]);
+            for (int64_t i = 0; i < dim; ++i) om[i] = to_bf16(wide[r][i]);
         }
     }
 }
@@ -82,7 +78,7 @@ int bf16_layers(const stack_model *model, const decode_step *step, uint16_t *h, 
     attention_plan plan;
     model->attend_plan(step->seq_lens, step->starts, M, H, KVH, D, 1, &plan);
     const int threads = omp_get_max_threads();
-    float *rows = malloc((SQUARES_ROWS + 1) * widest * threads * sizeof *rows); /* add_norm_team's */
+    float *rows = malloc(SQUARES_ROWS * widest * threads * sizeof *rows); /* add_norm_team's */
     float *states = plan.tile_items ? malloc(plan.thread_floats * threads * sizeof(float)) : NULL;
     float *partial = plan.scratch_floats ? malloc(plan.scratch_floats * sizeof(float)) : NULL;
     int status = normed && qkv && attn16 && o && gate_up && act && padded && qk && q && v && attn && rows &&
@@ -91,7 +87,7 @@ int bf16_layers(const stack_model *model, const decode_step *step, uint16_t *h, 
                      : -2;
 #pragma omp parallel if (status == 0) num_threads(threads)
     {
-        float *row = rows + (SQUARES_ROWS + 1) * widest * omp_get_thread_num();
+        float *row = rows + SQUARES_ROWS * widest * omp_get_thread_num();
         for (int64_t l = 0; l < model->num_layers && status == 0; ++l) {
             const bf16_layer *layer = (const bf16_layer *)model->layers + l;
             char *k_cache = step->kv[l];

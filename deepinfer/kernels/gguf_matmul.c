@@ -2134,12 +2134,13 @@ static void matmul_team(const float *x, int64_t M, int64_t K, int64_t ldx, int64
 #pragma omp for schedule(static)
     for (int64_t m0 = 0; m0 < M; m0 += group_rows) {
         const int n = M - m0 < group_rows ? (int)(M - m0) : (int)group_rows;
-        const float *v[SQUARES_ROWS]; /* the rows to normalize */
-        double squares[SQUARES_ROWS];
         if (prologue == PROLOGUE_RMS_NORM) {
+            const float *v[SQUARES_ROWS]; /* the rows to normalize */
+            float *normed[SQUARES_ROWS];
             for (int r = 0; r < n; ++r) {
                 const int64_t m = m0 + r;
                 v[r] = x + m * ldx;
+                normed[r] = row + r * K;
                 if (residual) {
                     float *out = sum ? sum + m * K : row + r * K;
                     for (int64_t i = 0; i < K; ++i) out[i] = x[m * ldx + i] + residual[m * K + i];
@@ -2148,13 +2149,12 @@ static void matmul_team(const float *x, int64_t M, int64_t K, int64_t ldx, int64
                     memcpy(sum + m * K, v[r], K * sizeof(float));
                 }
             }
-            squares_rows(v, n, K, squares);
+            rms_norm_group(v, n, K, norm_weight, eps, normed); /* in place where v[r] is in row */
         }
         for (int r = 0; r < n; ++r) {
             const int64_t m = m0 + r;
             const float *a = x + m * ldx;
             if (prologue == PROLOGUE_RMS_NORM) {
-                rms_norm_scaled(v[r], norm_weight, row + r * K, K, eps, squares[r]); /* in place if v[r] is there */
                 a = row + r * K;
             } else if (prologue == PROLOGUE_SWIGLU) {
                 swiglu_row(a, a + K, row, K);

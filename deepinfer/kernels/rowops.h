@@ -53,6 +53,15 @@ static inline void rms_norm_scaled(const float *v, const float *weight, float *o
     for (int64_t i = 0; i < dim; ++i) out[i] = (v[i] * scale) * weight[i];
 }
 
+/* outs[r] = RMSNorm of rows[r] for r < n (at most SQUARES_ROWS), their sums of squares side by
+ * side; outs[r] may be rows[r] (element by element, so in place is exact). */
+static inline void rms_norm_group(const float *const *rows, int n, int64_t dim, const float *weight, float eps,
+                                  float *const *outs) {
+    double squares[SQUARES_ROWS];
+    squares_rows(rows, n, dim, squares);
+    for (int r = 0; r < n; ++r) rms_norm_scaled(rows[r], weight, outs[r], dim, eps, squares[r]);
+}
+
 /* 2^f for f in [0, 1), a degree-6 minimax polynomial in Horner form; f a float or a GCC
  * vector of floats (each lane the same operations). */
 #define EXP2_OF_FRACTION(f) \

@@ -20,18 +20,18 @@ void rms_norm_rows(const float *x, const float *residual, float *sum, const floa
     for (int64_t t0 = 0; t0 < rows; t0 += SQUARES_ROWS) { /* rows side by side for their sums */
         const int n = rows - t0 < SQUARES_ROWS ? (int)(rows - t0) : SQUARES_ROWS;
         const float *in[SQUARES_ROWS];
-        double squares[SQUARES_ROWS];
+        float *normed[SQUARES_ROWS];
         for (int r = 0; r < n; ++r) {
             const int64_t t = t0 + r;
             in[r] = x + t * dim;
+            normed[r] = out + t * dim;
             if (residual) {
                 float *s = sum + t * dim;
                 for (int64_t i = 0; i < dim; ++i) s[i] = x[t * dim + i] + residual[t * dim + i];
                 in[r] = s;
             }
         }
-        squares_rows(in, n, dim, squares);
-        for (int r = 0; r < n; ++r) rms_norm_scaled(in[r], weight, out + (t0 + r) * dim, dim, eps, squares[r]);
+        rms_norm_group(in, n, dim, weight, eps, normed);
     }
 }
 
