@@ -38,7 +38,9 @@ class CpuPagedBackend:
         is computed the same way whatever chunk it is in (slower for long prompts: -9% prefill
         at 512 tokens, -39% at 2048 on SmolLM2)."""
         self.kernel_chunk_tokens = sys.maxsize if row_kernel_only else KERNEL_CHUNK_TOKENS
-        lib = load_kernel_library("paged_attention")
+        # Without contraction: each fused multiply-add is written out, so a row's bits are the
+        # source's, not the compiler's choice in each function it is inlined into.
+        lib = load_kernel_library("paged_attention", ("-ffp-contract=off",))
         if lib is None:
             raise RuntimeError("the paged_attention C kernel could not be built")
         self._decode = lib.paged_decode_attention

@@ -257,7 +257,8 @@ static inline void softmax_row_bf16(const float *s, int64_t visible, int64_t n32
             const __m512 t =
                 _mm512_max_ps(_mm512_fmsub_ps(_mm512_load_ps(s + at), log2_scale, shift), _mm512_set1_ps(-160.0f));
             const __m512 whole = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-            e[h] = _mm512_maskz_scalef_ps(seen, EXP2_OF_FRACTION(_mm512_sub_ps(t, whole)), whole);
+            const __m512 f = _mm512_sub_ps(t, whole);
+            e[h] = _mm512_maskz_scalef_ps(seen, EXP2_OF_FRACTION_FUSED(f, _mm512_fmadd_ps, _mm512_set1_ps), whole);
             sum = _mm512_add_ps(sum, e[h]);
         }
         _mm512_store_si512((__m512i *)(p + j), (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));

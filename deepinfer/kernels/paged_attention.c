@@ -1,6 +1,11 @@
 /* Decode attention over a paged KV cache (fp32, fp16 or bf16 K/V, fp32 arithmetic; a bf16 cache on
  * AMX bf16 tiles or VDPBF16PS where the CPU has them, attention_bf16.h), for CPUs.
  *
+ * Built with -ffp-contract=off (attention/cpu_paged.py): every fused multiply-add is written out
+ * (fma16, fma8), so that the same source gives a row the same bits in every function it is
+ * inlined into. With contraction on, GCC fused x * y + z * w as fma(x, y, z * w) in one copy and
+ * fma(z, w, x * y) in another, and moving code in or out of line changed results.
+ *
  * One query token per sequence. Work is split over (sequence, kv head, part of the context): the
  * G query heads that share a kv head (GQA) are processed together, several per pass (a tile), so
  * each key and value row is read from memory once, and the parts' softmax states are merged
@@ -161,6 +166,13 @@ static inline float sum16(v16 x) {
  * sum16 (lanes i and i+8, then i and i+4, then i and i+2, then i and i+1), so the same bits, done
  * for 16 dot products at once by pairing vectors (45 shuffles and additions instead of ~200). */
 #ifdef __AVX512F__
+/* a * b + c, rounded once (the file is built without contraction). */
+static inline __attribute__((always_inline)) v16 fma16(v16 a, v16 b, v16 c) {
+    return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+}
+
+static inline __attribute__((always_inline)) v16 splat16(float x) { return (v16)_mm512_set1_ps(x); }
+
 static inline __attribute__((always_inline)) v16 sum16_x16(const v16 *x) {
     v16 a[8], b[4], c[2];
     for (int p = 0; p < 8; ++p) /* [x(2p) lanes i + i+8 | x(2p+1) lanes i + i+8], i < 8 */
@@ -195,7 +207,7 @@ static inline __attribute__((always_inline)) void tile_scores(const int64_t D, c
             for (int i = 0; i < 16; ++i) {
                 const float *k = k_rows + (j0 + i) * k_stride;
                 v16 dot = qv[0] * load16(k);
-                for (int64_t c = 1; c < D / 16; ++c) dot += qv[c] * load16(k + 16 * c);
+                for (int64_t c = 1; c < D / 16; ++c) dot = fma16(qv[c], load16(k + 16 * c), dot);
                 dots[i] = dot;
             }
             const v16 s = sum16_x16(dots);
@@ -204,7 +216,7 @@ static inline __attribute__((always_inline)) void tile_scores(const int64_t D, c
         for (int64_t j = whole; j < n; ++j) {
             const float *k = k_rows + j * k_stride;
             v16 dot = qv[0] * load16(k);
-            for (int64_t c = 1; c < D / 16; ++c) dot += qv[c] * load16(k + 16 * c);
+            for (int64_t c = 1; c < D / 16; ++c) dot = fma16(qv[c], load16(k + 16 * c), dot);
             scores[t][at + j] = sum16(dot);
         }
     }
@@ -241,8 +253,8 @@ static inline __attribute__((always_inline)) void lane_pair(const int64_t D, con
     for (int64_t c = 1; c < D / 16; ++c) {
         const v16 k_lo = load16(kt + (16 * c + i) * 16), k_hi = load16(kt + (16 * c + i + 8) * 16);
         for (int t = 0; t < T; ++t) {
-            lo[t] += qs[t * D + 16 * c + i] * k_lo;
-            hi[t] += qs[t * D + 16 * c + i + 8] * k_hi;
+            lo[t] = fma16(splat16(qs[t * D + 16 * c + i]), k_lo, lo[t]);
+            hi[t] = fma16(splat16(qs[t * D + 16 * c + i + 8]), k_hi, hi[t]);
         }
     }
     for (int t = 0; t < T; ++t) out[t] = lo[t] + hi[t];
@@ -285,21 +297,39 @@ static inline __attribute__((always_inline)) void tile_values(const int64_t D, c
         const int64_t rows = values[s].n < n - j ? values[s].n : n - j;
         for (int64_t i = 0; i < rows; ++i, ++j) {
             v16 vv[MAX_HEAD_DIM / 16];
-            for (int64_t c = 0; c < D / 16; ++c) vv[c] = row16(values[s].rows, FORMAT, i * values[s].stride + 16 * c);
+            for (int64_t c = 0; c < D / 16; ++c) {
+                vv[c] = row16(values[s].rows, FORMAT, i * values[s].stride + 16 * c);
+                /* in a register for the T heads: folded into each FMA, the row was loaded T times
+                 * and the loads, not the FMAs, set the pace */
+                __asm__("" : "+v"(vv[c]));
+            }
             for (int t = 0; t < T; ++t)
-                for (int64_t c = 0; c < D / 16; ++c) av[t][c] += weights[t][j] * vv[c];
+                for (int64_t c = 0; c < D / 16; ++c) av[t][c] = fma16(splat16(weights[t][j]), vv[c], av[t][c]);
         }
     }
     for (int t = 0; t < T; ++t) memcpy(acc + t * D, av[t], D * sizeof(float));
 }
 
-/* e^(s_j - max) in place for j < n, returning their sum: 16 at a time (rowops.h's exp16_clamped,
- * each 16 summed by sum16), the rest one by one, in order. */
+/* rowops.h's exp16_clamped for x <= 0 (a score less its span's maximum), its polynomial's steps
+ * fused, in fewer instructions: the upper clamp never applies, the lower one is a maximum (VMAXPS
+ * returns its second operand, x, for a NaN, as the comparison keeps it), and floor(t) one
+ * rounding instruction instead of a truncation, a comparison and a correction (the same value). */
+static inline v16 exp16_nonpositive(v16 x) {
+    x = (v16)_mm512_max_ps(_mm512_set1_ps(-87.0f), (__m512)x);
+    const v16 t = x * 1.44269504088896341f;
+    const v16 n = (v16)_mm512_roundscale_ps((__m512)t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const v16 f = t - n;
+    const v16 p = EXP2_OF_FRACTION_FUSED(f, fma16, splat16);
+    return (v16)((vi16)p + (__builtin_convertvector(n, vi16) << 23));
+}
+
+/* e^(s_j - max) in place for j < n, returning their sum: 16 at a time (exp16_nonpositive, each
+ * 16 summed by sum16), the rest one by one, in order. */
 static inline float exponentiate(float *s, int64_t n, float max) {
     float sum = 0.0f;
     int64_t j = 0;
     for (; j + 16 <= n; j += 16) {
-        const v16 e = exp16_clamped(load16(s + j) - max);
+        const v16 e = exp16_nonpositive(load16(s + j) - max);
         memcpy(s + j, &e, sizeof e);
         sum += sum16(e);
     }
@@ -317,6 +347,17 @@ static inline float exponentiate(float *s, int64_t n, float max) {
  * AVX-512). The same two functions on 8-lane halves: every lane's operations are the ones
  * above, in the same order, and the 16 dot products' reduction runs sum16's additions on
  * 128-bit halves (vperm2f128) and lanes within them (vshufps). */
+/* a * b + c, rounded once where the build has FMA; a product and a sum in the portable build. */
+static inline __attribute__((always_inline)) v8 fma8(v8 a, v8 b, v8 c) {
+#if defined(__FMA__)
+    return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c;
+#endif
+}
+
+static inline __attribute__((always_inline)) v8 splat8(float x) { return (v8){x, x, x, x, x, x, x, x}; }
+
 static inline v8 load8(const float *p) {
     v8 x;
     memcpy(&x, p, sizeof x);
@@ -356,8 +397,8 @@ static inline __attribute__((always_inline)) v8 row8(const void *rows, const int
 static inline __attribute__((always_inline)) v8 dot_halves(const v8 *qlo, const v8 *qhi, const float *k, int64_t D) {
     v8 lo = qlo[0] * load8(k), hi = qhi[0] * load8(k + 8);
     for (int64_t c = 1; c < D / 16; ++c) {
-        lo += qlo[c] * load8(k + 16 * c);
-        hi += qhi[c] * load8(k + 16 * c + 8);
+        lo = fma8(qlo[c], load8(k + 16 * c), lo);
+        hi = fma8(qhi[c], load8(k + 16 * c + 8), hi);
     }
     return lo + hi;
 }
@@ -420,7 +461,7 @@ static inline __attribute__((always_inline)) void tile_values(const int64_t D, c
             for (int64_t c = 0; c < D / 8; ++c) vv[c] = row8(values[s].rows, FORMAT, i * values[s].stride + 8 * c);
             for (int t = 0; t < T; ++t) {
                 const float w = weights[t][j];
-                for (int64_t c = 0; c < D / 8; ++c) av[t][c] += w * vv[c];
+                for (int64_t c = 0; c < D / 8; ++c) av[t][c] = fma8(splat8(w), vv[c], av[t][c]);
             }
         }
     }
@@ -435,7 +476,7 @@ static inline v8 exp8_nonpositive(v8 x) {
     const v8 toward_zero = __builtin_convertvector(__builtin_convertvector(t, vi8), v8);
     const v8 n = toward_zero + __builtin_convertvector(toward_zero > t, v8);
     const v8 f = t - n;
-    const v8 p = EXP2_OF_FRACTION(f);
+    const v8 p = EXP2_OF_FRACTION_FUSED(f, fma8, splat8);
     return (v8)((vi8)p + (__builtin_convertvector(n, vi8) << 23));
 }
 
@@ -459,9 +500,17 @@ static inline float exponentiate(float *s, int64_t n, float max) {
 #endif
 
 /* The largest of s_j (j < n) and `running`: exact, so the order of the comparisons is free;
- * 8 lanes at a time (the compiler does not vectorize a running maximum by itself). */
+ * 16 or 8 lanes at a time (the compiler does not vectorize a running maximum by itself). */
 static inline float scores_max(const float *s, int64_t n, float running) {
     int64_t j = 0;
+#ifdef __AVX512F__
+    if (n >= 16) { /* VMAXPS(x, top) is x > top ? x : top, the 8-lane loop's selection */
+        __m512 top = _mm512_loadu_ps(s);
+        for (j = 16; j + 16 <= n; j += 16) top = _mm512_max_ps(_mm512_loadu_ps(s + j), top);
+        const float lanes = _mm512_reduce_max_ps(top);
+        running = lanes > running ? lanes : running;
+    }
+#else
     if (n >= 8) {
         v8 top;
         memcpy(&top, s, sizeof top);
@@ -473,6 +522,7 @@ static inline float scores_max(const float *s, int64_t n, float running) {
         }
         for (int i = 0; i < 8; ++i) running = top[i] > running ? top[i] : running;
     }
+#endif
     for (; j < n; ++j) running = s[j] > running ? s[j] : running;
     return running;
 }
@@ -516,6 +566,30 @@ static inline __attribute__((always_inline)) void prefetch_rows(const void *k_ca
  * with 32 rows, 23.6 s with 64, `deepinfer bench prefill`). */
 #define TILE_FLOATS (MAX_GROUP * MAX_HEAD_DIM)
 #define TILE_QUERIES 256
+
+/* tile_values of a row tile's fp32 (converted) value rows at head_dim 64 and 128, out of line:
+ * inlined into attend_span, GCC kept accumulators on the stack (a 427-row chunk after 3,328
+ * positions, one layer, one thread, Zen 4: 52.8 ms inlined, 49.3 ms out of line). */
+#define VALUES_OUT_OF_LINE(D_, T_)                                                                        \
+    static __attribute__((noinline)) void values_##D_##_##T_(float *acc, const float *correction,         \
+                                                             const segment *values, int64_t n,            \
+                                                             float (*weights)[SPAN_MAX]) {                \
+        tile_values(D_, KV_FLOAT32, T_, acc, correction, values, n, weights);                             \
+    }
+VALUES_OUT_OF_LINE(64, 1)
+VALUES_OUT_OF_LINE(64, 2)
+VALUES_OUT_OF_LINE(64, 3)
+VALUES_OUT_OF_LINE(64, 4)
+VALUES_OUT_OF_LINE(128, 1)
+VALUES_OUT_OF_LINE(128, 2)
+VALUES_OUT_OF_LINE(128, 3)
+VALUES_OUT_OF_LINE(128, 4)
+#undef VALUES_OUT_OF_LINE
+/* tile_values of fp32 rows for T heads (a constant), out of line where D is 64 or 128 */
+#define VALUES_FP32(D, T, ...)                  \
+    if (D == 64) values_64_##T(__VA_ARGS__);    \
+    else if (D == 128) values_128_##T(__VA_ARGS__); \
+    else tile_values(D, KV_FLOAT32, T, __VA_ARGS__)
 
 /* Fold positions first .. lasts[r]-1 of rows r < R (one kv head; lasts nondecreasing, the same
  * block table up to each row's last) into their online softmaxes: row r's running max m[r * group
@@ -637,7 +711,7 @@ static inline __attribute__((always_inline)) void attend_span(
     if (half_values)                                                             \
         tile_values(D, FORMAT, T, ar + g * D, cr + g, values, nr, sr + g);         \
     else                                                                         \
-        tile_values(D, 0, T, ar + g * D, cr + g, values, nr, sr + g)
+        VALUES_FP32(D, T, ar + g * D, cr + g, values, nr, sr + g)
                     DISPATCH_TILE(count, VALUES)
 #undef VALUES
                 } else {

@@ -1,8 +1,8 @@
 /* Row operations shared by rowwise.c, gguf_matmul.c, bf16_matmul.c and bf16_layers.c: bf16
  * conversions, RMSNorm of rows and SiLU.
  * Plain loops of IEEE operations (the files are built with -ffp-contract=off): a vectorized
- * and a scalar build give the same bits. paged_attention.c uses the exponential too (built with
- * contraction, its polynomial steps become FMAs there, in its scalar and vector forms alike). */
+ * and a scalar build give the same bits. paged_attention.c (built the same way) uses the
+ * exponential too, its vector forms with the polynomial's steps fused (EXP2_OF_FRACTION_FUSED). */
 #ifndef DEEPINFER_ROWOPS_H
 #define DEEPINFER_ROWOPS_H
 #include <math.h>
@@ -67,6 +67,16 @@ static inline void rms_norm_group(const float *const *rows, int n, int64_t dim, 
 #define EXP2_OF_FRACTION(f) \
     ((((((1.535336188319500e-4f * (f) + 1.339887440266574e-3f) * (f) + 9.618437357674640e-3f) * (f) + \
         5.550332471162809e-2f) * (f) + 2.402264791363012e-1f) * (f) + 6.931472028550421e-1f) * (f) + 1.0f)
+
+/* The same polynomial with each step one fused multiply-add: FMA(a, b, c) is a * b + c rounded
+ * once and CONST(x) the constant x in f's type (for vector code built without contraction). */
+#define EXP2_OF_FRACTION_FUSED(f, FMA, CONST)                                                                  \
+    FMA(FMA(FMA(FMA(FMA(FMA(CONST(1.535336188319500e-4f), (f), CONST(1.339887440266574e-3f)), (f),              \
+                        CONST(9.618437357674640e-3f)),                                                          \
+                    (f), CONST(5.550332471162809e-2f)),                                                         \
+                (f), CONST(2.402264791363012e-1f)),                                                             \
+            (f), CONST(6.931472028550421e-1f)),                                                                 \
+        (f), CONST(1.0f))
 
 /* e^x for x in [-87, 88] (clamped outside): 2^(x log2 e) split into 2^n * 2^f, 2^f by a
  * degree-6 minimax polynomial on [0, 1); relative error about 2e-7. */

@@ -4,8 +4,9 @@ The project lands on AMD Zen (AVX-512 VNNI/BF16), Intel Xeon (AMX) and AVX2-only
 kernel family is built here at every level the CPU runs (`DEEPINFER_CPU_ISA`, as a user would
 force it) and compared with the portable build: bit for bit where the code claims it (the integer
 GGUF products, the row kernels), within fp32 rounding where a vector path sums in another order
-(the attention's 16-lane exp and sums); tests/engine/test_attention_backends.py checks the
-attention's batch invariance at every level."""
+(the attention's 16-lane exp and sums), and the attention's AVX2 and AVX-512 builds against
+each other bit for bit; tests/engine/test_attention_backends.py checks the attention's batch
+invariance at every level."""
 
 from __future__ import annotations
 
@@ -89,6 +90,27 @@ def test_paged_attention_at_every_level_agrees_with_the_portable_build(
     vector = _mixed_step(backend, kv_dtype, window)
     assert torch.isfinite(vector).all()
     torch.testing.assert_close(vector, portable, **tolerance(backend, kv_dtype))
+
+
+@pytest.mark.parametrize("level", [name for name in VECTOR_LEVELS if name != "avx2"])
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("window", [None, 37])
+def test_paged_attention_has_the_avx2_bits_at_every_higher_level(
+    monkeypatch: pytest.MonkeyPatch, level: str, kv_dtype: torch.dtype, window: int | None
+) -> None:
+    """The fp32-arithmetic attention writes each fused multiply-add out and is built without
+    contraction (so the compiler cannot fuse a product into a sum one way in one function and the
+    other way in another): its AVX2 and AVX-512 builds run the same operations lane by lane and
+    give the same bits, which is what keeps the default model's greedy output the same on AVX2,
+    Zen 4 and Xeon machines. A bf16 cache on bf16 products (VDPBF16PS, AMX) rounds otherwise and
+    is left out."""
+    backend = _paged_backend(monkeypatch, level)
+    if kv_dtype == torch.bfloat16 and backend.bf16_path:
+        pytest.skip("a bf16 cache runs on bf16 products at this level")
+    vector = _mixed_step(backend, kv_dtype, window)
+    avx2 = _mixed_step(_paged_backend(monkeypatch, "avx2"), kv_dtype, window)
+    assert torch.isfinite(vector).all()
+    assert torch.equal(vector, avx2)
 
 
 @pytest.mark.parametrize("level", VECTOR_LEVELS)
