@@ -101,7 +101,7 @@ typedef int32_t rowops_i16 __attribute__((vector_size(64)));
 /* exp_clamped on 16 lanes, the same operations lane by lane (so the same bits): the compiler
  * does not vectorize the scalar form's floor and exponent arithmetic, and SwiGLU's loop of it ran
  * one value at a time (13% of a GGUF prefill on the Intel Xeon with AMX, perf). paged_attention.c's
- * softmax takes it too. */
+ * softmax has its own for x <= 0 (exp16_nonpositive). */
 static inline rowops_f16 exp16_clamped(rowops_f16 x) {
     const rowops_i16 low = x < -87.0f, high = x > 88.0f; /* false for NaN, as the scalar tests */
     x = (rowops_f16)(((rowops_i16)x & ~(low | high)) | ((rowops_i16)(x * 0.0f - 87.0f) & low) |
