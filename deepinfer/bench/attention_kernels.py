@@ -7,6 +7,9 @@
 - bandwidth: one decode step of the 32-stream peers workload (32 rows x ~400 tokens, fp16 K/V)
   through 30 layers' caches in turn (as the engine reads them: 300 MB, past the last-level cache),
   as GB/s of K/V read; the thread CPU time per layer is also given (a figure on a loaded machine);
+- chunk rows: a prompt chunk after a cached prefix through the C kernel, every row a kernel row
+  (the default model's prefill path), fp16 K/V: a KV-store hit's 427 new rows after 3,328
+  positions and an 8k prompt's last 1,024-row chunk;
 - prefill: one causal chunk, PyTorch's SDPA (the reference backend) vs the tiled GEMMs the CPU
   backend uses.
 Times are the mean of repeated calls after a warm-up; 2 threads unless DEEPINFER_BENCH_THREADS.
@@ -100,6 +103,21 @@ def bandwidth(backend: CpuPagedBackend, batch: int = 32, context: int = 400, lay
     )
 
 
+def chunk_rows(backend: CpuPagedBackend) -> None:
+    print("chunk after a cached prefix, C kernel rows, fp16 K/V: ms per layer")
+    for rows, prefix in ((427, 3328), (1024, 7000)):
+        per_seq = -(-(prefix + rows) // BLOCK)
+        blocks = list(range(per_seq))
+        random.Random(0).shuffle(blocks)  # scattered, as in a long-running engine
+        tables = torch.tensor([blocks] * rows)
+        lens = torch.arange(prefix + 1, prefix + rows + 1)  # row r attends to positions 0 .. prefix + r
+        cache = torch.randn(per_seq * BLOCK, 2, KV_HEADS, HEAD_DIM).half()
+        q = torch.randn(rows, HEADS, HEAD_DIM)
+        out = torch.empty_like(q)
+        call = partial(backend.attend_rows, q, cache, out, tables, lens, BLOCK, HEAD_DIM**-0.5)
+        print(f"  {rows} rows after {prefix} positions: {_mean_ms(call, 5):.1f}")
+
+
 def prefill() -> None:
     print("prefill chunk, causal: ms per layer")
     for chunk, context in ((512, 512), (2048, 2048), (1952, 4000)):
@@ -115,4 +133,5 @@ if __name__ == "__main__":
     backend = CpuPagedBackend()
     decode(backend)
     bandwidth(backend)
+    chunk_rows(backend)
     prefill()
