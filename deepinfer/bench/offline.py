@@ -24,6 +24,7 @@ from typing import Any
 
 from deepinfer.bench.peak import DEFAULT_GEMM_SIZES, measure_gemm_flops, measure_int8_gemm_ops
 from deepinfer.bench.report import markdown_table, provenance, write_json
+from deepinfer.engine.parallel.cores import usable_cpus
 
 
 def _model_dims(config: Any) -> dict[str, int]:
@@ -247,7 +248,12 @@ def run_latency(args: argparse.Namespace) -> int:
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     """The engine options every offline benchmark takes."""
     parser.add_argument("--model", default=None, help="GGUF file or HF dir (default: the embedded model)")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=usable_cpus(),
+        help="default: the CPUs this process may use (affinity, quota)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-num-batched-tokens", type=int)
     parser.add_argument("--max-num-seqs", type=int)

@@ -33,6 +33,7 @@ from deepinfer.bench.serve_command import ServeOptions, run_serve
 from deepinfer.bench.server_process import running_server
 from deepinfer.bench.stats import Slo
 from deepinfer.config.rope import parse_rope_scaling
+from deepinfer.engine.parallel.cores import usable_cpus
 from deepinfer.model.loader.source import default_model_path
 
 PEER_NAMES: tuple[str, ...] = (
@@ -538,7 +539,12 @@ def add_parser(commands: Any) -> None:
         default=0.0,
         help="the servers' sampling temperature (default 0: greedy; the in-process peers are greedy)",
     )
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=usable_cpus(),
+        help="every engine's; default: the CPUs this process may use",
+    )
     p.add_argument("--port", type=int, default=18731, help="port for the servers started")
     p.add_argument("--llama-server", help="a llama-server binary (default: on PATH, else llama-cpp-python)")
     p.add_argument(

@@ -13,6 +13,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from deepinfer.engine.parallel.cores import cgroup_cpu_limit, usable_cpus
+
 # Distributions whose versions explain a number; absent ones are reported as None.
 VERSIONED_PACKAGES: tuple[str, ...] = (
     "deepinfer",
@@ -72,17 +74,15 @@ def _memory_gib() -> float | None:
 
 
 def machine_info() -> dict[str, Any]:
-    """What the numbers were measured on; cores are the ones this process may run on."""
-    try:
-        usable_cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable_cores = os.cpu_count() or 0
+    """What the numbers were measured on; usable cores are the ones this process may keep busy
+    (its affinity, its cgroup's CPU quota)."""
     return {
         "hostname": platform.node(),
         "os": platform.platform(),
         "cpu": _cpu_model(),
         "logical_cores": os.cpu_count(),
-        "usable_cores": usable_cores,
+        "usable_cores": usable_cpus(),
+        "cgroup_cpu_limit": cgroup_cpu_limit(),
         "memory_gib": _memory_gib(),
         # Other work on the machine skews every number; say how busy it was when measuring.
         "load_average_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,

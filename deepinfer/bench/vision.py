@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import base64
 import io
-import os
 import statistics
 import sys
 import tempfile
@@ -42,6 +41,7 @@ from PIL import Image
 from deepinfer.bench.report import markdown_table, provenance, write_json
 from deepinfer.bench.serve import BenchError
 from deepinfer.config.flags import int_list_argument
+from deepinfer.engine.parallel.cores import usable_cpus
 
 # `deepinfer bench` imports every script to build its parser: torch and the server load here
 # only when this one runs.
@@ -612,7 +612,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     p.add_argument("--serve-size", type=parse_size, default=parse_size("1920x1080"))
     p.add_argument("--serve-format", choices=tuple(FORMATS), default="jpeg")
     p.add_argument("--serve-requests", type=int, default=5, help="requests per TTFT case (median)")
-    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch threads")
+    p.add_argument("--threads", type=int, default=usable_cpus(), help="torch threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-json", help="write the full result here")
     return p

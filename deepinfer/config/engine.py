@@ -495,7 +495,9 @@ class EngineConfig:
         help="attention implementation (auto: the C kernels on CPU, Triton on CUDA when installed)",
     )
     num_threads: int | None = option(
-        None, help="CPU threads for torch, per rank (default: the machine's cores split over its ranks)"
+        None,
+        help="CPU threads for torch and the kernels, per rank (default: the CPUs this process may use, its "
+        "affinity and cgroup CPU quota, split over the machine's ranks)",
     )
     # gguf: a GGUF's linears computed on its own packed blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q3_K-Q6_K) by
     # native kernels, as llama.cpp does. int8: W8A8 linears (int8 weights per channel, per-token

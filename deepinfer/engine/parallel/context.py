@@ -3,6 +3,7 @@ and (rank 0 of a tensor-parallel group) the channel its forwards go out on."""
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,8 +11,11 @@ from typing import Any
 from deepinfer.config import EngineConfig
 from deepinfer.distributed.comm import Collectives
 from deepinfer.distributed.topology import Topology
+from deepinfer.engine.parallel.cores import usable_cpus
 from deepinfer.model.parallel import ExpertParallel, ModelParallel, TensorParallel
 from deepinfer.runner.model_runner import Peers
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -51,13 +55,21 @@ class RankContext:
 
 
 def rank_threads(config: EngineConfig, topology: Topology | None) -> int:
-    """Torch threads of this rank: --num-threads, else the machine's cores split over its ranks."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    """Torch threads of this rank: --num-threads, else the CPUs this process may use (its affinity,
+    its cgroup's quota: cores.py) split over the machine's ranks."""
+    cpus = usable_cpus()
     if config.num_threads:
+        if config.num_threads > cpus:
+            log.warning(
+                "--num-threads %d is more than the %d CPUs this process may use (affinity, cgroup quota): "
+                "its threads will wait on each other",
+                config.num_threads,
+                cpus,
+            )
         return config.num_threads
     if topology is None or not topology.is_distributed:
-        return os.cpu_count() or 1
-    return max(cores // topology.ranks_per_node, 1)
+        return cpus
+    return max(cpus // topology.ranks_per_node, 1)
 
 
 def bind_cores(config: EngineConfig, topology: Topology) -> list[int] | None:
