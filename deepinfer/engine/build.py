@@ -271,7 +271,7 @@ def build_engine_core(
     )
     log.info(
         "engine ready: %s in %s, %d KV blocks in %d cache group(s) (%.0f bytes/token), "
-        "attention=%s, CUDA graphs %s, C kernels for %s",
+        "attention=%s, CUDA graphs %s, C kernels for %s on %d threads",
         loaded.name,
         str(dtype).removeprefix("torch."),
         kv.num_blocks,
@@ -280,5 +280,6 @@ def build_engine_core(
         runner.backend.name,
         "on" if runner.graphs is not None else "off",
         isa.describe(),
+        torch.get_num_threads(),
     )
     return core

@@ -2,10 +2,10 @@
 
 `os.cpu_count()` counts the machine's CPUs. A process started under `taskset`, in a container with
 a cpuset (`docker --cpuset-cpus`) or with a CPU quota (`docker --cpus`, a Kubernetes CPU limit)
-may use fewer, and an OpenMP team larger than that spins in its barriers against itself: on a
-2-core Zen 4, the default model's batch-1 TPOT was 11.1 ms with two threads on one allowed core
-against 6.8 ms with one, and 12.8 against 7.1 ms under a quota of one CPU (docs/benchmarks.md,
-"Threads and cores").
+may use fewer, and an OpenMP team larger than that waits on itself at every barrier: on a 2-core
+Zen 4 the default model's batch-1 TPOT was 8.6-9.4 ms with two threads pinned to one core against
+6.1-6.4 ms with one, and 10.7-11.3 against 5.7-6.7 ms under a quota of one CPU
+(docs/benchmarks.md, "Threads and cores").
 """
 
 from __future__ import annotations
