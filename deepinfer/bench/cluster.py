@@ -15,7 +15,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ from types import FrameType
 import httpx
 
 from deepinfer.bench.serve import BenchError
+from deepinfer.distributed.topology import free_port
 from deepinfer.security import read_cluster_key
 from deepinfer.security.signing import PEER_HEADER, peer_token
 
@@ -51,12 +51,6 @@ def peer_get(url: str, path: str, timeout: float) -> httpx.Response:
     """A GET of a peer-only route (/v1/engine_info) as the router makes it."""
     token = peer_token(read_cluster_key(cluster_key_file()), "GET", path)
     return httpx.get(url + path, headers={PEER_HEADER: token}, timeout=timeout)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @dataclass(slots=True)

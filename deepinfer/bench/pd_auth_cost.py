@@ -33,8 +33,9 @@ import httpx
 import numpy as np
 import zmq
 
-from deepinfer.bench.cluster import Child, cluster_key_file, free_port, router, running
+from deepinfer.bench.cluster import Child, cluster_key_file, router, running
 from deepinfer.bench.cluster import replica as keyed_replica
+from deepinfer.distributed.topology import free_port
 from deepinfer.security.curve import client_keys, server_keys
 from deepinfer.security.signing import SpentTokens, check, sign
 from deepinfer.sequence import KVSource

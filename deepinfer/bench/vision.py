@@ -41,6 +41,7 @@ from PIL import Image
 from deepinfer.bench.report import markdown_table, provenance, write_json
 from deepinfer.bench.serve import BenchError
 from deepinfer.config.flags import int_list_argument
+from deepinfer.distributed.topology import free_port
 from deepinfer.engine.parallel.cores import usable_cpus
 
 # `deepinfer bench` imports every script to build its parser: torch and the server load here
@@ -401,7 +402,7 @@ def measure_ttft(
     from deepinfer.bench.server_process import running_server
 
     results = []
-    port = _free_port()
+    port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     for index, prefix_caching in enumerate((False, True)):
         command = [
@@ -437,14 +438,6 @@ def measure_ttft(
             )
             results.append(_case(http, [_chat(new[-1], fmt)] * requests, prefix_caching, "same image again"))
     return results
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # ---------------------------------------------------------------- report

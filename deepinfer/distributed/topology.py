@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -92,10 +93,22 @@ def _env_int(environ: Mapping[str, str], *names: str) -> int | None:
     return None
 
 
+_given_ports: set[int] = set()
+_given_lock = threading.Lock()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A loopback port free now and never returned before by this process. The OS may give the
+    same free port to two asks before either is bound: several servers started together (the
+    gateway tests' listening and metrics ports) then collided."""
+    with _given_lock:
+        while True:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            if port not in _given_ports:
+                _given_ports.add(port)
+                return port
 
 
 def resolve_topology(parallel: ParallelConfig, environ: Mapping[str, str] | None = None) -> Topology:

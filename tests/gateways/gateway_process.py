@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from deepinfer.bench.cluster import free_port
+from deepinfer.distributed.topology import free_port
 from tests.server.server_process import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,22 +26,8 @@ def installed(gateway: str) -> bool:
     return BINARIES[gateway].is_file()
 
 
-# Ports handed to gateways of this process. free_port() finds a port free now; the gateways of a
-# fixture are all started before any binds its two, so the OS may hand the same port out twice
-# (seen in CI: one vllm-router's metrics answered on another gateway's port).
-_given: set[int] = set()
-
-
-def _new_port() -> int:
-    port = free_port()
-    while port in _given:
-        port = free_port()
-    _given.add(port)
-    return port
-
-
 def _command(gateway: str, port: int, workers: list[str], policy: str) -> list[str]:
-    metrics_port = str(_new_port())  # both default to a fixed one (29000): one gateway per machine
+    metrics_port = str(free_port())  # both default to a fixed one (29000): one gateway per machine
     common = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers, "--policy", policy]
     common += ["--health-check-interval-secs", "1"]  # a dead replica leaves rotation in seconds
     if gateway == "smg":
@@ -52,7 +38,7 @@ def _command(gateway: str, port: int, workers: list[str], policy: str) -> list[s
 class GatewayProcess:
     def __init__(self, gateway: str, workers: list[str], policy: str) -> None:
         self.gateway, self.policy = gateway, policy
-        self.port = _new_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.command = _command(gateway, self.port, workers, policy)
         self.log = Path(tempfile.mkdtemp(prefix=f"deepinfer-{gateway}-")) / "log.txt"

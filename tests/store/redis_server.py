@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -12,16 +11,12 @@ from pathlib import Path
 import pytest
 import redis
 
+from deepinfer.distributed.topology import free_port
+
 INSTALL_HINT = (
     "redis-server is not installed; `make test` installs it (apt-get install -y redis-server), "
     "or set it up yourself"
 )
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class RedisServer:
