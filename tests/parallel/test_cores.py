@@ -87,7 +87,7 @@ print(torch.get_num_threads())
 def test_an_engine_pinned_to_one_core_runs_one_thread():
     core = min(os.sched_getaffinity(0))
     result = subprocess.run(
-        [sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{core}}}); exec({_ENGINE_THREADS!r})"],
+        [sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{core}}})\n{_ENGINE_THREADS}"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -96,9 +96,9 @@ def test_an_engine_pinned_to_one_core_runs_one_thread():
     assert result.stdout.split()[-1] == "1"
 
 
-def _quota_cgroup() -> tuple[Path, Path] | None:
-    """A new cgroup with a quota of one CPU (v1's cpu controller or v2 with cpu enabled), and the
-    file a process joins it by; None where this machine does not let us make one."""
+def _quota_cgroup() -> Path | None:
+    """A new cgroup with a quota of one CPU (v1's cpu controller or v2 with cpu enabled); None
+    where this machine does not let us make one."""
     name = f"deepinfer-test-{uuid.uuid4().hex[:8]}"
     for base, limits in (
         (Path("/sys/fs/cgroup/cpu"), {"cpu.cfs_period_us": "100000", "cpu.cfs_quota_us": "100000"}),
@@ -115,17 +115,16 @@ def _quota_cgroup() -> tuple[Path, Path] | None:
         except OSError:
             directory.rmdir()
             continue
-        return directory, directory / "cgroup.procs"
+        return directory
     return None
 
 
 def test_a_process_under_a_cpu_quota_counts_one_cpu():
-    made = _quota_cgroup()
-    if made is None:
+    directory = _quota_cgroup()
+    if directory is None:
         pytest.skip("this machine does not let the tests make a cgroup with a CPU quota")
-    directory, procs = made
     try:
-        joined = f"open({str(procs)!r}, 'w').write(str(__import__('os').getpid()))"
+        joined = f"open({str(directory / 'cgroup.procs')!r}, 'w').write(str(__import__('os').getpid()))"
         result = subprocess.run(
             [
                 sys.executable,
