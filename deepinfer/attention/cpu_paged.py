@@ -30,6 +30,20 @@ def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
     return ctypes.c_void_p(t.data_ptr())
 
 
+def _library() -> ctypes.CDLL | None:
+    # Without contraction: each fused multiply-add is written out, so a row's bits are the
+    # source's, not the compiler's choice in each function it is inlined into.
+    return load_kernel_library("paged_attention", ("-ffp-contract=off",))
+
+
+def bf16_products(head_dim: int) -> bool:
+    """Whether this CPU computes a bf16 cache's attention at this head size in bf16 products
+    (AMX tiles or VDPBF16PS, once the kernel's self-check has passed) rather than in fp32: what
+    `kv_cache_dtype` auto weighs for a GGUF model. Runs the self-check on its first call."""
+    lib = _library()
+    return lib is not None and lib.paged_attention_bf16_rows(ctypes.c_int64(head_dim)) > 0
+
+
 class CpuPagedBackend:
     name = "cpu_paged"
 
@@ -38,9 +52,7 @@ class CpuPagedBackend:
         is computed the same way whatever chunk it is in (slower for long prompts: -9% prefill
         at 512 tokens, -39% at 2048 on SmolLM2)."""
         self.kernel_chunk_tokens = sys.maxsize if row_kernel_only else KERNEL_CHUNK_TOKENS
-        # Without contraction: each fused multiply-add is written out, so a row's bits are the
-        # source's, not the compiler's choice in each function it is inlined into.
-        lib = load_kernel_library("paged_attention", ("-ffp-contract=off",))
+        lib = _library()
         if lib is None:
             raise RuntimeError("the paged_attention C kernel could not be built")
         self._decode = lib.paged_decode_attention

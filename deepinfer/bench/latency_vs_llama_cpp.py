@@ -26,7 +26,8 @@ from deepinfer.bench.server_process import running_server
 from deepinfer.model.loader.source import default_model_path
 
 OURS = {
-    "deepinfer gguf (fp16 KV, the default)": {},
+    "deepinfer gguf (the default: bf16 KV with bf16 instructions, else fp16)": {},
+    "deepinfer gguf, fp16 KV": {"kv_cache_dtype": "float16"},
     "deepinfer gguf, fp32 KV": {"kv_cache_dtype": "float32"},
     "deepinfer fp32 (quantization=none)": {"quantization": "none"},
 }

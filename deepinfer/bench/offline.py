@@ -268,7 +268,7 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-cache-dtype",
         choices=["auto", "float16", "bfloat16", "float32"],
-        help="default: fp16 for a GGUF, else the model dtype",
+        help="default: 16 bits for a GGUF (bf16 where the CPU has bf16 instructions, else fp16), else the model dtype",
     )
     parser.add_argument("--result-json")
     parser.add_argument("--quiet", action="store_true")

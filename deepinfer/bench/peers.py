@@ -41,6 +41,7 @@ PEER_NAMES: tuple[str, ...] = (
     "deepinfer-fp32",
     "deepinfer-int8",
     "deepinfer-bf16kv",
+    "deepinfer-fp16kv",
     "deepinfer-offline",
     "deepinfer-hf",
     "llama.cpp",
@@ -197,6 +198,12 @@ def _ours_bf16_kv(options: PeersOptions, gguf: Path) -> PeerOutcome:
     """The GGUF's own blocks over a bf16 KV cache: attention in bf16 products where the CPU has
     them (AMX tiles, VDPBF16PS)."""
     return _ours(options, gguf, "deepinfer-bf16kv", ("--kv-cache-dtype", "bfloat16"))
+
+
+def _ours_fp16_kv(options: PeersOptions, gguf: Path) -> PeerOutcome:
+    """The GGUF's own blocks over an fp16 KV cache, attention in fp32: the default where the CPU
+    has no bf16 instructions (on one that has them, the default is `deepinfer-bf16kv`)."""
+    return _ours(options, gguf, "deepinfer-fp16kv", ("--kv-cache-dtype", "float16"))
 
 
 def _repo_path(path: str | Path) -> Path:
@@ -372,6 +379,7 @@ _RUNNERS = {
     "deepinfer-fp32": _ours_fp32,
     "deepinfer-int8": _ours_int8,
     "deepinfer-bf16kv": _ours_bf16_kv,
+    "deepinfer-fp16kv": _ours_fp16_kv,
     "deepinfer-offline": _ours_offline,
     "deepinfer-hf": _ours_hf,
     "llama.cpp": _llama_cpp,

@@ -10,7 +10,7 @@ run one thread each; the router, the load generator and the replicas share the m
 
 The default workload is sized to finish in a few minutes on two cores: 6 sessions of 5 turns, a
 ~350-token system prompt, ~100 new tokens of history per turn (last prompts ~870 tokens), 16-token
-answers. Each of the 2 or 3 replicas has a KV cache of 182 blocks (64 MiB of fp16 KV): enough for the
+answers. Each of the 2 or 3 replicas has a KV cache of 182 blocks (64 MiB of 16-bit KV): enough for the
 system prompt and the histories of the sessions one replica gets when sessions stay where their
 prefix is (3 or 2), not for all six (~250 blocks), which round robin makes every replica hold;
 the single replica has room for everything (192 MiB, 546 blocks), the hit rate to aim at. With

@@ -46,9 +46,9 @@ class CacheConfig:
         help="float16: half the KV bytes, twice the tokens per GiB (attention still in fp32); "
         "bfloat16: the same bytes, a bf16 model's own K/V values (on a CPU with AVX512-BF16 its "
         "attention then runs in bf16 products, on AMX tiles where the CPU has them); float32: full "
-        "precision (an fp32 model only); auto: float16 for a "
-        "model running on a GGUF's own blocks (llama.cpp's default), bfloat16 for a model in "
-        "bfloat16 on the CPU, else the model's dtype",
+        "precision (an fp32 model only); auto: for a model running on a GGUF's own blocks "
+        "bfloat16 where the CPU attention computes it in bf16 products, else float16 (llama.cpp's "
+        "default); bfloat16 for a model in bfloat16 on the CPU; else the model's dtype",
     )
 
     def __post_init__(self) -> None:

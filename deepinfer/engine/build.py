@@ -9,6 +9,7 @@ import logging
 
 import torch
 
+from deepinfer.attention.cpu_paged import bf16_products
 from deepinfer.cache_layout import CacheGroup, CacheLayout, plan_cache_layout
 from deepinfer.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, parse_int_list
 from deepinfer.config.rope import check_context_length
@@ -66,18 +67,32 @@ def engine_device(config: EngineConfig, parallel: RankContext | None) -> torch.d
     return device
 
 
-def kv_cache_dtype(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's element type. `auto`: fp16 for a model running on a GGUF's own blocks, as
-    llama.cpp keeps it (batched decode reads the cache more than the weights, and half the bytes
-    is most of its time); the model's dtype otherwise, bf16 for a bf16 model on the CPU too (its
-    K/V values as they are, which the C kernel reads on AMX tiles where the CPU has them)."""
+def kv_cache_dtype(
+    config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype, device: torch.device
+) -> torch.dtype:
+    """The KV cache's element type. `auto`, for a model running on a GGUF's own blocks: 16 bits
+    (batched decode reads the cache more than the weights, and half the bytes is most of its
+    time), bf16 where the CPU attention computes a bf16 cache in bf16 products (AMX tiles,
+    VDPBF16PS: an 8k prefill 2.5x faster on the AMX Xeon, 1.4x on Zen 4), else fp16, as
+    llama.cpp keeps it. The model's dtype otherwise, bf16 for a bf16 model on the CPU too (its
+    K/V values as they are, which the same kernel reads)."""
     choice = config.cache.kv_cache_dtype
     if choice == "auto":
-        packed = loaded.resolved_quantization == "gguf" and loaded.model.supports_kv_cache_dtype
-        return torch.float16 if packed else dtype
+        model = loaded.model
+        if loaded.resolved_quantization != "gguf" or not model.supports_kv_cache_dtype:
+            return dtype
+        return torch.bfloat16 if bf16_attention(config, model, device) else torch.float16
     if choice == "float32" and dtype != torch.float32:
         raise ValueError(f"kv_cache_dtype='float32' needs an fp32 model; this one computes in {dtype}")
     return {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(choice, torch.float32)
+
+
+def bf16_attention(config: EngineConfig, model: CausalLM, device: torch.device) -> bool:
+    """Whether this engine's attention would compute a bf16 cache in bf16 products: the C
+    kernel's backend on the CPU, with bf16 instructions for the model's head size."""
+    if device.type != "cpu" or config.attention_backend not in ("auto", "cpu_paged"):
+        return False
+    return model.uses_attention_backend and bf16_products(model.attention_shape()[2])
 
 
 def config_on_device(config: EngineConfig, device: torch.device) -> EngineConfig:
@@ -200,7 +215,7 @@ def build_engine_core(
     check_model_options(config, loaded)
     loaded.model.configure(config)
     model = loaded.model
-    kv_dtype = kv_cache_dtype(config, loaded, dtype)
+    kv_dtype = kv_cache_dtype(config, loaded, dtype, device)
     max_positions = loaded.config.max_position_embeddings
     # Past the positions the model places (trained, or stretched by --rope-scaling): refused.
     check_context_length(config.scheduler.max_model_len, max_positions, config.rope_scaling)

@@ -862,6 +862,17 @@ int paged_attention_bf16_path(void) {
 #endif
 }
 
+/* The path a bf16 cache's rows of this head size take: paged_attention_bf16_path's, or 0 (the
+ * fp32 path) for a head size the bf16 products do not cover. */
+int paged_attention_bf16_rows(int64_t head_dim) {
+#if ATTENTION_BF16
+    return bf16_head_dim(head_dim) ? bf16_attention_path() : 0;
+#else
+    (void)head_dim;
+    return 0;
+#endif
+}
+
 /* Computes part `part` of kv head kvh for rows s .. s+rows-1, a run that join_tile links (or one
  * row). A row of one part writes its output; the others leave their softmax state at
  * states + r * row_stride (row s + r). Never inlined, so every caller runs the same instructions. */

@@ -1,5 +1,6 @@
-"""kv_cache_dtype="float16": half the KV bytes, fp32 attention, greedy output batch-invariant; the
-default ("auto") for a model on a GGUF's own blocks, as llama.cpp keeps it."""
+"""kv_cache_dtype="float16": half the KV bytes, fp32 attention, greedy output batch-invariant.
+The default ("auto") for a model on a GGUF's own blocks is 16 bits: bf16 where the CPU attention
+computes it in bf16 products, fp16 (as llama.cpp keeps it) elsewhere."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.attention.cpu_paged import bf16_products
 from deepinfer.config import CacheConfig, EngineConfig
+from deepinfer.engine.build import kv_cache_dtype
+from deepinfer.kernels import isa
 from tests.engine.greedy import CHAT, assert_greedy_batch_invariant
 
 
@@ -65,11 +69,13 @@ def test_bad_kv_cache_dtype_is_named(default_llm: LLM) -> None:
         LLM(loaded=default_llm.engine.core.loaded, kv_cache_memory=16 << 20, kv_cache_dtype="int4")
 
 
-def test_auto_is_half_for_a_gguf_and_the_model_dtype_otherwise(default_llm: LLM, dense_llm: LLM) -> None:
+def test_auto_is_16_bits_for_a_gguf_and_the_model_dtype_otherwise(default_llm: LLM, dense_llm: LLM) -> None:
     def dtypes(llm: LLM) -> set[str]:
         return {t.dtype for g in llm.engine.core.layout.groups for t in g.group.tensors}
 
-    assert dtypes(default_llm) == {"float16"}  # quantization="gguf"
+    # quantization="gguf": bf16 where this CPU has bf16 instructions (the kernel's products on
+    # them), else fp16
+    assert dtypes(default_llm) == {"bfloat16" if isa.runs_bfloat16() else "float16"}
     assert dtypes(dense_llm) == {"float32"}  # the same file dequantized: the model's dtype
     full = LLM(loaded=default_llm.engine.core.loaded, kv_cache_memory=16 << 20, kv_cache_dtype="float32")
     try:
@@ -82,3 +88,26 @@ def test_auto_is_half_for_a_gguf_and_the_model_dtype_otherwise(default_llm: LLM,
 def test_a_full_precision_cache_needs_a_full_precision_model() -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineConfig(dtype="bfloat16", cache=CacheConfig(kv_cache_dtype="float32"))
+
+
+def test_auto_takes_bf16_for_a_gguf_only_where_its_attention_computes_in_bf16(
+    default_llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loaded = default_llm.engine.core.loaded
+    head_dim = loaded.model.attention_shape()[2]
+    cpu = torch.device("cpu")
+
+    def auto(**options: str) -> torch.dtype:
+        return kv_cache_dtype(EngineConfig.from_kwargs(**options), loaded, torch.float32, cpu)
+
+    assert auto() == (torch.bfloat16 if bf16_products(head_dim) else torch.float16)
+    assert bf16_products(head_dim) == isa.runs_bfloat16()  # the kernel's self-check passes here
+    assert not bf16_products(96)  # a head size the bf16 products do not cover: the fp32 path
+    assert auto(attention_backend="torch") == torch.float16  # the reference computes in fp32
+    assert (
+        kv_cache_dtype(EngineConfig.from_kwargs(), loaded, torch.float32, torch.device("meta"))
+        == torch.float16
+    )
+    assert auto(kv_cache_dtype="float16") == torch.float16  # asked for: as given
+    monkeypatch.setenv(isa.ENV, "avx2")  # a CPU without bf16 instructions: that kernel build's answer
+    assert auto() == torch.float16

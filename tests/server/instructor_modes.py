@@ -24,11 +24,14 @@ class City(BaseModel):
     country: str = Field(max_length=24)
 
 
-# One worked example first: the default 135M model copies an answer's shape more readily than it
-# follows instructor's prompt (left alone, JSON and MD_JSON echo the schema it is shown).
+# Two worked examples first: the default 135M model copies an answer's shape more readily than it
+# follows instructor's prompt (left alone, JSON and MD_JSON echo the schema it is shown; after one
+# example MD_JSON still did over an fp32 or bf16 KV cache, and passed over fp16 only).
 EXAMPLE = [
     {"role": "user", "content": "Berlin is the capital of Germany. Extract the city."},
     {"role": "assistant", "content": '{"name": "Berlin", "country": "Germany"}'},
+    {"role": "user", "content": "Rome is the capital of Italy. Extract the city."},
+    {"role": "assistant", "content": '{"name": "Rome", "country": "Italy"}'},
 ]
 
 

@@ -65,7 +65,7 @@ def server():
         str(DEFAULT_MAX_TOKENS),
         *LONG_CONTEXT,
         "--kv-cache-memory",
-        "1GiB",  # the fp16 cache of ~46,000 tokens: a 9k-token session and its retries
+        "1GiB",  # the 16-bit cache of ~46,000 tokens: a 9k-token session and its retries
         "--log-level",
         "info",  # the access log: every response's status
     ).start()

@@ -16,7 +16,8 @@ WEATHER_TOOL = {
     "description": "Current weather for a city",
     "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
 }
-QUESTION = [{"role": "user", "content": "What is 2 + 2?"}]  # ends by itself: "The answer is 4."
+# Ends by itself: "The answer is 4." (see MESSAGES in test_openai_sdk.py)
+QUESTION = [{"role": "user", "content": "What is 2 + 2? Answer with one number."}]
 # This SDK no longer has a `temperature` argument; the server still honors the field (greedy here).
 GREEDY = {"extra_body": {"temperature": 0}}
 # Greedy, this prompt ends by itself well inside the bound (see COLORS in test_openai_sdk.py).

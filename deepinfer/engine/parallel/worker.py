@@ -76,7 +76,7 @@ def build_tensor_parallel_runner(config: EngineConfig, context: RankContext) -> 
         config.model, dtype, device, config.quantization, context.model_parallel(), config.rope_scaling
     )
     model = loaded.model
-    declared = {"target": model.cache_groups(kv_cache_dtype(config, loaded, dtype))}
+    declared = {"target": model.cache_groups(kv_cache_dtype(config, loaded, dtype, device))}
     layout = plan_engine_caches(config, declared["target"], device, context)
     caches = KVCaches(layout, declared, device)
     return ModelRunner(
