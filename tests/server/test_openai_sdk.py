@@ -27,9 +27,10 @@ QUESTION = "What is 2 + 2? Answer with one number."
 MESSAGES = [{"role": "user", "content": QUESTION}]
 # Greedy, this prompt ends by itself well inside the bound (the SDK's stream helpers refuse a
 # "length" finish): "The answer is 4." in 7 tokens with an fp32, fp16 or bf16 KV cache (the
-# numerics of every CPU kind's default). An open question ("Name three colors.", used before)
-# ended after 12 to 34 tokens depending on the VM, and "What is 2 + 2?" after 12 tokens over an
-# fp16 cache but ran past 64 over a bf16 one: a confident answer does not hang on the last bits.
+# defaults of AVX2 machines and of Zen 4/5; the AMX tiles' bf16 not run yet). An open question
+# ("Name three colors.", used before) ended after 12 to 34 tokens depending on the VM, and "What
+# is 2 + 2?" after 12 tokens over an fp16 cache but ran past 64 over a bf16 one: a confident
+# answer does not hang on the last bits.
 COLORS_MAX_TOKENS = 64
 COLORS = {"model": MODEL, "messages": MESSAGES, "max_tokens": COLORS_MAX_TOKENS, "temperature": 0}
 
