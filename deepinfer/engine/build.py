@@ -32,7 +32,7 @@ from deepinfer.model.loader.load import LoadedModel, check_model_engine, load_mo
 from deepinfer.runner import graphs
 from deepinfer.runner.device import torch_device
 from deepinfer.runner.kv_caches import KVCaches
-from deepinfer.runner.model_runner import ModelRunner, triton_chosen
+from deepinfer.runner.model_runner import ModelRunner, cpu_kernel_chosen, triton_chosen
 from deepinfer.security.cluster_key import cluster_key_of
 from deepinfer.speculative.build import (
     build_speculative_decoder,
@@ -90,7 +90,7 @@ def kv_cache_dtype(
 def bf16_attention(config: EngineConfig, model: CausalLM, device: torch.device) -> bool:
     """Whether this engine's attention would compute a bf16 cache in bf16 products: the C
     kernel's backend on the CPU, with bf16 instructions for the model's head size."""
-    if device.type != "cpu" or config.attention_backend not in ("auto", "cpu_paged"):
+    if device.type != "cpu" or not cpu_kernel_chosen(config.attention_backend, device):
         return False
     return model.uses_attention_backend and bf16_products(model.attention_shape()[2])
 

@@ -41,6 +41,13 @@ def triton_chosen(name: str, device: torch.device) -> bool:
     return name == "triton" or (name == "auto" and device.type == "cuda" and triton_installed())
 
 
+def cpu_kernel_chosen(name: str, device: torch.device) -> bool:
+    """Whether the attention backend named `name` on `device` is the C kernel's (`auto`: on the
+    CPU), once Triton's is ruled out; the engine asks it too, before the runner exists (the KV
+    cache's dtype)."""
+    return name == "cpu_paged" or (name == "auto" and device.type == "cpu")
+
+
 def make_attention_backend(
     name: str,
     model: CausalLM,
@@ -61,7 +68,7 @@ def make_attention_backend(
         from deepinfer.attention.triton_backend import TritonBackend
 
         return TritonBackend(device)
-    if name == "torch" or (name == "auto" and device.type != "cpu"):
+    if not cpu_kernel_chosen(name, device):
         return TorchReferenceBackend()
     from deepinfer.attention.cpu_paged import CpuPagedBackend
 
