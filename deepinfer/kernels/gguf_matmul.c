@@ -1172,6 +1172,16 @@ AI void x8_dot_rows(const int MR, __m512i *sums, const __m512i *w, const int n, 
                     : "v"(w[k]), "m"(((const int32_unaligned *)(aq + r * stride))[k]));
 }
 
+/* isum[r] += scale times the products of w with activation row r (x8_dot_rows), r < MR: one
+ * k-quant sub-block's scaled sums. */
+AI void x8_scaled_rows(const int MR, __m512i *isum, const __m512i *w, const int n, const int8_t *aq, int64_t stride,
+                       const __m512i scale) {
+    __m512i part[8];
+    for (int r = 0; r < MR; ++r) part[r] = _mm512_setzero_si512();
+    x8_dot_rows(MR, part, w, n, aq, stride);
+    for (int r = 0; r < MR; ++r) isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(part[r], scale));
+}
+
 /* sum + v's 16-bit pairs times the pair of int16 at `pair` (as one int32, every lane), each lane
  * gaining v's two products: VPDPWSSD with its broadcast operand, where a separate broadcast, a
  * 16-bit multiply-add and an add took three instructions. Exact (no saturation). */
@@ -1272,10 +1282,7 @@ AI void tile_qk_x8_pair(const int qtype, const int MR, const uint8_t *group, int
                 }
             }
             const __m512i scale = scales16(sc[0] + 8 * s, sc[1] + 8 * s, 0);
-            __m512i part[8];
-            for (int r = 0; r < MR; ++r) part[r] = _mm512_setzero_si512();
-            x8_dot_rows(MR, part, w, 8, a->q + m * a->K + 256 * b + 32 * s, a->K);
-            for (int r = 0; r < MR; ++r) isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(part[r], scale));
+            x8_scaled_rows(MR, isum, w, 8, a->q + m * a->K + 256 * b + 32 * s, a->K, scale);
         }
         for (int u = 0; u < 4; ++u) { /* the mins of sub-blocks 2u and 2u + 1 times their 32-value sums */
             const __m512i mins = pairs16(mn[0] + 16 * u, mn[1] + 16 * u, 0);
@@ -1311,10 +1318,7 @@ AI void x8_offset_sum_pair(const int MR, const int8_t *sl, const int8_t *sh, con
 AI void x8_sub_block_pair(const int MR, const __m512i w[4], const int8_t *sl, const int8_t *sh, const acts *a,
                           int64_t m, int64_t b, int t, __m512i *isum) {
     const __m512i scale = scales16((const uint8_t *)sl + 8 * t, (const uint8_t *)sh + 8 * t, 1);
-    __m512i part[8];
-    for (int r = 0; r < MR; ++r) part[r] = _mm512_setzero_si512();
-    x8_dot_rows(MR, part, w, 4, a->q + m * a->K + 256 * b + 16 * t, a->K);
-    for (int r = 0; r < MR; ++r) isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(part[r], scale));
+    x8_scaled_rows(MR, isum, w, 4, a->q + m * a->K + 256 * b + 16 * t, a->K, scale);
 }
 
 AI void x8_block_steps_pair(const int MR, const uint16_t *dl, const uint16_t *dh, const __m512i *isum, const acts *a,
